@@ -1,0 +1,1 @@
+"""DCP planning helpers: read routing (which stored bytes serve each read)."""

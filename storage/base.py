@@ -1,0 +1,54 @@
+"""The one small interface every tier backend implements.
+
+Keys are '/'-separated paths relative to the backend's root. ``write`` is the only way
+data lands: the object appears whole under its key or not at all where the medium allows
+it (local files: dirty name, fsync, rename); where it does not (a plain ``file://`` via
+fsspec), the commit marker written last is what readers trust.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Storage(ABC):
+    """Files under one root: put, read a byte range, list, delete."""
+
+    url: str
+
+    @abstractmethod
+    def write(self, key: str, chunks: Iterable[Buffer]) -> int:
+        """Write the concatenation of ``chunks`` under ``key``; return the byte count."""
+
+    @abstractmethod
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Read ``length`` bytes at ``offset`` (all of the rest when ``length`` is None)."""
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``key`` at ``offset``; backends override to skip a copy."""
+        data = self.read(key, offset, len(out))
+        if len(data) != len(out):
+            raise OSError(f"{self.describe(key)}: short read ({len(data)} of {len(out)} bytes)")
+        out[:] = data
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """Size of the object under ``key``, or None when there is none."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (empty when it does not exist)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` and everything under it; no error when absent."""
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def describe(self, key: str) -> str:
+        """A human-readable location for messages."""
+        return f"{self.url.rstrip('/')}/{key}"

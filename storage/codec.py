@@ -1,0 +1,101 @@
+"""Chunk codec: how an item's bytes are cut into chunks, checksummed and compressed.
+
+An item is stored as one contiguous byte range of its rank's part file, made of chunks of
+at most ``CHUNK_BYTES`` raw bytes. Each chunk carries the xxh3-64 of its *raw* bytes, so
+the check is end to end (it covers compression too) and the same hash can serve dedup.
+The record describing an item is a plain dict (see docs/format.md) so that checkpoints do
+not depend on the names of this package's classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xxhash
+import zstandard
+
+from .base import Buffer
+
+CHUNK_BYTES = 8 << 20
+ZSTD_LEVEL = 3
+
+
+class ChecksumMismatch(Exception):
+    """A chunk's bytes do not match the checksum recorded when it was written."""
+
+
+def checksum(buf: Buffer) -> int:
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def split(view: memoryview, chunk_bytes: int = CHUNK_BYTES) -> list[memoryview]:
+    """Zero-copy slices of at most ``chunk_bytes``; one empty slice for an empty item."""
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if len(view) == 0:
+        return [view]
+    return [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
+
+
+class Encoder:
+    """Turns raw chunks into the bytes stored on one tier (compressed or not)."""
+
+    def __init__(self, codec: str | None) -> None:
+        self.codec = codec or "raw"
+        self._zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if codec == "zstd" else None
+
+    def encode(self, chunk: memoryview) -> Buffer:
+        if self._zc is None:
+            return chunk
+        return self._zc.compress(chunk)
+
+
+def make_record(
+    key: str, offset: int, stored: list[Buffer], raw: list[memoryview], hashes: list[int],
+    codec: str, **extra: Any,
+) -> dict[str, Any]:
+    """The storage record of one item (kept in the step's metadata, per tier)."""
+    chunks = [[memoryview(s).nbytes, len(r), h] for s, r, h in zip(stored, raw, hashes, strict=True)]
+    return {
+        "file": key,
+        "offset": offset,
+        "length": sum(c[0] for c in chunks),
+        "codec": codec,
+        "chunks": chunks,
+        **extra,
+    }
+
+
+def raw_length(record: dict[str, Any]) -> int:
+    return sum(c[1] for c in record["chunks"])
+
+
+def verify_raw(record: dict[str, Any], raw: memoryview) -> None:
+    """Check every chunk of raw (uncompressed) bytes against the record."""
+    pos = 0
+    for i, (_, n, h) in enumerate(record["chunks"]):
+        if checksum(raw[pos : pos + n]) != h:
+            raise ChecksumMismatch(f"chunk {i} (bytes {pos}..{pos + n} of the item)")
+        pos += n
+
+
+def decode_into(record: dict[str, Any], stored: memoryview, out: memoryview) -> None:
+    """Decode the stored bytes of an item into ``out`` (its raw size), verifying chunks."""
+    if record["codec"] == "raw":
+        out[:] = stored
+        verify_raw(record, out)
+        return
+    if record["codec"] != "zstd":
+        raise ChecksumMismatch(f"unknown codec {record['codec']!r}")
+    zd = zstandard.ZstdDecompressor()
+    spos = rpos = 0
+    for i, (s, n, _) in enumerate(record["chunks"]):
+        try:
+            data = zd.decompress(stored[spos : spos + s], max_output_size=n) if n else b""
+        except zstandard.ZstdError as e:
+            raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
+        if len(data) != n:
+            raise ChecksumMismatch(f"chunk {i} decompresses to {len(data)} bytes, not {n}")
+        out[rpos : rpos + n] = data
+        spos += s
+        rpos += n
+    verify_raw(record, out)

@@ -1,0 +1,27 @@
+"""tiered-dcp: a tiered storage backend for torch.distributed.checkpoint.
+
+    dcp.save(state, storage_writer=TieredWriter(config, step=step))
+    dcp.load(state, storage_reader=TieredReader(config))
+"""
+
+from .api import export, latest_step, status
+from .catalog import StepState
+from .config import Tier, TieredConfig
+from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
+from .reader import TieredReader
+from .writer import TieredWriter
+
+__all__ = [
+    "CheckpointCorruptError",
+    "NoCheckpointError",
+    "StepState",
+    "Tier",
+    "TieredCheckpointError",
+    "TieredConfig",
+    "TieredReader",
+    "TieredWriter",
+    "export",
+    "latest_step",
+    "status",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,159 @@
+"""User-facing configuration: tiers, their schedules, and the job-wide options.
+
+Everything is validated at construction so that a bad value fails before any byte is
+written, with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPRESSIONS = (None, "zstd")
+_PLACEHOLDERS = {"node", "rank"}
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _scheme(path: str) -> str | None:
+    m = _SCHEME.match(path)
+    return m.group(1).lower() if m else None
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One storage tier: a path (node-local) or an fsspec URL (shared).
+
+    ``every``: the tier receives the steps divisible by it. ``keep``: it retains the newest
+    ``keep`` complete steps (``None`` keeps all). ``compression``: ``None`` or ``"zstd"``.
+    ``shared``: ``None`` infers it (plain paths and ``file://`` are node-local, other URL
+    schemes are shared); ``True`` declares a plain path shared (an NFS/Lustre mount).
+    """
+
+    path: str
+    every: int = 1
+    keep: int | None = None
+    compression: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    shared: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str | os.PathLike) or not str(self.path).strip():
+            raise ValueError(f"Tier path must be a non-empty path or URL, got {self.path!r}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(
+                f"Tier({self.path!r}): every={self.every!r} must be an integer >= 1 "
+                "(1 takes every step, 5 every fifth)"
+            )
+        if self.keep is not None and (
+            isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1
+        ):
+            raise ValueError(
+                f"Tier({self.path!r}): keep={self.keep!r} must be an integer >= 1, "
+                "or None to keep every step"
+            )
+        if self.compression == "none":
+            object.__setattr__(self, "compression", None)
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"Tier({self.path!r}): unknown compression {self.compression!r}; "
+                "use None or 'zstd'"
+            )
+        if not isinstance(self.storage_options, dict):
+            raise ValueError(f"Tier({self.path!r}): storage_options must be a dict")
+        names = {n for _, n, _, _ in string.Formatter().parse(self.path) if n is not None}
+        unknown = names - _PLACEHOLDERS
+        if unknown:
+            raise ValueError(
+                f"Tier({self.path!r}): unknown placeholder(s) {sorted(unknown)}; "
+                "only {node} and {rank} are filled in"
+            )
+        scheme = _scheme(self.path)
+        if self.shared is False and scheme not in (None, "file"):
+            raise ValueError(
+                f"Tier({self.path!r}): a {scheme}:// URL is one store for the whole job; "
+                "it cannot be declared node-local (drop shared=False)"
+            )
+        if self.is_shared and names:
+            raise ValueError(
+                f"Tier({self.path!r}): a shared tier is one copy for the whole job, so it "
+                "cannot contain {node} or {rank}; remove the placeholder or make it node-local"
+            )
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether one copy serves the whole job (else every node has its own)."""
+        if self.shared is not None:
+            return self.shared
+        return _scheme(self.path) not in (None, "file")
+
+    @property
+    def is_local_fs(self) -> bool:
+        """Whether the tier is a directory of this machine's file system."""
+        return _scheme(self.path) in (None, "file")
+
+    def takes(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def root(self, node: int, rank: int) -> str:
+        """The tier's base path or URL for a process on ``node`` with ``rank``."""
+        return self.path.format(node=node, rank=rank)
+
+
+@dataclass(frozen=True)
+class TieredConfig:
+    """The whole checkpointing setup of one training job.
+
+    ``tiers`` are listed fastest first: a save commits on the fastest tier that takes its
+    step, and a load reads from the fastest tier holding the step complete.
+    """
+
+    namespace: str
+    tiers: list[Tier]
+    replication_factor: int = 1
+    replication_jump: int = 1
+    dedup: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ValueError("TieredConfig: namespace must be a non-empty string, e.g. 'run3'")
+        if not _SAFE_NAME.match(self.namespace) or self.namespace in (".", ".."):
+            raise ValueError(
+                f"TieredConfig: namespace {self.namespace!r} is not a safe path component; "
+                "use letters, digits, '.', '_' and '-' only, starting with a letter or digit"
+            )
+        tiers = list(self.tiers) if isinstance(self.tiers, list | tuple) else None
+        if not tiers:
+            raise ValueError("TieredConfig: tiers must be a non-empty list of Tier(...)")
+        for t in tiers:
+            if not isinstance(t, Tier):
+                raise ValueError(f"TieredConfig: every tier must be a Tier, got {t!r}")
+        paths = [t.path for t in tiers]
+        dupes = sorted({p for p in paths if paths.count(p) > 1})
+        if dupes:
+            raise ValueError(f"TieredConfig: tier path(s) listed twice: {dupes}")
+        object.__setattr__(self, "tiers", tiers)
+        for name in ("replication_factor", "replication_jump"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TieredConfig: {name}={value!r} must be an integer >= 1")
+        if not isinstance(self.dedup, bool):
+            raise ValueError(f"TieredConfig: dedup={self.dedup!r} must be True or False")
+
+    def tiers_for(self, step: int) -> list[int]:
+        """Indexes of the tiers that take ``step``, fastest first."""
+        return [i for i, t in enumerate(self.tiers) if t.takes(step)]
+
+
+def node_of(rank: int) -> int:
+    """This process's node: GROUP_RANK, else rank // LOCAL_WORLD_SIZE, else 0."""
+    if os.environ.get("GROUP_RANK"):
+        return int(os.environ["GROUP_RANK"])
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    if lws and int(lws) > 0:
+        return rank // int(lws)
+    return 0
