@@ -50,8 +50,13 @@ class Encoder:
 
 
 def make_record(
-    key: str, offset: int, stored: list[Buffer], raw: list[memoryview], hashes: list[int],
-    codec: str, **extra: Any,
+    key: str,
+    offset: int,
+    stored: list[Buffer],
+    raw: list[memoryview],
+    hashes: list[int],
+    codec: str,
+    **extra: Any,
 ) -> dict[str, Any]:
     """The storage record of one item (kept in the step's metadata, per tier)."""
     chunks = [[memoryview(s).nbytes, len(r), h] for s, r, h in zip(stored, raw, hashes, strict=True)]

@@ -7,6 +7,7 @@ object can be seen (file://) the commit marker written last is what readers trus
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -58,8 +59,6 @@ class FsspecStorage(Storage):
 
     def delete(self, key: str) -> None:
         path = self._path(key)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
         self.fs.invalidate_cache(path.rsplit("/", 1)[0])

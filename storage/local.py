@@ -7,6 +7,7 @@ synced, so a crash leaves either nothing or the whole file under its clean name.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -72,10 +73,8 @@ class LocalStorage(Storage):
                 os.close(fd)
             os.replace(tmp, path)
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
         if needs_fsync(parent):
             dfd = os.open(parent, os.O_RDONLY)
@@ -98,9 +97,7 @@ class LocalStorage(Storage):
             while done < len(out):
                 n = os.preadv(fd, [out[done:]], offset + done)
                 if n == 0:
-                    raise OSError(
-                        errno.EIO, f"{self.describe(key)}: file ends {len(out) - done} bytes early"
-                    )
+                    raise OSError(errno.EIO, f"{self.describe(key)}: file ends {len(out) - done} bytes early")
                 done += n
         finally:
             os.close(fd)
@@ -122,7 +119,5 @@ class LocalStorage(Storage):
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass

@@ -1,7 +1,7 @@
 """tiered-dcp: a tiered storage backend for torch.distributed.checkpoint.
 
-    dcp.save(state, storage_writer=TieredWriter(config, step=step))
-    dcp.load(state, storage_reader=TieredReader(config))
+dcp.save(state, storage_writer=TieredWriter(config, step=step))
+dcp.load(state, storage_reader=TieredReader(config))
 """
 
 from .api import export, latest_step, status

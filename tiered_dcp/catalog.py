@@ -121,8 +121,8 @@ class TierView:
     def step_dirs(self, store: Storage) -> list[int]:
         steps = []
         for name in store.list(self.config.namespace):
-            if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
-                steps.append(int(name[len(STEP_PREFIX):]))
+            if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
+                steps.append(int(name[len(STEP_PREFIX) :]))
         return sorted(steps)
 
     def read_marker(self, store: Storage, step: int) -> Marker | None:
@@ -182,8 +182,12 @@ class TierView:
             missing = self.missing(c.store, c.marker)
             size = sum(p.size for p in c.marker.parts) + c.marker.metadata_size
             rows[step] = StepState(
-                self.index, self.tier.path, step, "incomplete" if missing else "committed",
-                size, c.marker.created,
+                self.index,
+                self.tier.path,
+                step,
+                "incomplete" if missing else "committed",
+                size,
+                c.marker.created,
             )
         for store in self.scan_roots():
             for step in self.step_dirs(store):
@@ -204,7 +208,7 @@ class TierView:
         committed = self.committed()
         doomed: list[int] = []
         if self.tier.keep is not None:
-            kept = sorted(committed)[-self.tier.keep:]
+            kept = sorted(committed)[-self.tier.keep :]
             doomed = [s for s in committed if s not in kept and s < newest]
         for step in doomed:
             marker = committed[step].marker

@@ -53,15 +53,13 @@ class Tier:
             isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1
         ):
             raise ValueError(
-                f"Tier({self.path!r}): keep={self.keep!r} must be an integer >= 1, "
-                "or None to keep every step"
+                f"Tier({self.path!r}): keep={self.keep!r} must be an integer >= 1, or None to keep every step"
             )
         if self.compression == "none":
             object.__setattr__(self, "compression", None)
         if self.compression not in COMPRESSIONS:
             raise ValueError(
-                f"Tier({self.path!r}): unknown compression {self.compression!r}; "
-                "use None or 'zstd'"
+                f"Tier({self.path!r}): unknown compression {self.compression!r}; use None or 'zstd'"
             )
         if not isinstance(self.storage_options, dict):
             raise ValueError(f"Tier({self.path!r}): storage_options must be a dict")

@@ -70,13 +70,15 @@ class TieredReader(StorageReader):
                 raise NoCheckpointError(
                     f"no complete checkpoint of namespace {config.namespace!r} on any tier"
                     f"{' loadable by every rank' if found else ''}; searched:\n"
-                    + describe_search(config, self.node, rank))
+                    + describe_search(config, self.node, rank)
+                )
             step = max(loadable)
         elif step not in loadable:
             raise NoCheckpointError(
                 f"step {step} of namespace {config.namespace!r} is not complete on any tier"
                 f"{' for every rank' if step in found else ''}; searched:\n"
-                + describe_search(config, self.node, rank))
+                + describe_search(config, self.node, rank)
+            )
         self.step = step
         self._views = {v.index: v for v in views(config, self.node, rank)}
         self._copies: list[StepCopy] = [self._views[i].complete()[step] for i in found[step]]
@@ -107,8 +109,9 @@ class TieredReader(StorageReader):
             except (OSError, ChecksumMismatch, pickle.UnpicklingError, EOFError) as e:
                 where = copy.store.describe(key)
                 self._bad_metadata[copy.tier_index] = f"{where}: {e}"
-                log.warning("step %d: metadata %s is unusable (%s); trying the next tier",
-                            self.step, where, e)
+                log.warning(
+                    "step %d: metadata %s is unusable (%s); trying the next tier", self.step, where, e
+                )
             self._metadata[copy.tier_index] = md
         return self._metadata[copy.tier_index]
 
@@ -119,9 +122,12 @@ class TieredReader(StorageReader):
                 return md
         raise CheckpointCorruptError(
             f"step {self.step}: metadata damaged on every tier holding it: "
-            + "; ".join(self._bad_metadata.values()))
+            + "; ".join(self._bad_metadata.values())
+        )
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -147,9 +153,14 @@ class TieredReader(StorageReader):
             return
         target = planner.resolve_tensor(req).detach()
         dtype, shape = dtype_from_name(rec["dtype"]), rec["shape"]
-        if (rec["codec"] == "raw" and whole_item_request(req, shape) and target.dtype == dtype
-                and target.device.type == "cpu" and target.is_contiguous()
-                and list(target.shape) == list(shape)):
+        if (
+            rec["codec"] == "raw"
+            and whole_item_request(req, shape)
+            and target.dtype == dtype
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and list(target.shape) == list(shape)
+        ):
             out = byte_view(target)
             if len(out):
                 store.read_into(key, rec["offset"], out)
@@ -165,7 +176,8 @@ class TieredReader(StorageReader):
             if piece.size() != target.size():
                 raise TieredCheckpointError(
                     f"item {req.storage_index.fqn}: stored piece {tuple(piece.size())} does not "
-                    f"fit the target {tuple(target.size())}")
+                    f"fit the target {tuple(target.size())}"
+                )
             target.copy_(piece)
         planner.commit_tensor(req, target)
 
@@ -183,13 +195,19 @@ class TieredReader(StorageReader):
                 except (ChecksumMismatch, OSError) as e:
                     where = store.describe(key)
                     failures.append((where, e))
-                    log.warning("step %d: item %r in %s is damaged (%s); trying the next tier",
-                                self.step, req.storage_index.fqn, where, e)
+                    log.warning(
+                        "step %d: item %r in %s is damaged (%s); trying the next tier",
+                        self.step,
+                        req.storage_index.fqn,
+                        where,
+                        e,
+                    )
             else:
                 detail = "; ".join(f"{w}: {e}" for w, e in failures) or "no tier holds it"
                 raise CheckpointCorruptError(
                     f"step {self.step}: no good copy of item {req.storage_index.fqn!r} "
-                    f"(offset {list(req.storage_index.offset or [])}) left: {detail}")
+                    f"(offset {list(req.storage_index.offset or [])}) left: {detail}"
+                )
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -69,8 +69,9 @@ def write_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> di
         offset = 0
         for it in items:
             stored = [enc.encode(c) for c in it.chunks]
-            rec = make_record(key.rsplit("/", 1)[1], offset, stored, it.chunks, it.hashes,
-                              enc.codec, rank=rank, **it.extra)
+            rec = make_record(
+                key.rsplit("/", 1)[1], offset, stored, it.chunks, it.hashes, enc.codec, rank=rank, **it.extra
+            )
             records[it.index] = rec
             offset += rec["length"]
             yield from stored
@@ -79,8 +80,9 @@ def write_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> di
     return records
 
 
-def commit_step(view: TierView, step: int, metadata: Metadata, world: list[int],
-                records: dict[MetadataIndex, dict]) -> None:
+def commit_step(
+    view: TierView, step: int, metadata: Metadata, world: list[int], records: dict[MetadataIndex, dict]
+) -> None:
     """Write the metadata and then the commit marker of ``step`` on one tier.
 
     ``world[r]`` is the node of rank r. The marker goes to this process's root and to
@@ -92,9 +94,14 @@ def commit_step(view: TierView, step: int, metadata: Metadata, world: list[int],
     sizes = [0] * len(world)
     for rec in records.values():
         sizes[rec["rank"]] += rec["length"]
-    marker = Marker(step, ns, len(world),
-                    [PartInfo(r, n, sizes[r]) for r, n in enumerate(world)],
-                    len(blob), checksum(blob))
+    marker = Marker(
+        step,
+        ns,
+        len(world),
+        [PartInfo(r, n, sizes[r]) for r, n in enumerate(world)],
+        len(blob),
+        checksum(blob),
+    )
     roots = {view.own.url: view.own}
     for r, n in enumerate(world):
         store = view.store_for(n, r)
@@ -130,17 +137,26 @@ class TieredWriter(StorageWriter):
         global _warned_replication
         if config.replication_factor > 1 and not _warned_replication:
             _warned_replication = True
-            log.warning("replication_factor=%d: clique replication is not implemented yet; "
-                        "node-local tiers hold a single copy", config.replication_factor)
+            log.warning(
+                "replication_factor=%d: clique replication is not implemented yet; "
+                "node-local tiers hold a single copy",
+                config.replication_factor,
+            )
         self.rank = 0
         self.node = node_of(0)
         self.is_coordinator = True
         self._world: list[int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config, "step": self.step, "tier_indexes": self.tier_indexes,
-                "rank": self.rank, "node": self.node, "is_coordinator": self.is_coordinator,
-                "_world": None}
+        return {
+            "config": self.config,
+            "step": self.step,
+            "tier_indexes": self.tier_indexes,
+            "rank": self.rank,
+            "node": self.node,
+            "is_coordinator": self.is_coordinator,
+            "_world": None,
+        }
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._world = None
@@ -151,8 +167,10 @@ class TieredWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives") is False:
-            raise ValueError("TieredWriter needs use_collectives=True: a step is committed "
-                             "only when every rank's part is written")
+            raise ValueError(
+                "TieredWriter needs use_collectives=True: a step is committed "
+                "only when every rank's part is written"
+            )
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -198,5 +216,3 @@ class TieredWriter(StorageWriter):
 
     def storage_meta(self) -> None:
         return None
-
-

@@ -1,0 +1,74 @@
+import logging
+
+import pytest
+import torch
+
+from tiered_dcp import Tier, TieredConfig
+
+
+@pytest.fixture
+def tiers3(tmp_path):
+    """RAM-like, SSD-like and a shared 'bucket' directory, with different schedules."""
+    return TieredConfig(
+        "run",
+        [
+            Tier(str(tmp_path / "ram" / "{node}"), every=1, keep=2),
+            Tier(str(tmp_path / "ssd" / "{node}"), every=2, keep=3),
+            Tier(str(tmp_path / "bucket"), every=4, compression="zstd", shared=True),
+        ],
+    )
+
+
+@pytest.fixture(autouse=True)
+def _quiet_dcp(caplog):
+    caplog.set_level(logging.WARNING, logger="tiered_dcp")
+    yield
+
+
+def value_kinds(i: int) -> dict:
+    """One of every value kind a state dict may hold, varying with ``i``."""
+    return {
+        "f32": torch.arange(1000, dtype=torch.float32) + i,
+        "nested": {
+            "bf16": torch.full((3, 5), float(i), dtype=torch.bfloat16),
+            "f16": torch.linspace(0, 1, 7, dtype=torch.float16) * i,
+            "i64": torch.arange(6, dtype=torch.int64).reshape(2, 3) * i,
+            "bool": torch.tensor([True, False, i % 2 == 0]),
+            "empty": torch.empty(0, 4),
+            "scalar": torch.tensor(float(i)),
+            "big": torch.full((3, 1 << 20), float(i)),  # 12 MiB: spans two chunks
+        },
+        "list": [i, "x" * i, torch.ones(2) * i],
+        "int": i,
+        "str": f"step-{i}",
+    }
+
+
+def zeros_like_state(sd):
+    if isinstance(sd, dict):
+        return {k: zeros_like_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [zeros_like_state(v) for v in sd]
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    if isinstance(sd, int):
+        return -1
+    if isinstance(sd, str):
+        return ""
+    return sd
+
+
+def assert_state_equal(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_state_equal(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_state_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    else:
+        assert a == b

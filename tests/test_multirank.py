@@ -1,0 +1,183 @@
+"""Several real processes on gloo: node-local tiers, resharding, FSDP2, async modes."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal
+from dist_utils import run_ranks
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
+
+
+def make_config(root: str) -> TieredConfig:
+    return TieredConfig(
+        "job",
+        [
+            Tier(f"{root}/ram/{{node}}", every=1, keep=2),
+            Tier(f"{root}/bucket", every=2, shared=True, compression="zstd"),
+        ],
+    )
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(16 * 12, dtype=torch.float32).reshape(16, 12) + 1000 * step
+
+
+def dtensor_state(step: int, mesh, placement):
+    return {
+        "w": distribute_tensor(full(step), mesh, [placement]),
+        "plain": torch.full((5,), float(step)),
+        "meta": {"step": step, "name": "x"},
+    }
+
+
+def _save_and_load_two_nodes(rank, world, root):
+    cfg = make_config(root)
+    mesh = init_device_mesh("cpu", (world,))
+    for step in range(4):
+        dcp.save(dtensor_state(step, mesh, Shard(0)), storage_writer=TieredWriter(cfg, step=step))
+    target = dtensor_state(0, mesh, Shard(0))
+    target["w"] = distribute_tensor(torch.zeros(16, 12), mesh, [Shard(0)])
+    reader = TieredReader(cfg)
+    dcp.load(target, storage_reader=reader)
+    assert reader.step == 3 and reader.tiers == [0]
+    assert torch.equal(target["w"].full_tensor(), full(3))
+    assert target["meta"] == {"step": 3, "name": "x"} and torch.equal(target["plain"], torch.full((5,), 3.0))
+    return sorted(os.listdir(f"{root}/ram/{rank}/job/step_000000000003"))
+
+
+def test_two_ranks_on_two_nodes(tmp_path):
+    listings = run_ranks(_save_and_load_two_nodes, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1})
+    # each node's RAM dir holds its own rank's part, plus the metadata and the marker
+    assert listings[0] == ["COMMITTED", "metadata", "rank_00000.part"]
+    assert listings[1] == ["COMMITTED", "metadata", "rank_00001.part"]
+    assert sorted(os.listdir(tmp_path / "ram/0/job")) == ["step_000000000002", "step_000000000003"]
+    assert sorted(os.listdir(tmp_path / "bucket/job")) == ["step_000000000000", "step_000000000002"]
+
+
+def _save_sharded_rows(rank, world, root):
+    cfg = make_config(root)
+    mesh = init_device_mesh("cpu", (world,))
+    dcp.save(dtensor_state(2, mesh, Shard(0)), storage_writer=TieredWriter(cfg, step=2))
+
+
+def _load_sharded_cols(rank, world, root, tier_root):
+    cfg = make_config(root)
+    if tier_root == "bucket":  # read the shared copy only
+        cfg = TieredConfig("job", [cfg.tiers[1]])
+    mesh = init_device_mesh("cpu", (world,))
+    target = {
+        "w": distribute_tensor(torch.zeros(16, 12), mesh, [Shard(1)]),
+        "plain": torch.zeros(5),
+        "meta": {"step": -1, "name": ""},
+    }
+    dcp.load(target, storage_reader=TieredReader(cfg))
+    assert target["w"].placements == (Shard(1),)
+    expect = full(2).chunk(world, dim=1)[rank]
+    assert torch.equal(target["w"].to_local(), expect)
+    assert target["meta"] == {"step": 2, "name": "x"}
+    return True
+
+
+def test_reshard_four_ranks_rows_to_two_ranks_columns(tmp_path):
+    run_ranks(_save_sharded_rows, 4, str(tmp_path))
+    run_ranks(_load_sharded_cols, 2, str(tmp_path), "ram")
+    run_ranks(_load_sharded_cols, 2, str(tmp_path), "bucket")
+
+
+def _model_and_opt(seed: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model, opt, steps: int):
+    for s in range(steps):
+        torch.manual_seed(100 + s)
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+
+
+def _fsdp2_roundtrip(rank, world, root, mode):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    cfg = make_config(root)
+    model, opt = _model_and_opt(0)
+    _train(model, opt, 3)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 3}
+    writer = TieredWriter(cfg, step=4)
+    if mode == "sync":
+        dcp.save(state, storage_writer=writer)
+    else:
+        kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+        dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind).result()
+    expected = _full_state(model, opt)
+
+    model2, opt2 = _model_and_opt(1)  # different init, no optimizer state yet
+    _train(model2, opt2, 1)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    loaded = {"model": msd2, "optim": osd2, "step": 0}
+    dcp.load(loaded, storage_reader=TieredReader(cfg))
+    set_state_dict(model2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert loaded["step"] == 3
+    assert_state_equal(_full_state(model2, opt2), expected)
+    # training continues identically from the restored state
+    _train(model, opt, 1)
+    _train(model2, opt2, 1)
+    assert_state_equal(_full_state(model2, opt2), _full_state(model, opt))
+    return True
+
+
+def test_fsdp2_model_and_optimizer_roundtrip(tmp_path):
+    run_ranks(_fsdp2_roundtrip, 2, str(tmp_path), "sync")
+
+
+def test_async_save_thread_mode(tmp_path):
+    run_ranks(_fsdp2_roundtrip, 2, str(tmp_path), "thread")
+
+
+def test_async_save_process_mode(tmp_path):
+    run_ranks(_fsdp2_roundtrip, 2, str(tmp_path), "process")
+
+
+def _ranks_see_different_steps(rank, world, root):
+    cfg = TieredConfig("job", [Tier(f"{root}/ram/{{rank}}")])
+    for step in (1, 2):
+        dcp.save({"x": torch.ones(3) * step}, storage_writer=TieredWriter(cfg, step=step))
+    dist.barrier()
+    if rank == 0:  # rank 0 loses its view of step 2; rank 1 still sees it complete
+        os.remove(f"{root}/ram/0/job/step_000000000002/COMMITTED")
+    dist.barrier()
+    from tiered_dcp import latest_step
+
+    alone = latest_step(cfg)
+    reader = TieredReader(cfg)
+    target = {"x": torch.zeros(3)}
+    dcp.load(target, storage_reader=reader)
+    return alone, reader.step, target["x"].tolist()
+
+
+def test_ranks_agree_on_a_step_every_rank_can_load(tmp_path):
+    results = run_ranks(_ranks_see_different_steps, 2, str(tmp_path))
+    assert [r[0] for r in results] == [1, 2]  # alone, the ranks would disagree
+    assert [r[1:] for r in results] == [(1, [1.0] * 3)] * 2

@@ -1,0 +1,108 @@
+import os
+
+import pytest
+from tiered_dcp.storage import FsspecStorage, LocalStorage
+from tiered_dcp.storage.codec import (
+    ChecksumMismatch,
+    Encoder,
+    checksum,
+    decode_into,
+    make_record,
+    split,
+)
+from tiered_dcp.storage.local import needs_fsync
+
+
+@pytest.fixture(params=["local", "fsspec-file", "fsspec-memory"])
+def store(request, tmp_path):
+    if request.param == "local":
+        s = LocalStorage(str(tmp_path / "root"))
+    elif request.param == "fsspec-file":
+        s = FsspecStorage(f"file://{tmp_path}/root")
+    else:
+        s = FsspecStorage(f"memory://tdcp-test-{os.getpid()}-{id(request)}/root")
+    yield s
+    s.delete("")
+
+
+def test_storage_interface(store):
+    assert store.list("a") == []
+    assert store.size("a/b/x") is None
+    n = store.write("a/b/x", [b"hello ", memoryview(b"world")])
+    assert n == 11 and store.size("a/b/x") == 11
+    assert store.read("a/b/x") == b"hello world"
+    assert store.read("a/b/x", 6, 5) == b"world"
+    out = bytearray(5)
+    store.read_into("a/b/x", 0, memoryview(out))
+    assert out == b"hello"
+    store.write("a/b/y", [b""])
+    assert store.list("a/b") == ["x", "y"]
+    store.write("a/b/x", [b"new"])  # overwrite
+    assert store.read("a/b/x") == b"new"
+    store.delete("a/b/x")
+    assert store.list("a/b") == ["y"]
+    store.delete("a")
+    assert store.list("a") == []
+    store.delete("never-there")
+
+
+def test_local_write_failure_leaves_nothing(tmp_path):
+    store = LocalStorage(str(tmp_path))
+
+    def chunks():
+        yield b"x" * 100
+        raise RuntimeError("trainer died")
+
+    with pytest.raises(RuntimeError):
+        store.write("d/part", chunks())
+    assert os.listdir(tmp_path / "d") == []
+
+
+def test_local_write_keeps_old_file_until_new_is_whole(tmp_path):
+    store = LocalStorage(str(tmp_path))
+    store.write("f", [b"old"])
+
+    def chunks():
+        yield b"new-partial"
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        store.write("f", chunks())
+    assert store.read("f") == b"old"
+
+
+def test_fsync_skipped_only_on_memory_file_systems(tmp_path):
+    assert needs_fsync(str(tmp_path)) == (_fstype(os.path.realpath(tmp_path)) not in ("tmpfs", "ramfs"))
+    if os.path.isdir("/dev/shm"):
+        assert needs_fsync("/dev/shm/anything") is False
+
+
+def _fstype(path):
+    best, kind = "", ""
+    with open("/proc/self/mounts") as f:
+        lines = f.readlines()
+    for line in lines:
+        _, mnt, fs = line.split()[:3]
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, kind = mnt, fs
+    return kind
+
+
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_codec_roundtrip_and_damage(codec):
+    data = bytes(range(256)) * 1000
+    raw = split(memoryview(data), chunk_bytes=64 << 10)
+    assert len(raw) == 4
+    hashes = [checksum(c) for c in raw]
+    enc = Encoder(codec)
+    stored = [bytes(enc.encode(c)) for c in raw]
+    rec = make_record("part", 0, stored, raw, hashes, enc.codec)
+    blob = bytearray(b"".join(stored))
+    if codec == "zstd":
+        assert len(blob) < len(data) / 10
+    out = bytearray(len(data))
+    decode_into(rec, memoryview(blob), memoryview(out))
+    assert out == data
+    blob[len(blob) // 2] ^= 0xFF
+    with pytest.raises(ChecksumMismatch):
+        decode_into(rec, memoryview(blob), memoryview(out))
