@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from tiered_dcp.storage import Storage, open_storage
+from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.local import DIRTY
 
 from .config import Tier, TieredConfig
@@ -91,6 +95,21 @@ class StepState:
     state: str  # "writing" | "clean" (parts, no marker yet) | "committed" | "incomplete"
     size_bytes: int
     created: float | None
+
+
+def load_metadata(copy: StepCopy) -> Metadata:
+    """The step's metadata from this copy, checked against the marker's checksum.
+
+    Raises OSError when it cannot be read and ChecksumMismatch when it is damaged.
+    """
+    key = f"{step_dir(copy.marker.namespace, copy.step)}/{METADATA}"
+    blob = copy.store.read(key)
+    if checksum(blob) != copy.marker.metadata_xxh3:
+        raise ChecksumMismatch(f"{copy.store.describe(key)}: checksum differs from the commit marker's")
+    try:
+        return pickle.loads(blob)
+    except (pickle.UnpicklingError, EOFError, AttributeError) as e:
+        raise ChecksumMismatch(f"{copy.store.describe(key)}: {e}") from e
 
 
 class TierView:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
 from typing import Any
 
 import torch
@@ -23,9 +22,9 @@ from torch.futures import Future
 
 from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
 from tiered_dcp.storage import Storage
-from tiered_dcp.storage.codec import ChecksumMismatch, checksum, decode_into, raw_length, verify_raw
+from tiered_dcp.storage.codec import ChecksumMismatch, decode_into, raw_length, verify_raw
 
-from .catalog import METADATA, StepCopy, TierView, complete_steps, describe_search, step_dir, views
+from .catalog import StepCopy, TierView, complete_steps, describe_search, load_metadata, views
 from .config import TieredConfig, node_of
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .tensors import byte_view, dtype_from_name
@@ -99,19 +98,12 @@ class TieredReader(StorageReader):
 
     def _load_metadata(self, copy: StepCopy) -> Metadata | None:
         if copy.tier_index not in self._metadata:
-            key = f"{step_dir(self.config.namespace, self.step)}/{METADATA}"
             md = None
             try:
-                blob = copy.store.read(key)
-                if checksum(blob) != copy.marker.metadata_xxh3:
-                    raise ChecksumMismatch("checksum differs from the commit marker's")
-                md = pickle.loads(blob)
-            except (OSError, ChecksumMismatch, pickle.UnpicklingError, EOFError) as e:
-                where = copy.store.describe(key)
-                self._bad_metadata[copy.tier_index] = f"{where}: {e}"
-                log.warning(
-                    "step %d: metadata %s is unusable (%s); trying the next tier", self.step, where, e
-                )
+                md = load_metadata(copy)
+            except (OSError, ChecksumMismatch) as e:
+                self._bad_metadata[copy.tier_index] = str(e)
+                log.warning("step %d: metadata unusable (%s); trying the next tier", self.step, e)
             self._metadata[copy.tier_index] = md
         return self._metadata[copy.tier_index]
 
