@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, export
 
 
 def make_config(root: str) -> TieredConfig:
@@ -88,6 +88,11 @@ def test_reshard_four_ranks_rows_to_two_ranks_columns(tmp_path):
     run_ranks(_save_sharded_rows, 4, str(tmp_path))
     run_ranks(_load_sharded_cols, 2, str(tmp_path), "ram")
     run_ranks(_load_sharded_cols, 2, str(tmp_path), "bucket")
+    # the sharded checkpoint exports, in one process, to a stock DCP directory
+    dest = export(make_config(str(tmp_path)), 2, tmp_path / "exported")
+    got = {"w": torch.zeros(16, 12), "plain": torch.zeros(5), "meta": {"step": -1, "name": ""}}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(dest))
+    assert torch.equal(got["w"], full(2)) and got["meta"] == {"step": 2, "name": "x"}
 
 
 def _model_and_opt(seed: int):

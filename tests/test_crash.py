@@ -1,0 +1,72 @@
+"""A rank SIGKILLed in the middle of a large save: the previous step loads on restart."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+from crash_worker import config
+from dist_utils import free_port, run_ranks
+
+from tiered_dcp import TieredReader, latest_step, status
+
+HERE = os.path.dirname(__file__)
+
+
+def _reload(rank, world, root):
+    reader = TieredReader(config(root))
+    target = {f"r{r}": torch.zeros(1 << 18) for r in range(world)} | {"step": -1}
+    dcp.load(target, storage_reader=reader)
+    return reader.step, target["step"], [float(target[f"r{r}"].max()) for r in range(world)]
+
+
+def test_rank_killed_mid_save_leaves_previous_step_loadable(tmp_path):
+    root = str(tmp_path)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            LOCAL_WORLD_SIZE="2",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "crash_worker.py"), root, "256"],
+                env=env,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    dirty = os.path.join(root, "ram/0/crash/step_000000000002/rank_00001.part.dirty-*")
+    deadline = time.time() + 120
+    killed_mid_write = False
+    while time.time() < deadline:
+        files = glob.glob(dirty)
+        if files and os.path.getsize(files[0]) > 0:
+            procs[1].send_signal(signal.SIGKILL)
+            killed_mid_write = True
+            break
+        assert procs[1].poll() is None, "rank 1 ended before it could be killed"
+        time.sleep(0.001)
+    assert killed_mid_write, "rank 1 never started writing step 2"
+    try:
+        procs[0].wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+    procs[1].wait()
+
+    cfg = config(root)
+    assert latest_step(cfg) == 1
+    states = {(r.tier_index, r.step): r.state for r in status(cfg)}
+    assert states[(0, 1)] == "committed" and states[(0, 2)] in ("writing", "clean")
+    assert glob.glob(dirty), "the half-written part should still be there, under its dirty name"
+    # the restarted job (same world size) resumes from step 1 on every rank
+    results = run_ranks(_reload, 2, root)
+    assert results == [(1, 1, [1.0, 1.0])] * 2
