@@ -13,7 +13,7 @@ MiB = 1 << 20
 
 
 def config(root: str) -> TieredConfig:
-    return TieredConfig("crash", [Tier(f"{root}/ram/{{node}}", keep=2), Tier(f"{root}/ssd", every=1)])
+    return TieredConfig("crash", [Tier(f"{root}/ram/{{node}}", keep=1), Tier(f"{root}/ssd", every=1)])
 
 
 def state(step: int, rank: int, mib: int) -> dict:

@@ -63,7 +63,7 @@ def test_rank_killed_mid_save_leaves_previous_step_loadable(tmp_path):
     procs[1].wait()
 
     cfg = config(root)
-    assert latest_step(cfg) == 1
+    assert latest_step(cfg) == 1  # keep=1: retention must not have run before a commit
     states = {(r.tier_index, r.step): r.state for r in status(cfg)}
     assert states[(0, 1)] == "committed" and states[(0, 2)] in ("writing", "clean")
     assert glob.glob(dirty), "the half-written part should still be there, under its dirty name"
