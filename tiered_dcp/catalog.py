@@ -249,12 +249,12 @@ def views(config: TieredConfig, node: int, rank: int) -> list[TierView]:
     return [TierView(config, i, node, rank) for i in range(len(config.tiers))]
 
 
-def complete_steps(config: TieredConfig, node: int, rank: int) -> dict[int, list[int]]:
-    """step -> indexes of the tiers holding it complete (as seen from here), fastest first."""
-    out: dict[int, list[int]] = {}
+def complete_steps(config: TieredConfig, node: int, rank: int) -> dict[int, list[StepCopy]]:
+    """step -> its complete copies (as seen from here), fastest tier first."""
+    out: dict[int, list[StepCopy]] = {}
     for view in views(config, node, rank):
-        for step in view.complete():
-            out.setdefault(step, []).append(view.index)
+        for step, copy in view.complete().items():
+            out.setdefault(step, []).append(copy)
     return out
 
 

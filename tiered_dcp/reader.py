@@ -37,7 +37,7 @@ def _dist_rank() -> tuple[int, bool]:
     return (dist.get_rank() if up else 0), up
 
 
-def _agree(found: dict[int, list[int]]) -> set[int]:
+def _agree(found: dict[int, list[StepCopy]]) -> set[int]:
     """Steps every rank can load (each from its own best tier)."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(found))
@@ -80,7 +80,7 @@ class TieredReader(StorageReader):
             )
         self.step = step
         self._views = {v.index: v for v in views(config, self.node, rank)}
-        self._copies: list[StepCopy] = [self._views[i].complete()[step] for i in found[step]]
+        self._copies: list[StepCopy] = found[step]
         self._metadata: dict[int, Metadata | None] = {}
         self._bad_metadata: dict[int, str] = {}
 
