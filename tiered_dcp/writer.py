@@ -213,6 +213,3 @@ class TieredWriter(StorageWriter):
             records = {wr.index: wr.storage_data[view.index] for wr in flat}
             commit_step(view, self.step, metadata, world, records)
             view.apply_retention(self.step)
-
-    def storage_meta(self) -> None:
-        return None
