@@ -14,7 +14,7 @@ from typing import Any
 import xxhash
 import zstandard
 
-from .base import Buffer
+from .base import Buffer, Storage
 
 CHUNK_BYTES = 8 << 20
 ZSTD_LEVEL = 3
@@ -81,6 +81,14 @@ def verify_raw(record: dict[str, Any], raw: memoryview) -> None:
         if checksum(raw[pos : pos + n]) != h:
             raise ChecksumMismatch(f"chunk {i} (bytes {pos}..{pos + n} of the item)")
         pos += n
+
+
+def read_item(store: Storage, key: str, record: dict[str, Any], out: memoryview) -> None:
+    """Read an item's stored bytes from ``store`` and decode them, verified, into ``out``."""
+    stored = bytearray(record["length"])
+    if stored:
+        store.read_into(key, record["offset"], memoryview(stored))
+    decode_into(record, memoryview(stored), out)
 
 
 def decode_into(record: dict[str, Any], stored: memoryview, out: memoryview) -> None:

@@ -148,3 +148,14 @@ def test_uncommitted_step_is_never_chosen_and_is_cleaned_up(tmp_path):
     assert [(r.step, r.state) for r in status(cfg)] == [(1, "committed"), (2, "clean")]
     save(cfg, 3)
     assert [(r.step, r.state) for r in status(cfg)] == [(1, "committed"), (3, "committed")]
+
+
+def test_retention_keeps_complete_steps_not_damaged_ones(tmp_path):
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ram"), keep=2)])
+    for step in (1, 2, 5):
+        save(cfg, step)
+    (part,) = glob.glob(str(tmp_path / "ram/run/step_000000000005/rank_*.part"))
+    os.remove(part)  # step 5 is committed but can no longer be loaded
+    save(cfg, 3)  # e.g. the job resumed from step 2
+    complete = [r.step for r in status(cfg) if r.state == "committed"]
+    assert complete == [2, 3]  # keep=2 good steps; the damaged one does not take a slot

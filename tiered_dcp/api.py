@@ -9,25 +9,20 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .catalog import StepState, complete_steps, views
-from .config import TieredConfig, node_of
+from .config import TieredConfig, here
 from .reader import TieredReader
-
-
-def _here() -> tuple[int, int]:
-    rank = int(os.environ.get("RANK", "0"))
-    return node_of(rank), rank
 
 
 def latest_step(config: TieredConfig) -> int | None:
     """The newest step complete on some tier, as seen from this process (no collectives)."""
-    node, rank = _here()
+    node, rank = here()
     steps = complete_steps(config, node, rank)
     return max(steps) if steps else None
 
 
 def status(config: TieredConfig) -> list[StepState]:
     """Every step on every tier with its state (writing / clean / committed / incomplete)."""
-    node, rank = _here()
+    node, rank = here()
     return [row for view in views(config, node, rank) for row in view.states()]
 
 

@@ -219,7 +219,7 @@ class TierView:
         return [rows[s] for s in sorted(rows)]
 
     def apply_retention(self, newest: int) -> None:
-        """Keep the newest ``keep`` committed steps; drop leftovers of failed saves.
+        """Keep the newest ``keep`` complete steps; drop older ones and failed saves' leftovers.
 
         Runs after ``newest`` is committed, so the last complete step is never removed
         before a newer one exists. Markers go first: a half-deleted step is never trusted.
@@ -227,7 +227,8 @@ class TierView:
         committed = self.committed()
         doomed: list[int] = []
         if self.tier.keep is not None:
-            kept = sorted(committed)[-self.tier.keep :]
+            complete = [s for s, c in committed.items() if not self.missing(c.store, c.marker)]
+            kept = sorted(complete)[-self.tier.keep :]
             doomed = [s for s in committed if s not in kept and s < newest]
         for step in doomed:
             marker = committed[step].marker

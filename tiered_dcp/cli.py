@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
 from .api import export, status
 from .catalog import views
-from .config import Tier, TieredConfig, node_of
+from .config import Tier, TieredConfig, here
 from .errors import TieredCheckpointError
 from .verify import verify_step
 
@@ -71,8 +70,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _pick_step(cfg: TieredConfig, step: int | None) -> int | None:
     if step is not None:
         return step
-    node, rank = node_of(int(os.environ.get("RANK", "0"))), int(os.environ.get("RANK", "0"))
-    committed = {s for v in views(cfg, node, rank) for s in v.committed()}
+    committed = {s for v in views(cfg, *here()) for s in v.committed()}
     return max(committed) if committed else None
 
 
@@ -82,8 +80,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if step is None:
         print(f"no committed step of namespace {cfg.namespace!r} on any tier", file=sys.stderr)
         return 2
-    rank = int(os.environ.get("RANK", "0"))
-    checks = verify_step(cfg, step, node_of(rank), rank)
+    checks = verify_step(cfg, step, *here())
     if not checks:
         print(f"step {step} is not committed on any tier", file=sys.stderr)
         return 2

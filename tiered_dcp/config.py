@@ -147,6 +147,12 @@ class TieredConfig:
         return [i for i, t in enumerate(self.tiers) if t.takes(step)]
 
 
+def here() -> tuple[int, int]:
+    """(node, rank) of this process outside a process group: from RANK and the node vars."""
+    rank = int(os.environ.get("RANK", "0"))
+    return node_of(rank), rank
+
+
 def node_of(rank: int) -> int:
     """This process's node: GROUP_RANK, else rank // LOCAL_WORLD_SIZE, else 0."""
     if os.environ.get("GROUP_RANK"):

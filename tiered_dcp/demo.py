@@ -132,12 +132,11 @@ def worker(args: argparse.Namespace) -> None:
         report["saves"].append(
             {"step": step, "tiers": writer.tier_indexes, "blocked": time.perf_counter() - t0}
         )
-    report["state_bytes"] = sum(
-        t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
-        for part in (state(0)["model"], *state(0)["optim"]["state"].values())
-        for t in part.values()
-        if hasattr(t, "nbytes")
-    )
+    tensors = [
+        *model.parameters(),
+        *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
+    ]
+    report["state_bytes"] = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
     with open(f"{args.dir}/report.{args.phase}.rank{rank}.json", "w") as f:
         json.dump(report, f)
     dist.barrier()

@@ -22,7 +22,7 @@ from torch.futures import Future
 
 from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
 from tiered_dcp.storage import Storage
-from tiered_dcp.storage.codec import ChecksumMismatch, decode_into, raw_length, verify_raw
+from tiered_dcp.storage.codec import ChecksumMismatch, raw_length, read_item, verify_raw
 
 from .catalog import StepCopy, TierView, complete_steps, describe_search, load_metadata, views
 from .config import TieredConfig, node_of
@@ -138,9 +138,8 @@ class TieredReader(StorageReader):
 
     def _read_one(self, req: ReadItem, planner: LoadPlanner, rec: dict, store: Storage, key: str) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            stored = store.read(key, rec["offset"], rec["length"])
             raw = bytearray(raw_length(rec))
-            decode_into(rec, memoryview(stored), memoryview(raw))
+            read_item(store, key, rec, memoryview(raw))
             planner.load_bytes(req, io.BytesIO(raw))
             return
         target = planner.resolve_tensor(req).detach()
@@ -159,11 +158,7 @@ class TieredReader(StorageReader):
             verify_raw(rec, out)
         else:
             full = torch.empty(shape, dtype=dtype)
-            out = byte_view(full)
-            stored = bytearray(rec["length"])
-            if len(stored):
-                store.read_into(key, rec["offset"], memoryview(stored))
-            decode_into(rec, memoryview(stored), out)
+            read_item(store, key, rec, byte_view(full))
             piece = narrow_to_request(full, req)
             if piece.size() != target.size():
                 raise TieredCheckpointError(

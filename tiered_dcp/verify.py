@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiered_dcp.storage.codec import ChecksumMismatch, decode_into, raw_length
+from tiered_dcp.storage.codec import ChecksumMismatch, raw_length, read_item
 
 from .catalog import load_metadata, views
 from .config import TieredConfig
@@ -45,11 +45,7 @@ def verify_step(config: TieredConfig, step: int, node: int = 0, rank: int = 0) -
             store = view.part_store(copy.marker, rec["rank"])
             key = view.part_key(step, rec["rank"])
             try:
-                stored = store.read(key, rec["offset"], rec["length"])
-                if len(stored) != rec["length"]:
-                    raise OSError(f"short read ({len(stored)} of {rec['length']} bytes)")
-                out = bytearray(raw_length(rec))
-                decode_into(rec, memoryview(stored), memoryview(out))
+                read_item(store, key, rec, memoryview(bytearray(raw_length(rec))))
             except (OSError, ChecksumMismatch) as e:
                 check.problems.append(f"{store.describe(key)}: item {index.fqn!r}: {e}")
             check.items += 1

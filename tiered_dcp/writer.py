@@ -148,15 +148,7 @@ class TieredWriter(StorageWriter):
         self._world: list[int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "config": self.config,
-            "step": self.step,
-            "tier_indexes": self.tier_indexes,
-            "rank": self.rank,
-            "node": self.node,
-            "is_coordinator": self.is_coordinator,
-            "_world": None,
-        }
+        return {**self.__dict__, "_world": None}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._world = None
