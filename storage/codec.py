@@ -9,6 +9,7 @@ not depend on the names of this package's classes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import xxhash
@@ -81,6 +82,28 @@ def verify_raw(record: dict[str, Any], raw: memoryview) -> None:
         if checksum(raw[pos : pos + n]) != h:
             raise ChecksumMismatch(f"chunk {i} (bytes {pos}..{pos + n} of the item)")
         pos += n
+
+
+def iter_raw_chunks(store: Storage, key: str, record: dict[str, Any]) -> Iterator[bytes]:
+    """An item's raw chunks read one at a time from ``store``, each verified."""
+    zd = zstandard.ZstdDecompressor() if record["codec"] == "zstd" else None
+    if record["codec"] not in ("raw", "zstd"):
+        raise ChecksumMismatch(f"unknown codec {record['codec']!r}")
+    pos = record["offset"]
+    for i, (s, n, h) in enumerate(record["chunks"]):
+        stored = store.read(key, pos, s) if s else b""
+        if len(stored) != s:
+            raise ChecksumMismatch(f"chunk {i}: short read ({len(stored)} of {s} bytes)")
+        pos += s
+        raw = stored
+        if zd is not None and n:
+            try:
+                raw = zd.decompress(stored, max_output_size=n)
+            except zstandard.ZstdError as e:
+                raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
+        if len(raw) != n or checksum(raw) != h:
+            raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
+        yield raw
 
 
 def read_item(store: Storage, key: str, record: dict[str, Any], out: memoryview) -> None:

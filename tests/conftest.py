@@ -1,9 +1,23 @@
 import logging
+import os
+import tempfile
+import time
 
 import pytest
 import torch
 
-from tiered_dcp import Tier, TieredConfig
+# Writer-process runtime dirs of this test session: private, and removed with the temp dir.
+os.environ.setdefault("TIERED_DCP_RUNTIME_DIR", tempfile.mkdtemp(prefix="tdcp-runtime-"))
+
+from tiered_dcp import Tier, TieredConfig, shutdown, writer_status  # noqa: E402
+
+
+def settle(cfg: TieredConfig, timeout: float = 60) -> None:
+    """Wait until the writer processes of ``cfg`` on this machine have nothing queued."""
+    deadline = time.monotonic() + timeout
+    while any(w.queue for w in writer_status(cfg)):
+        assert time.monotonic() < deadline, f"writers still busy: {writer_status(cfg)}"
+        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -23,6 +37,7 @@ def tiers3(tmp_path):
 def _quiet_dcp(caplog):
     caplog.set_level(logging.WARNING, logger="tiered_dcp")
     yield
+    shutdown(wait=False)  # this test's writers exit once their queues are empty
 
 
 def value_kinds(i: int) -> dict:

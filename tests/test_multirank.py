@@ -5,7 +5,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal
+from conftest import assert_state_equal, settle
 from dist_utils import run_ranks
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
@@ -53,6 +53,7 @@ def _save_and_load_two_nodes(rank, world, root):
 
 def test_two_ranks_on_two_nodes(tmp_path):
     listings = run_ranks(_save_and_load_two_nodes, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1})
+    settle(make_config(str(tmp_path)))
     # each node's RAM dir holds its own rank's part, plus the metadata and the marker
     assert listings[0] == ["COMMITTED", "metadata", "rank_00000.part"]
     assert listings[1] == ["COMMITTED", "metadata", "rank_00001.part"]
@@ -86,6 +87,7 @@ def _load_sharded_cols(rank, world, root, tier_root):
 
 def test_reshard_four_ranks_rows_to_two_ranks_columns(tmp_path):
     run_ranks(_save_sharded_rows, 4, str(tmp_path))
+    settle(make_config(str(tmp_path)))
     run_ranks(_load_sharded_cols, 2, str(tmp_path), "ram")
     run_ranks(_load_sharded_cols, 2, str(tmp_path), "bucket")
     # the sharded checkpoint exports, in one process, to a stock DCP directory

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from conftest import assert_state_equal, value_kinds, zeros_like_state
+from conftest import assert_state_equal, settle, value_kinds, zeros_like_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tiered_dcp import (
@@ -64,6 +64,7 @@ def test_roundtrip_every_value_kind(tmp_path, kind):
 def test_schedule_retention_newest_and_named(tiers3):
     for step in range(10):
         save(tiers3, step)
+    settle(tiers3)
     held = {}
     for row in status(tiers3):
         assert row.state == "committed"
@@ -109,6 +110,7 @@ def test_deleted_data_file_falls_back_to_previous_step(tmp_path):
 
 def test_flipped_bytes_fall_back_to_another_tier(tiers3, tmp_path, caplog):
     save(tiers3, 4)
+    settle(tiers3)
     (part,) = glob.glob(str(tmp_path / "ram/0/run/step_000000000004/rank_*.part"))
     flip_byte(part)
     reader, got = load(tiers3)
@@ -132,6 +134,7 @@ def test_flipped_bytes_without_good_copy_raise_corrupt(tmp_path):
 
 def test_damaged_metadata_uses_another_tier(tiers3, tmp_path, caplog):
     save(tiers3, 4)
+    settle(tiers3)
     md = tmp_path / "ram/0/run/step_000000000004/metadata"
     flip_byte(md)
     reader, got = load(tiers3)

@@ -4,7 +4,7 @@ dcp.save(state, storage_writer=TieredWriter(config, step=step))
 dcp.load(state, storage_reader=TieredReader(config))
 """
 
-from .api import export, latest_step, status
+from .api import WriterInfo, export, latest_step, shutdown, status, wait_for, writer_status
 from .catalog import StepState
 from .config import Tier, TieredConfig
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
@@ -20,8 +20,12 @@ __all__ = [
     "TieredConfig",
     "TieredReader",
     "TieredWriter",
+    "WriterInfo",
     "export",
     "latest_step",
+    "shutdown",
     "status",
+    "wait_for",
+    "writer_status",
 ]
 __version__ = "0.1.0"

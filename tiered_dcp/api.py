@@ -1,16 +1,22 @@
-"""Job-level helpers: the newest step, per-tier status, and export to stock DCP."""
+"""Job-level helpers: the newest step, status, waiting for the writers, export."""
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass, field
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .catalog import StepState, complete_steps, views
+from . import runtime
+from .catalog import StepState, TierView, complete_steps, views
 from .config import TieredConfig, here
+from .errors import TieredCheckpointError
 from .reader import TieredReader
+from .staging import POOL
+from .writer import _HANDLES
 
 
 def latest_step(config: TieredConfig) -> int | None:
@@ -20,10 +26,117 @@ def latest_step(config: TieredConfig) -> int | None:
     return max(steps) if steps else None
 
 
+@dataclass
+class WriterInfo:
+    """One rank's writer process, as its runtime directory on this node shows it."""
+
+    rank: int
+    pid: int | None
+    running: bool
+    queue: list[tuple[int, int]] = field(default_factory=list)  # (step, tier) waiting, oldest first
+    failed: list[tuple[int, int, str]] = field(default_factory=list)  # (step, tier, why)
+    log: str = ""
+
+
+def writer_status(config: TieredConfig) -> list[WriterInfo]:
+    """The writer processes of this job's ranks on this node, with their queues and failures."""
+    out = []
+    jd = runtime.job_dir(config)
+    for rd in sorted(jd.glob("rank_*")) if jd.is_dir() else []:
+        failed = [
+            (step, tier, res.get("error", ""))
+            for (step, tier), res in runtime.results(rd).items()
+            if res.get("state") == "failed"
+        ]
+        out.append(
+            WriterInfo(
+                rank=int(rd.name.removeprefix("rank_")),
+                pid=runtime.writer_pid(rd),
+                running=runtime.writer_running(rd),
+                queue=[(j.step, j.target) for j in runtime.queued(rd)],
+                failed=failed,
+                log=str(rd / "writer.log"),
+            )
+        )
+    return out
+
+
 def status(config: TieredConfig) -> list[StepState]:
-    """Every step on every tier with its state (writing / clean / committed / incomplete)."""
+    """Every step on every tier: queued, writing, clean, committed, incomplete or failed.
+
+    ``queued`` and ``failed`` come from the writer processes of this node's ranks.
+    """
     node, rank = here()
-    return [row for view in views(config, node, rank) for row in view.states()]
+    rows = {(r.tier_index, r.step): r for v in views(config, node, rank) for r in v.states()}
+    for w in writer_status(config):
+        for step, tier in w.queue:
+            rows.setdefault((tier, step), StepState(tier, config.tiers[tier].path, step, "queued", 0, None))
+        for step, tier, why in w.failed:
+            row = rows.get((tier, step))
+            if row is None or row.state != "committed":
+                size = row.size_bytes if row else 0
+                rows[(tier, step)] = StepState(tier, config.tiers[tier].path, step, "failed", size, None, why)
+    return [rows[k] for k in sorted(rows)]
+
+
+def _tier_index(config: TieredConfig, tier: int | str) -> int:
+    if (
+        isinstance(tier, int)
+        and not isinstance(tier, bool)
+        and -len(config.tiers) <= tier < len(config.tiers)
+    ):
+        return tier % len(config.tiers)
+    paths = [t.path for t in config.tiers]
+    if isinstance(tier, str) and tier in paths:
+        return paths.index(tier)
+    raise ValueError(f"unknown tier {tier!r}: give an index below {len(paths)} or one of {paths}")
+
+
+def wait_for(
+    config: TieredConfig, step: int, tier: int | str | None = None, timeout: float | None = None
+) -> None:
+    """Wait until ``step`` is committed (and complete) on ``tier`` (default: every tier taking it).
+
+    Raises ``TimeoutError`` after ``timeout`` seconds, and ``TieredCheckpointError`` as soon
+    as a writer process reports that it could not write the step to one of those tiers.
+    """
+    targets = config.tiers_for(step) if tier is None else [_tier_index(config, tier)]
+    for t in targets:
+        if not config.tiers[t].takes(step):
+            raise ValueError(
+                f"tier {config.tiers[t].path} (every={config.tiers[t].every}) never takes step {step}"
+            )
+    node, rank = here()
+    tier_views = [TierView(config, t, node, rank) for t in targets]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        waiting = [v for v in tier_views if step not in v.complete()]
+        if not waiting:
+            return
+        for w in writer_status(config):
+            for s, t, why in w.failed:
+                if s == step and t in [v.index for v in waiting]:
+                    raise TieredCheckpointError(
+                        f"step {step} will not reach tier {config.tiers[t].path}: rank {w.rank}'s writer "
+                        f"failed: {why} (log: {w.log})"
+                    )
+        if deadline is not None and time.monotonic() > deadline:
+            names = ", ".join(v.tier.path for v in waiting)
+            raise TimeoutError(f"step {step} not committed on {names} after {timeout} s")
+        time.sleep(0.05)
+
+
+def shutdown(wait: bool = True, timeout: float | None = None) -> bool:
+    """Free this process's staging buffers and let its writer processes exit.
+
+    With ``wait``, block until they have written everything queued (False on timeout).
+    Without it, they still finish their queues in the background, then exit.
+    """
+    POOL.close()
+    ok = True
+    for handle in list(_HANDLES.values()):
+        ok = handle.stop(wait, timeout) and ok
+    return ok
 
 
 def export(config: TieredConfig, step: int | None, dest: str | os.PathLike) -> str:

@@ -33,6 +33,7 @@ FORMAT_VERSION = 1
 MARKER = "COMMITTED"
 METADATA = "metadata"
 STEP_PREFIX = "step_"
+PIN_PREFIX = "pin."
 
 
 def step_dir(namespace: str, step: int) -> str:
@@ -41,6 +42,16 @@ def step_dir(namespace: str, step: int) -> str:
 
 def part_name(rank: int) -> str:
     return f"rank_{rank:05d}.part"
+
+
+def index_key(namespace: str, step: int, rank: int) -> str:
+    """Rank's records on a tier the writer process filled: what its commit is built from."""
+    return f"{step_dir(namespace, step)}/rank_{rank:05d}.index"
+
+
+def pin_key(namespace: str, step: int, rank: int, target: int) -> str:
+    """A pin: rank's writer still has to copy this step to tier ``target``; retention waits."""
+    return f"{step_dir(namespace, step)}/{PIN_PREFIX}rank_{rank:05d}.t{target:02d}"
 
 
 @dataclass
@@ -92,9 +103,10 @@ class StepState:
     tier_index: int
     tier: str
     step: int
-    state: str  # "writing" | "clean" (parts, no marker yet) | "committed" | "incomplete"
+    state: str  # queued | writing | clean (parts, no marker yet) | committed | incomplete | failed
     size_bytes: int
     created: float | None
+    error: str | None = None  # why a writer process could not write it (state "failed")
 
 
 def load_metadata(copy: StepCopy) -> Metadata:
@@ -236,14 +248,19 @@ class TierView:
             for p in marker.parts:
                 ps = self.store_for(p.node, p.rank)
                 roots[ps.url] = ps
+            if any(self.pinned(store, step) for store in roots.values()):
+                continue  # a writer process still copies it to a slower tier
             for store in roots.values():
                 store.delete(f"{step_dir(self.config.namespace, step)}/{MARKER}")
             for store in roots.values():
                 store.delete(step_dir(self.config.namespace, step))
         for store in self.scan_roots():
             for step in self.step_dirs(store):
-                if step < newest and step not in committed:
+                if step < newest and step not in committed and not self.pinned(store, step):
                     store.delete(step_dir(self.config.namespace, step))
+
+    def pinned(self, store: Storage, step: int) -> bool:
+        return any(n.startswith(PIN_PREFIX) for n in store.list(step_dir(self.config.namespace, step)))
 
 
 def views(config: TieredConfig, node: int, rank: int) -> list[TierView]:

@@ -1,9 +1,10 @@
-"""TieredWriter: the DCP StorageWriter that writes one step to its tiers.
+"""TieredWriter: the DCP StorageWriter (and async stager) that saves one step.
 
-Each rank writes one part file per tier (its items' chunks back to back, each chunk
-checksummed); the coordinator then writes the step's metadata and, last, the commit
-marker, and applies retention. ``write_step_to_tier`` is the seam the background writer
-process uses for the slower tiers.
+On the save's path each rank writes its part to the fastest tier taking the step (its
+items' chunks back to back, each checksummed); the coordinator then writes the step's
+metadata and, last, the commit marker, and applies retention: that commit is the step's
+durability point. Each rank then hands the step to its writer process (``persist``),
+which fills in the slower tiers taking it.
 """
 
 from __future__ import annotations
@@ -12,19 +13,27 @@ import dataclasses
 import logging
 import os
 import pickle
+import time
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
 
-from .catalog import MARKER, METADATA, Marker, PartInfo, TierView, step_dir
+from . import preemption
+from .catalog import MARKER, METADATA, Marker, PartInfo, TierView, pin_key, step_dir
 from .config import TieredConfig, node_of
+from .runtime import MAX_PENDING, Job, WriterHandle, rundir
+from .staging import POOL
 from .tensors import as_cpu_contiguous, byte_view
 
 log = logging.getLogger("tiered_dcp")
@@ -113,18 +122,41 @@ def commit_step(
         store.write(f"{step_dir(ns, step)}/{MARKER}", [marker.to_bytes()])
 
 
-class TieredWriter(StorageWriter):
-    """Saves ``step`` to every tier of ``config`` that takes it (``step % every == 0``).
+class TieredWriter(StorageWriter, AsyncStager):
+    """Saves ``step``: committed on the fastest tier that takes it, then the slower ones.
 
-    ``dcp.save`` returns once the step is committed on those tiers on every rank.
-    Cheap to pickle (config and step only), so DCP's PROCESS async mode can ship it.
+    ``dcp.save`` (and an ``async_save`` future) completes once the step is committed on the
+    fastest tier taking it, on every rank. The slower tiers taking it are written by this
+    rank's long-lived writer process (see ``persist``), off the training path.
+
+    As DCP's stager for ``async_save``, it copies the state into reusable shared-memory
+    buffers (``staging``): that copy is the loop's only stall. ``background_staging=True``
+    makes even that copy run in a thread; wait on the response's ``staging_completion``
+    before changing the state. ``handle_sigterm`` finishes in-flight async saves when the
+    process is told to stop (``preemption``). ``staging_slots`` bounds the staged copies in
+    memory; ``max_pending`` bounds how far a rank's writer may fall behind per tier before a
+    save waits for it. Cheap to pickle, so DCP's PROCESS async mode can ship it.
     """
 
-    def __init__(self, config: TieredConfig, step: int) -> None:
+    _synchronize_after_execute = False
+
+    def __init__(
+        self,
+        config: TieredConfig,
+        step: int,
+        *,
+        background_staging: bool = False,
+        handle_sigterm: bool = True,
+        staging_slots: int = 2,
+        max_pending: int = MAX_PENDING,
+    ) -> None:
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredWriter: config must be a TieredConfig, got {type(config).__name__}")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"TieredWriter: step must be an integer >= 0, got {step!r}")
+        for name, value in (("staging_slots", staging_slots), ("max_pending", max_pending)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TieredWriter: {name}={value!r} must be an integer >= 1")
         self.config = config
         self.step = step
         self.tier_indexes = config.tiers_for(step)
@@ -142,6 +174,12 @@ class TieredWriter(StorageWriter):
                 "node-local tiers hold a single copy",
                 config.replication_factor,
             )
+        self.background_staging = background_staging
+        self.handle_sigterm = handle_sigterm
+        self.staging_slots = staging_slots
+        self.max_pending = max_pending
+        self.owner_pid: int | None = None  # the trainer's pid, set when it stages
+        self.handoff_wait = 0.0  # seconds write_data waited for a writer that fell behind
         self.rank = 0
         self.node = node_of(0)
         self.is_coordinator = True
@@ -149,6 +187,26 @@ class TieredWriter(StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_world": None}
+
+    # -- AsyncStager: the copy the training loop waits for --------------------------------
+
+    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | ConcurrentFuture[STATE_DICT_TYPE]:
+        self.owner_pid = os.getpid()
+        if self.handle_sigterm:
+            preemption.install()
+        POOL.slots = self.staging_slots
+        if not self.background_staging:
+            return POOL.stage(state_dict)
+        return _staging_thread().submit(POOL.stage, state_dict, POOL.reserve())
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: ``stage`` returns a finished copy or a future for it."""
+
+    def close(self) -> None:
+        """Free this process's staging buffers (busy ones once their uploads end)."""
+        POOL.close()
+
+    # -- StorageWriter ------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._world = None
@@ -180,17 +238,29 @@ class TieredWriter(StorageWriter):
             raise ValueError(f"TieredWriter: unexpected rank order {ranks} in the global plan")
         return plans
 
-    def _views(self) -> list[TierView]:
-        return [TierView(self.config, i, self.node, self.rank) for i in self.tier_indexes]
+    def _first(self) -> TierView:
+        return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         items = resolve_items(plan, planner)
-        per_tier = {v.index: write_part(v, self.step, self.rank, items) for v in self._views()}
+        first = self._first()
+        slower = self.tier_indexes[1:]
+        ns = self.config.namespace
+        for target in slower:  # pins first: retention must not remove what a writer will copy
+            first.own.write(pin_key(ns, self.step, self.rank, target), [b""])
+        records = write_part(first, self.step, self.rank, items)
+        if slower:
+            owner = self.owner_pid or os.getpid()
+            handle = writer_handle(self.config, self.rank)
+            handle.report_failures()
+            for target in slower:
+                job = Job(self.step, first.index, target, self.rank, self.node, time.time())
+                self.handoff_wait += handle.enqueue(job, owner, self.max_pending)
         results = [
             WriteResult(
                 index=it.index,
                 size_in_bytes=sum(len(c) for c in it.chunks),
-                storage_data={ti: recs[it.index] for ti, recs in per_tier.items()},
+                storage_data=records[it.index],
             )
             for it in items
         ]
@@ -200,8 +270,27 @@ class TieredWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         world = self._world if self._world is not None else [self.node]
-        flat = [wr for rank_results in results for wr in rank_results]
-        for view in self._views():
-            records = {wr.index: wr.storage_data[view.index] for wr in flat}
-            commit_step(view, self.step, metadata, world, records)
-            view.apply_retention(self.step)
+        records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
+        first = self._first()
+        commit_step(first, self.step, metadata, world, records)
+        first.apply_retention(self.step)
+
+
+_STAGING_THREAD: ThreadPoolExecutor | None = None
+
+
+def _staging_thread() -> ThreadPoolExecutor:
+    global _STAGING_THREAD
+    if _STAGING_THREAD is None:
+        _STAGING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-staging")
+    return _STAGING_THREAD
+
+
+_HANDLES: dict[Path, WriterHandle] = {}
+
+
+def writer_handle(config: TieredConfig, rank: int) -> WriterHandle:
+    """This process's handle on rank's writer process (one per job and rank)."""
+    handle = _HANDLES.setdefault(rundir(config, rank), WriterHandle(config, rank))
+    handle.config = config
+    return handle

@@ -1,0 +1,263 @@
+"""Where a rank's writer process keeps its queue, and how a trainer hands it work.
+
+Each (job, rank) has a node-local runtime directory, found by the trainer, the writer
+process, the status call and the CLI alike::
+
+    $TIERED_DCP_RUNTIME_DIR (default /dev/shm/tiered-dcp-<uid>, else the temp dir)
+      <namespace>-<hash of the tier paths>/rank_<rank>/
+        config.pkl        the TieredConfig the writer works for
+        owner             pid of the trainer the writer serves (each new trainer rewrites it)
+        writer.lock       held (flock) by the live writer for its whole life
+        writer.pid        the live writer's pid
+        stop              asks the writer to exit once its queue is empty
+        queue/t<tier>_s<step>.json     a step waiting to be written to a slower tier
+        results/t<tier>_s<step>.json   what became of it: committed, or failed and why
+
+Files, not sockets: any process (the trainer, DCP's upload thread or subprocess) can
+enqueue, the queue outlives a crashed writer (its successor resumes it), and the status
+call reads it without talking to anyone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import TieredConfig
+
+log = logging.getLogger("tiered_dcp")
+
+MAX_PENDING = 2  # steps per slower tier a rank's writer may have queued before a save waits
+POLL = 0.05
+_LAUNCHED: dict[Path, subprocess.Popen] = {}  # writers this process started (reaped by a thread)
+
+
+def runtime_root() -> Path:
+    env = os.environ.get("TIERED_DCP_RUNTIME_DIR")
+    if env:
+        return Path(env)
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"tiered-dcp-{os.getuid()}"
+
+
+def job_dir(config: TieredConfig) -> Path:
+    key = hashlib.sha1("\n".join([config.namespace, *(t.path for t in config.tiers)]).encode()).hexdigest()
+    return runtime_root() / f"{config.namespace}-{key[:10]}"
+
+
+def rundir(config: TieredConfig, rank: int) -> Path:
+    return job_dir(config) / f"rank_{rank:05d}"
+
+
+def job_name(tier: int, step: int) -> str:
+    return f"t{tier:02d}_s{step:012d}.json"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as dead)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` so that a reader sees the whole file or none of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def writer_running(rd: Path) -> bool:
+    """Whether a writer process holds this rank's lock."""
+    lock = rd / "writer.lock"
+    if not lock.exists():
+        return False
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def writer_pid(rd: Path) -> int | None:
+    try:
+        return int((rd / "writer.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Job:
+    """One step to be written from its source tier to one slower tier by rank's writer."""
+
+    step: int
+    source: int
+    target: int
+    rank: int
+    node: int
+    enqueued: float
+
+    @classmethod
+    def load(cls, path: Path) -> Job | None:
+        d = read_json(path)
+        return cls(**d) if d else None
+
+
+def queued(rd: Path, target: int | None = None) -> list[Job]:
+    jobs = []
+    qdir = rd / "queue"
+    if qdir.is_dir():
+        for p in sorted(qdir.glob("t*_s*.json")):
+            job = Job.load(p)
+            if job is not None and (target is None or job.target == target):
+                jobs.append(job)
+    return jobs
+
+
+def results(rd: Path) -> dict[tuple[int, int], dict]:
+    """(step, tier) -> outcome, for the steps this rank's writers finished."""
+    out = {}
+    rdir = rd / "results"
+    if rdir.is_dir():
+        for p in sorted(rdir.glob("t*_s*.json")):
+            d = read_json(p)
+            if d:
+                out[(d["step"], d["target"])] = d
+    return out
+
+
+class WriterHandle:
+    """The trainer's side of one rank's writer process: start it, keep it alive, feed it."""
+
+    _reported: set[tuple[str, int, int]] = set()
+
+    def __init__(self, config: TieredConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.rd = rundir(config, rank)
+
+    def ensure(self, owner_pid: int) -> None:
+        """Make sure a writer serves this rank, starting one if none is running."""
+        for sub in ("queue", "results"):
+            (self.rd / sub).mkdir(parents=True, exist_ok=True)
+        cfg = self.rd / "config.pkl"
+        blob = pickle.dumps(self.config)
+        if not cfg.exists() or cfg.read_bytes() != blob:
+            tmp = cfg.with_name(f".config.{os.getpid()}.tmp")
+            tmp.write_bytes(blob)
+            os.replace(tmp, cfg)
+        owner = self.rd / "owner"
+        if owner.exists() is False or owner.read_text().strip() != str(owner_pid):
+            tmp = owner.with_name(f".owner.{os.getpid()}.tmp")
+            tmp.write_text(str(owner_pid))
+            os.replace(tmp, owner)
+        (self.rd / "stop").unlink(missing_ok=True)
+        if writer_running(self.rd):
+            return
+        proc = _LAUNCHED.get(self.rd)
+        if proc is not None and proc.returncode is None:  # the reaper thread sets it
+            return  # started moments ago and still importing; it takes the lock when ready
+        stale = writer_pid(self.rd)
+        if stale is not None:
+            log.warning(
+                "the writer process of rank %d (pid %d) died; starting a new one, which resumes "
+                "its %d queued step(s)",
+                self.rank,
+                stale,
+                len(queued(self.rd)),
+            )
+            (self.rd / "writer.pid").unlink(missing_ok=True)
+        self._start()
+
+    def _start(self) -> None:
+        cmd = [sys.executable, "-m", "tiered_dcp.persist", str(self.rd)]
+        # A session of its own, so a Ctrl-C to the trainer's terminal does not cut a step in
+        # half; it exits by itself once its trainer is gone and its queue is empty.
+        with open(self.rd / "writer.log", "ab") as logf:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        _LAUNCHED[self.rd] = proc
+        threading.Thread(target=proc.wait, daemon=True, name="tiered-dcp-reaper").start()
+
+    def enqueue(self, job: Job, owner_pid: int, max_pending: int = MAX_PENDING) -> float:
+        """Queue ``job``, first waiting while the writer is ``max_pending`` steps behind on
+        that tier; returns the seconds waited."""
+        self.ensure(owner_pid)
+        started = time.monotonic()
+        warned = False
+        while len(queued(self.rd, job.target)) >= max_pending:
+            if not warned and time.monotonic() - started > 1:
+                warned = True
+                log.warning(
+                    "rank %d: the writer is %d step(s) behind on tier %s; step %d waits for it "
+                    "(nothing is dropped; a slower tier cannot take steps faster than it writes)",
+                    self.rank,
+                    max_pending,
+                    self.config.tiers[job.target].path,
+                    job.step,
+                )
+            time.sleep(POLL)
+            if not writer_running(self.rd):
+                self.ensure(owner_pid)
+        (self.rd / "results" / job_name(job.target, job.step)).unlink(missing_ok=True)
+        write_json(self.rd / "queue" / job_name(job.target, job.step), job.__dict__)
+        return time.monotonic() - started
+
+    def report_failures(self) -> None:
+        """Log, once each, the steps this rank's writer could not persist."""
+        for (step, tier), res in results(self.rd).items():
+            key = (str(self.rd), step, tier)
+            if res.get("state") == "failed" and key not in self._reported:
+                self._reported.add(key)
+                log.error(
+                    "step %d was NOT written to tier %s by rank %d's writer: %s",
+                    step,
+                    self.config.tiers[tier].path,
+                    self.rank,
+                    res.get("error"),
+                )
+
+    def stop(self, wait: bool, timeout: float | None) -> bool:
+        """Ask the writer to exit once its queue is empty; with ``wait``, wait for that."""
+        if not self.rd.is_dir():
+            return True
+        (self.rd / "stop").touch()
+        if not wait:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while writer_running(self.rd):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(POLL)
+        return True

@@ -1,0 +1,309 @@
+"""Reusable staging buffers: the one copy an async save costs the training loop.
+
+``stage`` copies the state into host buffers that are allocated once per state layout and
+reused by every later save. The buffers live in shared memory, so DCP's PROCESS mode
+hands them to its subprocess without another copy, and are pinned (with the device copies
+on a side stream) when the state is on CUDA. A fresh allocation per save runs at a
+fraction of a warm copy's speed; reuse is what makes the stall one warm copy.
+
+Memory is bounded: at most ``slots`` staged copies exist per process. A slot is busy from
+``stage`` until DCP drops the staged dict, which it does when that save's upload ends
+(success or failure); a save that finds every slot busy waits for the oldest upload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("tiered_dcp")
+
+ALIGN = 64
+
+
+class StagedStateDict(dict):
+    """The staged copy handed to DCP; weak-referenceable so its slot frees when dropped."""
+
+    __slots__ = ("__weakref__",)
+
+
+@dataclass(frozen=True)
+class _Hole:
+    """Where leaf ``index`` sits in the template of a state dict."""
+
+    index: int
+
+
+def _flatten(obj: Any, leaves: list[Any]) -> Any:
+    """A template of ``obj`` with every leaf replaced by a ``_Hole``; leaves appended in order."""
+    if isinstance(obj, Mapping):
+        return {k: _flatten(v, leaves) for k, v in obj.items()}
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        items = [_flatten(v, leaves) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    leaves.append(obj)
+    return _Hole(len(leaves) - 1)
+
+
+def _fill(template: Any, values: list[Any]) -> Any:
+    if isinstance(template, _Hole):
+        return values[template.index]
+    if isinstance(template, dict):
+        return {k: _fill(v, values) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_fill(v, values) for v in template]
+    if isinstance(template, tuple):
+        return tuple(_fill(v, values) for v in template)
+    return template
+
+
+def _is_plain(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _signature(leaves: list[Any]) -> tuple:
+    """What decides the buffers' layout: dtype, shape and device of every tensor leaf."""
+    sig = []
+    for v in leaves:
+        if isinstance(v, DTensor):
+            loc = v._local_tensor
+            sig.append(("d", loc.dtype, tuple(loc.shape), loc.device.type, v._spec))
+        elif _is_plain(v):
+            sig.append(("t", v.dtype, tuple(v.shape), v.device.type))
+        else:
+            sig.append(None)
+    return tuple(sig)
+
+
+def _pin(ptr: int, nbytes: int) -> None:
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # cudaHostRegisterPortable
+    if rc != 0:
+        raise RuntimeError(f"pinning {nbytes} staging bytes failed with cudaError {rc}")
+
+
+def _unpin(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+@dataclass
+class _Slot:
+    """One staged copy's buffers: a single shared-memory arena and the views into it."""
+
+    signature: tuple
+    arena: torch.Tensor
+    targets: list[torch.Tensor | None]  # per leaf: the local view to copy into
+    staged: list[Any]  # per leaf: what the staged dict holds (a view or a DTensor over it)
+    pinned: bool
+    busy: bool = False
+    generation: int = 0
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.arena.numel()
+
+    def free(self) -> None:
+        if self.pinned:
+            _unpin(self.arena.data_ptr())
+            self.pinned = False
+        self.targets, self.staged = [], []
+        self.arena = torch.empty(0, dtype=torch.uint8)
+
+
+def _allocate(leaves: list[Any], signature: tuple) -> _Slot:
+    offsets, total = [], 0
+    for v in leaves:
+        if isinstance(v, torch.Tensor) and (isinstance(v, DTensor) or _is_plain(v)):
+            loc = _local(v)
+            offsets.append(total)
+            total += (loc.numel() * loc.element_size() + ALIGN - 1) // ALIGN * ALIGN
+        else:
+            offsets.append(None)
+    storage = torch.UntypedStorage._new_shared(max(total, 1), device="cpu")
+    arena = torch.empty(0, dtype=torch.uint8).set_(storage)
+    arena.fill_(0)  # touch every page now, not during the first save's copy
+    on_cuda = any(s is not None and s[3] == "cuda" for s in signature)
+    if on_cuda:
+        _pin(arena.data_ptr(), arena.numel())
+    targets: list[torch.Tensor | None] = []
+    staged: list[Any] = []
+    for v, off in zip(leaves, offsets, strict=True):
+        if off is None:
+            targets.append(None)
+            staged.append(None)
+            continue
+        loc = _local(v)
+        n = loc.numel() * loc.element_size()
+        # A storage of its own over the arena's bytes (offset 0): DTensor mis-reports the
+        # data pointer of a local tensor at a storage offset, which breaks its pickling.
+        view = torch.empty(0, dtype=loc.dtype).set_(storage[off : off + n], 0, loc.shape, _strides(loc.shape))
+        targets.append(view)
+        staged.append(DTensor(view, v._spec, requires_grad=False) if isinstance(v, DTensor) else view)
+    return _Slot(signature, arena, targets, staged, on_cuda)
+
+
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def _copy_other(value: Any) -> Any:
+    """A leaf that is not a plain tensor or DTensor, copied so later training cannot change it."""
+    if isinstance(value, torch.Tensor):  # ShardedTensor and other subclasses: a fresh CPU copy
+        from torch.distributed._state_dict_utils import _offload_state_dict_to_cpu
+
+        return _offload_state_dict_to_cpu({"v": value})["v"]
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # an object that cannot be copied is saved as it is at upload time
+        return value
+
+
+class StagingPool:
+    """The process's staging slots (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._slots: list[_Slot] = []
+        self._cond = threading.Condition(threading.RLock())
+        self.slots = 2
+        self.wait_seconds = 0.0  # how long the last save waited for a free slot
+        self._closing = False
+        self._reserved = 0  # saves counted in flight whose background staging has no slot yet
+
+    def reserve(self) -> bool:
+        """Count a save as in flight before its background staging has taken a slot."""
+        with self._cond:
+            self._reserved += 1
+        return True
+
+    def stage(self, state_dict: Mapping[str, Any], reserved: bool = False) -> StagedStateDict:
+        try:
+            leaves: list[Any] = []
+            template = _flatten(state_dict, leaves)
+            signature = _signature(leaves)
+            slot = self._acquire(leaves, signature)
+        finally:
+            if reserved:
+                with self._cond:
+                    self._reserved -= 1
+        try:
+            values = self._copy_into(slot, leaves)
+        except BaseException:
+            self._release(slot, slot.generation)
+            raise
+        staged = StagedStateDict(_fill(template, values))
+        weakref.finalize(staged, self._release, slot, slot.generation)
+        return staged
+
+    @torch.no_grad()
+    def _copy_into(self, slot: _Slot, leaves: list[Any]) -> list[Any]:
+        values = []
+        stream = None
+        if slot.pinned:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            for v, dst, staged in zip(leaves, slot.targets, slot.staged, strict=True):
+                if dst is None:
+                    values.append(_copy_other(v))
+                else:
+                    dst.copy_(_local(v), non_blocking=stream is not None)
+                    values.append(staged)
+        if stream is not None:
+            stream.synchronize()
+        return values
+
+    def _acquire(self, leaves: list[Any], signature: tuple) -> _Slot:
+        started = time.monotonic()
+        warned = False
+        with self._cond:
+            self._closing = False
+            while True:
+                for slot in self._slots:
+                    if not slot.busy and slot.signature == signature:
+                        return self._take(slot)
+                idle = [s for s in self._slots if not s.busy]
+                if idle:  # the state changed shape: replace an idle slot's buffers
+                    self._drop(idle[0])
+                if len(self._slots) < self.slots:
+                    slot = _allocate(leaves, signature)
+                    self._slots.append(slot)
+                    return self._take(slot)
+                if not warned and time.monotonic() - started > 5:
+                    warned = True
+                    log.warning(
+                        "all %d staging slots are held by saves still uploading; this save waits "
+                        "for the oldest (wait for each async_save's future before the next save "
+                        "to avoid this)",
+                        self.slots,
+                    )
+                self._cond.wait(timeout=1.0)
+                self.wait_seconds = time.monotonic() - started
+
+    def _take(self, slot: _Slot) -> _Slot:
+        slot.busy = True
+        slot.generation += 1
+        return slot
+
+    def _release(self, slot: _Slot, generation: int) -> None:
+        with self._cond:
+            if slot.busy and slot.generation == generation:
+                slot.busy = False
+                if self._closing or len(self._slots) > self.slots:
+                    self._drop(slot)
+                self._cond.notify_all()
+
+    def _drop(self, slot: _Slot) -> None:
+        self._slots.remove(slot)
+        slot.free()
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return self._reserved + sum(s.busy for s in self._slots)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no staged save is uploading; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.in_flight():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=min(left, 0.5))
+        return True
+
+    def info(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "slots": len(self._slots),
+                "busy": sum(s.busy for s in self._slots),
+                "bytes": sum(s.nbytes for s in self._slots),
+                "max_slots": self.slots,
+            }
+
+    def close(self) -> None:
+        """Free the idle slots now and the busy ones as their uploads end."""
+        with self._cond:
+            for slot in [s for s in self._slots if not s.busy]:
+                self._drop(slot)
+            self._closing = True
+
+
+POOL = StagingPool()
