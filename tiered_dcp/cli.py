@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from .api import export, status
+from .api import export, status, writer_status
 from .catalog import views
 from .config import Tier, TieredConfig, here
 from .errors import TieredCheckpointError
@@ -64,6 +64,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
     for line in [header, *table]:
         print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
+    writers = writer_status(cfg)
+    if writers:
+        print("writer processes on this node:")
+    for w in writers:
+        state = f"running (pid {w.pid})" if w.running else "not running"
+        queue = ", ".join(f"step {s} -> tier {t}" for s, t in w.queue) or "nothing"
+        print(f"  rank {w.rank}: {state}; queued: {queue}")
+        for s, t, why in w.failed:
+            print(f"    FAILED step {s} -> tier {t}: {why}")
     return 0
 
 

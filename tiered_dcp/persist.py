@@ -15,6 +15,7 @@ exits. Run as ``python -m tiered_dcp.persist RUNDIR``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -36,6 +37,7 @@ from .writer import commit_step
 log = logging.getLogger("tiered_dcp.writer")
 
 ATTEMPTS = 3  # tries per (step, tier) before the step is reported failed on that tier
+PERMANENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 OWNER_GRACE = 30.0  # seconds to wait for a commit once the trainer is gone
 MARKER_TIMEOUT = 600.0  # seconds to wait for a step to be committed on its source tier
 IDLE_EXIT = float(os.environ.get("TIERED_DCP_WRITER_IDLE_EXIT", "3600"))
@@ -154,6 +156,8 @@ class Persister:
             except Exception as e:
                 log.warning("step %d to tier %s, attempt %d: %r", job.step, dst.tier.path, attempt, e)
                 result.update(state="failed", error=f"{type(e).__name__}: {e}")
+                if isinstance(e, OSError) and e.errno in PERMANENT:
+                    break  # a full, read-only or forbidden tier: trying again changes nothing
                 if attempt < ATTEMPTS:
                     time.sleep(0.5 * 4 ** (attempt - 1))
         result["seconds"] = round(time.monotonic() - started, 3)
