@@ -40,6 +40,7 @@ ATTEMPTS = 3  # tries per (step, tier) before the step is reported failed on tha
 PERMANENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 OWNER_GRACE = 30.0  # seconds to wait for a commit once the trainer is gone
 MARKER_TIMEOUT = 600.0  # seconds to wait for a step to be committed on its source tier
+KEEP_RESULTS = 100  # outcomes remembered per tier (status shows failures among them)
 IDLE_EXIT = float(os.environ.get("TIERED_DCP_WRITER_IDLE_EXIT", "3600"))
 
 
@@ -90,6 +91,13 @@ def copy_part(src: TierView, dst: TierView, job: Job, items: list[tuple[Metadata
 
     dst.own.write(out_key, chunks())
     return records
+
+
+def prune_results(rdir: Path, target: int, keep: int = KEEP_RESULTS) -> None:
+    """Forget all but the newest ``keep`` outcomes of a tier, so the directory stays small."""
+    names = sorted(rdir.glob(f"t{target:02d}_s*.json"))
+    for old in names[:-keep]:
+        old.unlink(missing_ok=True)
 
 
 class Persister:
@@ -173,6 +181,7 @@ class Persister:
                 result["seconds"],
             )
         write_json(self.rd / "results" / job_name(job.target, job.step), result)
+        prune_results(self.rd / "results", job.target)
         try:
             src.own.delete(pin_key(self.config.namespace, job.step, job.rank, job.target))
             newest = max(src.committed(), default=job.step)
