@@ -1,11 +1,18 @@
 """The demo: 2 ranks train, one is killed mid-save, the job resumes from the tiers.
 
 Run it with ``tiered-dcp demo``. The launcher starts two worker processes on gloo (one
-simulated node). They train a small FSDP2 MLP and save every step to a RAM tier, every 5th
-to an SSD tier and every 10th to a "bucket" (a local directory declared shared). Rank 1 is
-SIGKILLed while it saves step ``kill_at``; the launcher stops the job as torchrun would,
-restarts it, and the new job loads the newest complete step and checks that it is exactly
-the state that was saved (each rank logged a hash of its shard before each save).
+simulated node). They train a small FSDP2 MLP and save every step with ``dcp.async_save``
+to a RAM tier, every 5th also to an SSD tier and every 10th to a "bucket" (a local
+directory declared shared). A save's future completes once the step is committed on RAM;
+each rank's writer process fills in the slower tiers behind it, and the launcher shows
+them filling in. The loop waits for save N's future before starting save N+1; the demo
+times that wait apart from the stall (the time ``async_save`` takes to return), and
+compares the stall with the stock ``FileSystemWriter``'s on the same state.
+
+Rank 1 is SIGKILLed while it saves step ``kill_at``; the launcher stops the job as
+torchrun would, restarts it, and the new job loads the newest complete step and checks
+that it is exactly the state that was saved (each rank logged a hash of its shard before
+each save).
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 WORLD = 2
+NAMES = ["RAM", "SSD", "bucket"]
+STOCK_SAVES = 3  # stock FileSystemWriter async saves timed at the start of each phase
 
 
 def demo_config(workdir: str, ram_root: str):
@@ -70,9 +80,12 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from . import TieredReader, TieredWriter
+    from . import TieredReader, TieredWriter, shutdown
 
     dist.init_process_group("gloo")
+    # DCP runs an async save's collectives in its upload thread while training runs FSDP's
+    # collectives in the main thread: give checkpointing a process group of its own.
+    ckpt_pg = dist.new_group(backend="gloo")
     rank = dist.get_rank()
     cfg = demo_config(args.dir, args.ram)
     torch.manual_seed(0)
@@ -96,7 +109,33 @@ def worker(args: argparse.Namespace) -> None:
         msd, osd = get_state_dict(model, opt)
         return {"model": msd, "optim": osd, "step": step}
 
-    report: dict = {"rank": rank, "saves": []}
+    def log_timing(rec: dict) -> None:
+        if rank == 0:
+            with open(f"{args.dir}/timing.jsonl", "a") as f:
+                f.write(json.dumps({"phase": args.phase, **rec}) + "\n")
+
+    def stock_stalls(sd: dict) -> None:
+        """The stock writer's stall (the time async_save takes to return) on this state."""
+        stalls = []
+        for i in range(STOCK_SAVES):
+            path = f"{args.dir}/stock.{args.phase}.{i}"
+            t0 = time.perf_counter()
+            fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(path), process_group=ckpt_pg)
+            stalls.append(time.perf_counter() - t0)
+            fut.result()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+        log_timing({"stock": stalls})
+
+    def finish(writer, stall: float, fut) -> None:
+        """Wait for a save's future; log its stall, that wait, and how much of the wait was
+        spent handing the step to a writer process that had fallen behind."""
+        t0 = time.perf_counter()
+        fut.result()
+        wait = time.perf_counter() - t0
+        log_timing({"step": writer.step, "stall": stall, "wait": wait, "handoff": writer.handoff_wait})
+
+    report: dict = {"rank": rank}
     start = 0
     if args.resume:
         train_step(0)  # materialise optimizer state so there is something to load into
@@ -114,24 +153,28 @@ def worker(args: argparse.Namespace) -> None:
         report["resume"] = {
             "step": start,
             "tier": reader.tiers[0],
-            "tier_path": cfg.tiers[reader.tiers[0]].path,
             "seconds": time.perf_counter() - t0,
             "match": truth.get(start) == _state_hash(state(start)),
         }
     os.makedirs(f"{args.dir}/truth", exist_ok=True)
+    pending = None  # (writer, stall, future) of the save still uploading
     for step in range(start + 1, args.steps + 1):
         train_step(step)
         sd = state(step)
         with open(f"{args.dir}/truth/rank{rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
-        with open(f"{args.dir}/progress.rank{rank}", "w") as f:
-            f.write(str(step))
+        if pending is None:
+            stock_stalls(sd)
+        else:
+            finish(*pending)  # save N must be done before save N+1 starts
         writer = TieredWriter(cfg, step=step)
         t0 = time.perf_counter()
-        dcp.save(sd, storage_writer=writer)
-        report["saves"].append(
-            {"step": step, "tiers": writer.tier_indexes, "blocked": time.perf_counter() - t0}
-        )
+        fut = dcp.async_save(sd, storage_writer=writer, process_group=ckpt_pg)
+        pending = (writer, time.perf_counter() - t0, fut)
+        with open(f"{args.dir}/progress.rank{rank}", "w") as f:
+            f.write(str(step))  # save `step` is under way; save `step - 1` is committed
+    if pending is not None:
+        finish(*pending)
     tensors = [
         *model.parameters(),
         *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
@@ -139,6 +182,7 @@ def worker(args: argparse.Namespace) -> None:
     report["state_bytes"] = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
     with open(f"{args.dir}/report.{args.phase}.rank{rank}.json", "w") as f:
         json.dump(report, f)
+    shutdown(wait=False)  # free the staging buffers; the writer finishes the slower tiers alone
     dist.barrier()
     dist.destroy_process_group()
 
@@ -174,7 +218,8 @@ def _launch(
             "--phase",
             phase,
         ] + (["--resume"] if resume else [])
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        with open(f"{workdir}/stderr.{phase}.rank{rank}", "wb") as err:  # a file: a pipe can fill up
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
     return procs
 
 
@@ -194,47 +239,84 @@ def _read_progress(workdir: str, rank: int) -> int:
         return 0
 
 
-def _fail(procs: list[subprocess.Popen], what: str) -> int:
+def _fail(procs: list[subprocess.Popen], workdir: str, phase: str, what: str) -> int:
     for p in procs:
         if p.poll() is None:
             p.kill()
-    for p in procs:
-        err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+    for rank, p in enumerate(procs):
         p.wait()
+        try:
+            with open(f"{workdir}/stderr.{phase}.rank{rank}", errors="replace") as f:
+                err = f.read()
+        except OSError:
+            err = ""
         if p.returncode not in (0, None) and err:
-            print(f"--- a worker's stderr (exit {p.returncode}):\n{err[-3000:]}", file=sys.stderr)
+            print(f"--- rank {rank}'s stderr (exit {p.returncode}):\n{err[-3000:]}", file=sys.stderr)
     print(f"demo failed: {what}", file=sys.stderr)
     return 1
+
+
+def _where(cfg, step: int) -> str:
+    """Where ``step`` stands on each tier taking it, e.g. 'RAM committed | SSD queued'."""
+    from .api import status
+
+    rows = status(cfg)
+    newest = {}
+    for r in rows:
+        if r.state == "committed":
+            newest[r.tier_index] = max(newest.get(r.tier_index, -1), r.step)
+    state = {r.tier_index: r.state for r in rows if r.step == step}
+    cells = []
+    for i in cfg.tiers_for(step):
+        s = state.get(i) or ("dropped" if cfg.tiers[i].keep and newest.get(i, -1) > step else "-")
+        cells.append(f"{NAMES[i]} {s}")
+    return f"step {step}: " + " | ".join(cells)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
 def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> int:
     """Run the demo; return 0 when the resumed state matched the saved one."""
     if not 1 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 2 and {steps - 1}")
-    from .api import status
+    from . import runtime
+    from .api import status, wait_for, writer_status
+    from .errors import TieredCheckpointError
+    from .runtime import MAX_PENDING
 
     own_dir = workdir is None
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tiered-dcp-demo-"))
     ram = f"{workdir}/ram"
     if own_dir and os.access("/dev/shm", os.W_OK):
         ram = tempfile.mkdtemp(prefix="tiered-dcp-demo-", dir="/dev/shm")
+    cfg = demo_config(workdir, ram)
+    os.makedirs(workdir, exist_ok=True)
     for stale in ("truth", "ssd", "bucket", "ram"):
         shutil.rmtree(f"{workdir}/{stale}", ignore_errors=True)
-    cfg = demo_config(workdir, ram)
-    names = ["RAM", "SSD", "bucket"]
-    print(f"tiered-dcp demo: {WORLD} ranks on gloo train an FSDP2 MLP for {steps} steps")
+    for stale in ("timing.jsonl", "progress.rank0", "progress.rank1", "report.2.rank0.json"):
+        if os.path.exists(f"{workdir}/{stale}"):
+            os.remove(f"{workdir}/{stale}")
+    if not any(w.running for w in writer_status(cfg)):  # a previous run's queue and results
+        shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+    slower = range(1, len(cfg.tiers))
+    print(
+        f"tiered-dcp demo: {WORLD} ranks on gloo train an FSDP2 MLP for {steps} steps, "
+        "saving each with dcp.async_save"
+    )
     for i, t in enumerate(cfg.tiers):
         extra = f", {t.compression}" if t.compression else ""
-        print(f"  tier {i} {names[i]:<6} {t.path}  (every {t.every}, keep {t.keep or 'all'}{extra})")
+        print(f"  tier {i} {NAMES[i]:<6} {t.path}  (every {t.every}, keep {t.keep or 'all'}{extra})")
     try:
         # phase 1: train, and kill rank 1 while it saves step kill_at
         t_start = time.perf_counter()
         procs = _launch(workdir, ram, steps, "1", False, _free_port())
         while _read_progress(workdir, 1) < kill_at:
             if any(p.poll() not in (None, 0) for p in procs):
-                return _fail(procs, "a worker died before the planned kill")
+                return _fail(procs, workdir, "1", "a worker died before the planned kill")
             if time.perf_counter() - t_start > 300:
-                return _fail(procs, "phase 1 took longer than 300 s")
+                return _fail(procs, workdir, "1", "phase 1 took longer than 300 s")
             time.sleep(0.002)
         os.kill(procs[1].pid, signal.SIGKILL)
         print(f"\n  phase 1: saved steps 1..{kill_at - 1}; rank 1 SIGKILLed while saving step {kill_at}")
@@ -246,13 +328,30 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
         for p in procs:
             p.wait()
         print("           the job stopped (rank 0 lost its peer); restarting it")
-        # phase 2: restart, resume from the newest complete step, finish training
+        # phase 2: restart, resume from the newest complete step, finish training, and
+        # show the slower tiers filling in behind the saves
         procs = _launch(workdir, ram, steps, "2", True, _free_port())
         deadline = time.time() + 300
+        last = {i: steps // cfg.tiers[i].every * cfg.tiers[i].every for i in slower}  # per tier
+        end = max(last.values(), default=0)  # shown once training is over
+        to_show = [s for s in range(kill_at, end) if any(cfg.tiers[i].takes(s) for i in slower)]
+        lines: list[str] = []
+        ended = None  # when the last save was committed on RAM
         while any(p.poll() is None for p in procs):
             if time.time() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                return _fail(procs, "the restarted job failed")
-            time.sleep(0.05)
+                return _fail(procs, workdir, "2", "the restarted job failed")
+            # progress N: save N is under way, so save N-1 is committed on RAM on every rank
+            now = _read_progress(workdir, 0)
+            if to_show and to_show[0] < now:
+                m = to_show.pop(0)
+                recent = {m} | {m // cfg.tiers[i].every * cfg.tiers[i].every for i in slower}
+                for k, s in enumerate(sorted(recent - {0}, reverse=True)):
+                    lines.append(f"{f'at step {now}:' if k == 0 else '':<13}{_where(cfg, s)}")
+            if ended is None and os.path.exists(f"{workdir}/report.2.rank0.json"):  # last save committed
+                ended = time.perf_counter()
+                for k, s in enumerate(sorted(set(last.values()) - {0}, reverse=True)):
+                    lines.append(f"{'at the end:' if k == 0 else '':<13}{_where(cfg, s)}")
+            time.sleep(0.02)
         reports = []
         for rank in range(WORLD):
             with open(f"{workdir}/report.2.rank{rank}.json") as f:
@@ -262,15 +361,28 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
         r0 = resume[0]
         print(
             f"  resume:  newest complete step {r0['step']}, read from tier {r0['tier']} "
-            f"({names[r0['tier']]}) in {r0['seconds'] * 1000:.0f} ms"
+            f"({NAMES[r0['tier']]}) in {_ms(r0['seconds'])}"
         )
         print(
             "           restored state == state saved at that step: "
             + ", ".join(f"rank {i} {'yes' if r['match'] else 'NO'}" for i, r in enumerate(resume))
         )
-        print(f"  phase 2: trained steps {r0['step'] + 1}..{steps}")
-        blocked = [s["blocked"] for s in reports[0]["saves"]]
-        saved_steps = list(range(1, kill_at)) + [s["step"] for s in reports[0]["saves"]]
+        print(f"  phase 2: trained steps {r0['step'] + 1}..{steps}; the slower tiers fill in behind:")
+        for line in lines:
+            print(f"           {line}")
+        try:
+            for i, s in last.items():
+                if s > 0:
+                    wait_for(cfg, s, tier=i, timeout=120)
+        except (TimeoutError, TieredCheckpointError) as e:
+            print(f"  the slower tiers did not catch up: {e}")
+            return 1
+        waited = ", ".join(f"{NAMES[i]} {s}" for i, s in last.items() if s > 0)
+        if waited:
+            took = _ms(time.perf_counter() - (ended or time.perf_counter()))
+            print(f"           {took} after the last save, every tier had its last step ({waited})")
+
+        saved_steps = list(range(1, kill_at)) + list(range(r0["step"] + 1, steps + 1))
         held: dict[int, list[int]] = {}
         for row in status(cfg):
             if row.state == "committed":
@@ -278,13 +390,35 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
         print(f"\n  {'tier':<8}{'steps saved':>12}   held now")
         for i, t in enumerate(cfg.tiers):
             n = sum(1 for s in saved_steps if t.takes(s))
-            print(f"  {names[i]:<8}{n:>12}   {held.get(i, [])}")
+            print(f"  {NAMES[i]:<8}{n:>12}   {held.get(i, [])}")
+
+        saves, stock = [], []
+        with open(f"{workdir}/timing.jsonl") as f:
+            for line in f:
+                rec = json.loads(line)
+                if "stock" in rec:
+                    stock += rec["stock"]
+                else:
+                    saves.append(rec)
         mb = sum(r["state_bytes"] for r in reports) / 1e6
+        stalls = [r["stall"] for r in saves]
+        ours, theirs = statistics.median(stalls), statistics.median(stock)
+        slowest = max(saves, key=lambda r: r["wait"])
+        print(f"\n  {len(saves)} saves of {mb:.1f} MB ({WORLD} ranks) with dcp.async_save, timed on rank 0:")
         print(
-            f"\n  state per save: {mb:.1f} MB over {WORLD} ranks; training blocked per save "
-            f"(sync dcp.save, all tiers taking the step): median {statistics.median(blocked) * 1000:.0f} ms, "
-            f"max {max(blocked) * 1000:.0f} ms"
+            f"    {'stall (async_save returns):':<36}median {_ms(ours)}, max {_ms(max(stalls))}; "
+            f"stock FileSystemWriter: median {_ms(theirs)} ({theirs / max(ours, 1e-6):.1f}x ours)"
         )
+        waits = [r["wait"] for r in saves]
+        print(
+            f"    {'wait (its future, before the next):':<36}median {_ms(statistics.median(waits))}, "
+            f"max {_ms(slowest['wait'])} (step {slowest['step']})"
+        )
+        if slowest["handoff"] > 0.5 * slowest["wait"]:
+            print(
+                f"      (its writer process had max_pending={MAX_PENDING} steps queued for a tier: "
+                f"the handoff took {_ms(slowest['handoff'])})"
+            )
         print(
             f"\n  {'OK' if ok else 'FAILED'}: the job resumed from step {r0['step']} "
             f"with exactly the saved state"
@@ -292,6 +426,10 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
         return 0 if ok else 1
     finally:
         if own_dir:
+            deadline = time.time() + 5  # the writers exit once their trainer is gone
+            while any(w.running for w in writer_status(cfg)) and time.time() < deadline:
+                time.sleep(0.05)
+            shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(ram, ignore_errors=True)
 
@@ -303,7 +441,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--phase", required=True)
     p.add_argument("--resume", action="store_true")
-    worker(p.parse_args())
+    code = 0
+    try:
+        worker(p.parse_args())
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip the interpreter's teardown: seconds of garbage collection over torch
 
 
 if __name__ == "__main__":

@@ -159,28 +159,18 @@ def results(rd: Path) -> dict[tuple[int, int], dict]:
 class WriterHandle:
     """The trainer's side of one rank's writer process: start it, keep it alive, feed it."""
 
-    _reported: set[tuple[str, int, int]] = set()
-
     def __init__(self, config: TieredConfig, rank: int) -> None:
         self.config = config
         self.rank = rank
         self.rd = rundir(config, rank)
+        self._prepared: tuple | None = None
+        self._seen: set[str] = set()  # outcome files already looked at
 
     def ensure(self, owner_pid: int) -> None:
         """Make sure a writer serves this rank, starting one if none is running."""
-        for sub in ("queue", "results"):
-            (self.rd / sub).mkdir(parents=True, exist_ok=True)
-        cfg = self.rd / "config.pkl"
-        blob = pickle.dumps(self.config)
-        if not cfg.exists() or cfg.read_bytes() != blob:
-            tmp = cfg.with_name(f".config.{os.getpid()}.tmp")
-            tmp.write_bytes(blob)
-            os.replace(tmp, cfg)
-        owner = self.rd / "owner"
-        if owner.exists() is False or owner.read_text().strip() != str(owner_pid):
-            tmp = owner.with_name(f".owner.{os.getpid()}.tmp")
-            tmp.write_text(str(owner_pid))
-            os.replace(tmp, owner)
+        if self._prepared != (self.config, owner_pid) or not (self.rd / "queue").is_dir():
+            self._prepare(owner_pid)
+            self._prepared = (self.config, owner_pid)
         (self.rd / "stop").unlink(missing_ok=True)
         if writer_running(self.rd):
             return
@@ -199,6 +189,25 @@ class WriterHandle:
             (self.rd / "writer.pid").unlink(missing_ok=True)
         self._start()
 
+    def _prepare(self, owner_pid: int) -> None:
+        for sub in ("queue", "results"):
+            (self.rd / sub).mkdir(parents=True, exist_ok=True)
+        cfg = self.rd / "config.pkl"
+        blob = pickle.dumps(self.config)
+        if not cfg.exists() or cfg.read_bytes() != blob:
+            tmp = cfg.with_name(f".config.{os.getpid()}.tmp")
+            tmp.write_bytes(blob)
+            os.replace(tmp, cfg)
+        owner = self.rd / "owner"
+        previous = owner.read_text().strip() if owner.exists() else ""
+        if previous != str(owner_pid):
+            if previous.isdigit() and not pid_alive(int(previous)):
+                for old in (self.rd / "results").glob("*.json"):  # a past run's outcomes
+                    old.unlink(missing_ok=True)
+            tmp = owner.with_name(f".owner.{os.getpid()}.tmp")
+            tmp.write_text(str(owner_pid))
+            os.replace(tmp, owner)
+
     def _start(self) -> None:
         cmd = [sys.executable, "-m", "tiered_dcp.persist", str(self.rd)]
         # A session of its own, so a Ctrl-C to the trainer's terminal does not cut a step in
@@ -210,43 +219,58 @@ class WriterHandle:
         _LAUNCHED[self.rd] = proc
         threading.Thread(target=proc.wait, daemon=True, name="tiered-dcp-reaper").start()
 
-    def enqueue(self, job: Job, owner_pid: int, max_pending: int = MAX_PENDING) -> float:
-        """Queue ``job``, first waiting while the writer is ``max_pending`` steps behind on
-        that tier; returns the seconds waited."""
-        self.ensure(owner_pid)
+    def wait_for_room(self, step: int, targets: list[int], owner_pid: int, max_pending: int) -> float:
+        """Wait while the writer has ``max_pending`` steps queued for one of ``targets``.
+
+        Called before ``step`` is staged or written, so a writer that fell behind makes the
+        next save wait and never delays the commit of a step already written. Returns the
+        seconds waited.
+        """
         started = time.monotonic()
         warned = False
-        while len(queued(self.rd, job.target)) >= max_pending:
-            if not warned and time.monotonic() - started > 1:
-                warned = True
-                log.warning(
-                    "rank %d: the writer is %d step(s) behind on tier %s; step %d waits for it "
-                    "(nothing is dropped; a slower tier cannot take steps faster than it writes)",
-                    self.rank,
-                    max_pending,
-                    self.config.tiers[job.target].path,
-                    job.step,
-                )
-            time.sleep(POLL)
-            if not writer_running(self.rd):
-                self.ensure(owner_pid)
+        for target in targets:
+            while len(queued(self.rd, target)) >= max_pending:
+                if not warned and time.monotonic() - started > 1:
+                    warned = True
+                    log.warning(
+                        "rank %d: the writer is %d step(s) behind on tier %s; step %d waits for it "
+                        "(nothing is dropped; a slower tier cannot take steps faster than it writes)",
+                        self.rank,
+                        max_pending,
+                        self.config.tiers[target].path,
+                        step,
+                    )
+                time.sleep(POLL)
+                if not writer_running(self.rd):
+                    self.ensure(owner_pid)
+        return time.monotonic() - started
+
+    def enqueue(self, job: Job) -> None:
+        """Queue ``job`` for the writer (after ``ensure``)."""
         (self.rd / "results" / job_name(job.target, job.step)).unlink(missing_ok=True)
         write_json(self.rd / "queue" / job_name(job.target, job.step), job.__dict__)
-        return time.monotonic() - started
 
     def report_failures(self) -> None:
         """Log, once each, the steps this rank's writer could not persist."""
-        for (step, tier), res in results(self.rd).items():
-            key = (str(self.rd), step, tier)
-            if res.get("state") == "failed" and key not in self._reported:
-                self._reported.add(key)
+        rdir = self.rd / "results"
+        try:
+            names = set(os.listdir(rdir))
+        except FileNotFoundError:
+            return
+        for name in sorted(names - self._seen):
+            res = read_json(rdir / name)
+            if res is None:
+                continue  # being replaced; looked at next time
+            self._seen.add(name)
+            if res.get("state") == "failed":
                 log.error(
                     "step %d was NOT written to tier %s by rank %d's writer: %s",
-                    step,
-                    self.config.tiers[tier].path,
+                    res["step"],
+                    self.config.tiers[res["target"]].path,
                     self.rank,
                     res.get("error"),
                 )
+        self._seen &= names
 
     def stop(self, wait: bool, timeout: float | None) -> bool:
         """Ask the writer to exit once its queue is empty; with ``wait``, wait for that."""

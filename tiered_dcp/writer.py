@@ -179,7 +179,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.staging_slots = staging_slots
         self.max_pending = max_pending
         self.owner_pid: int | None = None  # the trainer's pid, set when it stages
-        self.handoff_wait = 0.0  # seconds write_data waited for a writer that fell behind
+        self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
+        self._waited = False
         self.rank = 0
         self.node = node_of(0)
         self.is_coordinator = True
@@ -194,6 +195,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.owner_pid = os.getpid()
         if self.handle_sigterm:
             preemption.install()
+        self._wait_for_writer(_current_rank())
         POOL.slots = self.staging_slots
         if not self.background_staging:
             return POOL.stage(state_dict)
@@ -241,7 +243,21 @@ class TieredWriter(StorageWriter, AsyncStager):
     def _first(self) -> TierView:
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
 
+    def _wait_for_writer(self, rank: int) -> None:
+        """Before this step is staged or written: wait if the writer fell too far behind."""
+        slower = self.tier_indexes[1:]
+        if len(self.config.tiers) > 1:
+            handle = writer_handle(self.config, rank)
+            handle.ensure(self.owner_pid or os.getpid())  # started early: it imports torch
+            handle.report_failures()
+            if slower:
+                owner = self.owner_pid or os.getpid()
+                self.handoff_wait += handle.wait_for_room(self.step, slower, owner, self.max_pending)
+        self._waited = True
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if not self._waited:  # a sync save: nothing was staged
+            self._wait_for_writer(self.rank)
         items = resolve_items(plan, planner)
         first = self._first()
         slower = self.tier_indexes[1:]
@@ -250,12 +266,10 @@ class TieredWriter(StorageWriter, AsyncStager):
             first.own.write(pin_key(ns, self.step, self.rank, target), [b""])
         records = write_part(first, self.step, self.rank, items)
         if slower:
-            owner = self.owner_pid or os.getpid()
             handle = writer_handle(self.config, self.rank)
-            handle.report_failures()
+            handle.ensure(self.owner_pid or os.getpid())
             for target in slower:
-                job = Job(self.step, first.index, target, self.rank, self.node, time.time())
-                self.handoff_wait += handle.enqueue(job, owner, self.max_pending)
+                handle.enqueue(Job(self.step, first.index, target, self.rank, self.node, time.time()))
         results = [
             WriteResult(
                 index=it.index,
@@ -274,6 +288,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         first = self._first()
         commit_step(first, self.step, metadata, world, records)
         first.apply_retention(self.step)
+
+
+def _current_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 _STAGING_THREAD: ThreadPoolExecutor | None = None
