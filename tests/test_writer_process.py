@@ -23,6 +23,7 @@ from tiered_dcp import (
     TieredConfig,
     TieredReader,
     TieredWriter,
+    shutdown,
     status,
     wait_for,
     writer_status,
@@ -291,3 +292,5 @@ def test_wait_for_and_cli_show_the_queue(tmp_path, monkeypatch):
         wait_for(cfg, 1, tier=5)
     monkeypatch.delenv("TIERED_DCP_WRITER_MBPS")
     wait_for(cfg, 1, tier=str(tmp_path / "ssd"), timeout=60)
+    assert shutdown(wait=True, timeout=60)  # the writer exits, and its runtime dir goes
+    assert writer_status(cfg) == [] and not rundir(cfg, 0).exists()

@@ -129,8 +129,9 @@ def wait_for(
 def shutdown(wait: bool = True, timeout: float | None = None) -> bool:
     """Free this process's staging buffers and let its writer processes exit.
 
-    With ``wait``, block until they have written everything queued (False on timeout).
-    Without it, they still finish their queues in the background, then exit.
+    With ``wait``, block until they have written everything queued (False on timeout), then
+    remove their runtime directories unless a failure is recorded there. Without it, they
+    still finish their queues in the background, then exit.
     """
     POOL.close()
     ok = True

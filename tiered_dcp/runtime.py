@@ -20,12 +20,14 @@ call reads it without talking to anyone.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -284,4 +286,10 @@ class WriterHandle:
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(POLL)
+        failed = any(r.get("state") == "failed" for r in results(self.rd).values())
+        if not queued(self.rd) and not failed:  # nothing left worth showing: tidy up
+            shutil.rmtree(self.rd, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.rd.parent.rmdir()  # the job's directory, once no rank has one
+            self._prepared = None
         return True
