@@ -18,6 +18,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import logging.handlers
 import os
 import pickle
 import sys
@@ -247,7 +248,9 @@ def main(argv: list[str]) -> int:
             time.sleep(POLL)
     else:
         return 0  # another writer already serves this rank
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s writer[{os.getpid()}] %(message)s")
+    handler = logging.handlers.RotatingFileHandler(rd / "writer.log", maxBytes=1 << 20, backupCount=1)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s writer[{os.getpid()}] %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.raiseExceptions = False
     (rd / "writer.pid").write_text(str(os.getpid()))
     with contextlib.suppress(OSError):

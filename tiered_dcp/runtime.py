@@ -214,7 +214,7 @@ class WriterHandle:
         cmd = [sys.executable, "-m", "tiered_dcp.persist", str(self.rd)]
         # A session of its own, so a Ctrl-C to the trainer's terminal does not cut a step in
         # half; it exits by itself once its trainer is gone and its queue is empty.
-        with open(self.rd / "writer.log", "ab") as logf:
+        with open(self.rd / "writer.out", "ab") as logf:  # a crash's traceback; the log is writer.log
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
             )
