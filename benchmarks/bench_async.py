@@ -32,19 +32,13 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from common import MiB, make_state  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, wait_for, writer_status
 from tiered_dcp.runtime import job_dir
 
 warnings.filterwarnings("ignore")
-MiB = 1 << 20
-
-
-def make_state(mib: int, n: int = 32) -> dict:
-    per = mib * MiB // n // 4
-    g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(n)}
 
 
 def median_after_warmup(samples: list[float]) -> float:

@@ -21,18 +21,12 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from common import MiB, make_state  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
 from tiered_dcp.tensors import byte_view
 
 warnings.filterwarnings("ignore")
-MiB = 1 << 20
-
-
-def make_state(mib: int, n: int = 32) -> dict:
-    per = mib * MiB // n // 4
-    g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(n)}
 
 
 def timed(fn, runs: int, setup=None) -> float:
