@@ -61,14 +61,13 @@ def make_record(
 ) -> dict[str, Any]:
     """The storage record of one item (kept in the step's metadata, per tier)."""
     chunks = [[memoryview(s).nbytes, len(r), h] for s, r, h in zip(stored, raw, hashes, strict=True)]
-    return {
-        "file": key,
-        "offset": offset,
-        "length": sum(c[0] for c in chunks),
-        "codec": codec,
-        "chunks": chunks,
-        **extra,
-    }
+    return record(key, offset, chunks, codec, **extra)
+
+
+def record(key: str, offset: int, chunks: list[list[int]], codec: str, **extra: Any) -> dict[str, Any]:
+    """A record from its chunks' ``[stored_length, raw_length, xxh3]`` (see docs/format.md)."""
+    length = sum(c[0] for c in chunks)
+    return {"file": key, "offset": offset, "length": length, "codec": codec, "chunks": chunks, **extra}
 
 
 def raw_length(record: dict[str, Any]) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from tiered_dcp.storage.codec import Encoder, iter_raw_chunks, make_record
+from tiered_dcp.storage.codec import Encoder, iter_raw_chunks, record
 
 from .catalog import StepCopy, TierView, index_key, load_metadata, pin_key, step_dir
 from .config import TieredConfig
@@ -66,29 +66,20 @@ def copy_part(src: TierView, dst: TierView, job: Job, items: list[tuple[Metadata
     def chunks():
         offset, sent = 0, 0
         for index, rec in items:
-            raws, stored = [], []
-            for raw in iter_raw_chunks(src.own, key, rec):
-                raws.append(memoryview(raw))
-                stored.append(enc.encode(memoryview(raw)))
-            extra = {k: v for k, v in rec.items() if k not in ("file", "offset", "length", "codec", "chunks")}
-            new = make_record(
-                out_key.rsplit("/", 1)[1],
-                offset,
-                stored,
-                raws,
-                [c[2] for c in rec["chunks"]],
-                enc.codec,
-                **extra,
-            )
-            records[index] = new
-            offset += new["length"]
-            for s in stored:
-                yield s
-                sent += memoryview(s).nbytes
+            meta = []  # one chunk in memory at a time, however large the item
+            raw_chunks = iter_raw_chunks(src.own, key, rec)
+            for raw, (_, n, h) in zip(raw_chunks, rec["chunks"], strict=True):
+                stored = enc.encode(memoryview(raw))
+                meta.append([memoryview(stored).nbytes, n, h])
+                yield stored
+                sent += meta[-1][0]
                 if rate:
                     ahead = sent / rate - (time.monotonic() - started)
                     if ahead > 0:
                         time.sleep(ahead)
+            extra = {k: v for k, v in rec.items() if k not in ("file", "offset", "length", "codec", "chunks")}
+            records[index] = record(out_key.rsplit("/", 1)[1], offset, meta, enc.codec, **extra)
+            offset += records[index]["length"]
 
     dst.own.write(out_key, chunks())
     return records

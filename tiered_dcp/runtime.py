@@ -229,18 +229,21 @@ class WriterHandle:
         seconds waited.
         """
         started = time.monotonic()
-        warned = False
+        warn_at = started + 1
         for target in targets:
             while len(queued(self.rd, target)) >= max_pending:
-                if not warned and time.monotonic() - started > 1:
-                    warned = True
+                if time.monotonic() > warn_at:  # then once a minute, while it lasts
+                    warn_at = time.monotonic() + 60
                     log.warning(
-                        "rank %d: the writer is %d step(s) behind on tier %s; step %d waits for it "
-                        "(nothing is dropped; a slower tier cannot take steps faster than it writes)",
+                        "rank %d: the writer is %d step(s) behind on tier %s; step %d has waited "
+                        "%.0f s for it (nothing is dropped; a slower tier cannot take steps faster "
+                        "than it writes; its log: %s)",
                         self.rank,
                         max_pending,
                         self.config.tiers[target].path,
                         step,
+                        time.monotonic() - started,
+                        self.rd / "writer.log",
                     )
                 time.sleep(POLL)
                 if not writer_running(self.rd):
