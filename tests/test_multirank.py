@@ -11,7 +11,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, export
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, export, wait_for
+from tiered_dcp.verify import verify_step
 
 
 def make_config(root: str) -> TieredConfig:
@@ -159,12 +160,23 @@ def test_fsdp2_model_and_optimizer_roundtrip(tmp_path):
     run_ranks(_fsdp2_roundtrip, 2, str(tmp_path), "sync")
 
 
+def _slower_tier_filled(root: str) -> None:
+    """The bucket (every=2) got step 4 from the ranks' writer processes, intact."""
+    cfg = make_config(root)
+    wait_for(cfg, 4, tier=1, timeout=60)
+    (check,) = [c for c in verify_step(cfg, 4) if c.tier_index == 1]
+    assert check.problems == [] and check.items > 0
+
+
 def test_async_save_thread_mode(tmp_path):
     run_ranks(_fsdp2_roundtrip, 2, str(tmp_path), "thread")
+    _slower_tier_filled(str(tmp_path))
 
 
 def test_async_save_process_mode(tmp_path):
+    # DCP's upload subprocess hands the step to the rank's writer process
     run_ranks(_fsdp2_roundtrip, 2, str(tmp_path), "process")
+    _slower_tier_filled(str(tmp_path))
 
 
 def _ranks_see_different_steps(rank, world, root):
