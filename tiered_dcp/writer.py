@@ -31,6 +31,7 @@ from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
 
 from . import preemption
 from .catalog import MARKER, METADATA, Marker, PartInfo, TierView, pin_key, step_dir
+from .cliques import check_cliques
 from .config import TieredConfig, node_of
 from .runtime import MAX_PENDING, Job, WriterHandle, rundir
 from .staging import POOL
@@ -166,6 +167,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                 f"TieredWriter: no tier takes step {step} ({schedule}); save a step that one "
                 "of these divides, or add a tier with every=1"
             )
+        check_cliques(_world_size(), config.replication_factor, config.replication_jump)
         global _warned_replication
         if config.replication_factor > 1 and not _warned_replication:
             _warned_replication = True
@@ -292,6 +294,10 @@ class TieredWriter(StorageWriter, AsyncStager):
 
 def _current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 _STAGING_THREAD: ThreadPoolExecutor | None = None
