@@ -1,13 +1,15 @@
 import logging
 import os
+import shutil
 import tempfile
 import time
 
 import pytest
 import torch
 
-# Writer-process runtime dirs of this test session: private, and removed with the temp dir.
-os.environ.setdefault("TIERED_DCP_RUNTIME_DIR", tempfile.mkdtemp(prefix="tdcp-runtime-"))
+# Writer-process runtime dirs of this test session: private, removed when it ends.
+RUNTIME_DIR = tempfile.mkdtemp(prefix="tdcp-runtime-")
+os.environ["TIERED_DCP_RUNTIME_DIR"] = RUNTIME_DIR
 
 from tiered_dcp import Tier, TieredConfig, shutdown, writer_status  # noqa: E402
 
@@ -31,6 +33,13 @@ def tiers3(tmp_path):
             Tier(str(tmp_path / "bucket"), every=4, compression="zstd", shared=True),
         ],
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _runtime_dir():
+    yield
+    shutdown(wait=True, timeout=30)
+    shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
