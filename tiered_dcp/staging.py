@@ -182,7 +182,6 @@ class StagingPool:
         self._slots: list[_Slot] = []
         self._cond = threading.Condition(threading.RLock())
         self.slots = 2
-        self.wait_seconds = 0.0  # how long the last save waited for a free slot
         self._closing = False
         self._reserved = 0  # saves counted in flight whose background staging has no slot yet
 
@@ -255,7 +254,6 @@ class StagingPool:
                         self.slots,
                     )
                 self._cond.wait(timeout=1.0)
-                self.wait_seconds = time.monotonic() - started
 
     def _take(self, slot: _Slot) -> _Slot:
         slot.busy = True
