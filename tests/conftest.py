@@ -8,8 +8,11 @@ import pytest
 import torch
 
 # Writer-process runtime dirs of this test session: private, removed when it ends.
-RUNTIME_DIR = tempfile.mkdtemp(prefix="tdcp-runtime-")
-os.environ["TIERED_DCP_RUNTIME_DIR"] = RUNTIME_DIR
+# Rank subprocesses import this module too: they inherit the session's directory.
+OWN_RUNTIME_DIR = "TIERED_DCP_RUNTIME_DIR" not in os.environ
+if OWN_RUNTIME_DIR:
+    os.environ["TIERED_DCP_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tdcp-runtime-")
+RUNTIME_DIR = os.environ["TIERED_DCP_RUNTIME_DIR"]
 
 from tiered_dcp import Tier, TieredConfig, shutdown, writer_status  # noqa: E402
 
@@ -39,7 +42,8 @@ def tiers3(tmp_path):
 def _runtime_dir():
     yield
     shutdown(wait=True, timeout=30)
-    shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
+    if OWN_RUNTIME_DIR:
+        shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
