@@ -32,7 +32,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import MiB, make_state  # noqa: E402
+from common import MiB, make_state, report  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, wait_for, writer_status
@@ -152,20 +152,8 @@ def main() -> None:
         "stock_stall_vs_tiered_stall": (">=", 2.5),
         "tiered_bg_stall_vs_memcpy": ("<=", 0.1),
     }
-    met = {}
-    for k, v in ratios.items():
-        op, x = targets[k]
-        met[k] = v <= x if op == "<=" else v >= x
-
-    gbs = lambda s: nbytes / s / 1e9  # noqa: E731
-    print(f"state: {nbytes / MiB:.0f} MiB in {len(state)} tensors; median of {args.runs} runs (+1 warm-up)")
-    print(f"{'measure':<34}{'seconds':>9}{'GB/s':>8}")
-    for k, v in res.items():
-        print(f"{k:<34}{v:>9.3f}{gbs(v):>8.2f}")
-    print(f"\n{'ratio':<34}{'value':>7}  {'target':<8}met")
-    for k, v in ratios.items():
-        op, x = targets[k]
-        print(f"{k:<34}{v:>7.2f}  {f'{op} {x}':<8}{'yes' if met[k] else 'NO'}")
+    title = f"state: {nbytes / MiB:.0f} MiB in {len(state)} tensors; median of {args.runs} runs (+1 warm-up)"
+    met = report(title, nbytes, res, ratios, targets)
     print(
         json.dumps(
             {

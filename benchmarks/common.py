@@ -10,3 +10,22 @@ def make_state(mib: int, n: int = 32) -> dict:
     per = mib * MiB // n // 4
     g = torch.Generator().manual_seed(0)
     return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(n)}
+
+
+def report(title: str, nbytes: int, seconds: dict, ratios: dict, targets: dict) -> dict:
+    """Print the seconds table and the ratio table; return which targets are met.
+
+    ``targets`` maps a ratio's name to ``(op, bound)`` with op "<=" or ">="; ratios without
+    a target are printed without a verdict.
+    """
+    met = {k: ratios[k] <= x if op == "<=" else ratios[k] >= x for k, (op, x) in targets.items()}
+    print(title)
+    print(f"{'measure':<34}{'seconds':>9}{'GB/s':>8}")
+    for k, v in seconds.items():
+        print(f"{k:<34}{v:>9.3f}{nbytes / v / 1e9:>8.2f}")
+    print(f"\n{'ratio':<44}{'value':>7}  {'target':<8}met")
+    for k, v in ratios.items():
+        op, x = targets.get(k, ("", ""))
+        verdict = ("yes" if met[k] else "NO") if k in met else ""
+        print(f"{k:<44}{v:>7.2f}  {f'{op} {x}':<8}{verdict}")
+    return met

@@ -83,11 +83,15 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` so that a reader sees the whole file or none of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    write_atomic(path, json.dumps(data).encode())
 
 
 def read_json(path: Path) -> dict | None:
@@ -197,18 +201,14 @@ class WriterHandle:
         cfg = self.rd / "config.pkl"
         blob = pickle.dumps(self.config)
         if not cfg.exists() or cfg.read_bytes() != blob:
-            tmp = cfg.with_name(f".config.{os.getpid()}.tmp")
-            tmp.write_bytes(blob)
-            os.replace(tmp, cfg)
+            write_atomic(cfg, blob)
         owner = self.rd / "owner"
         previous = owner.read_text().strip() if owner.exists() else ""
         if previous != str(owner_pid):
             if previous.isdigit() and not pid_alive(int(previous)):
                 for old in (self.rd / "results").glob("*.json"):  # a past run's outcomes
                     old.unlink(missing_ok=True)
-            tmp = owner.with_name(f".owner.{os.getpid()}.tmp")
-            tmp.write_text(str(owner_pid))
-            os.replace(tmp, owner)
+            write_atomic(owner, str(owner_pid).encode())
 
     def _start(self) -> None:
         cmd = [sys.executable, "-m", "tiered_dcp.persist", str(self.rd)]
@@ -251,7 +251,8 @@ class WriterHandle:
         return time.monotonic() - started
 
     def enqueue(self, job: Job) -> None:
-        """Queue ``job`` for the writer (after ``ensure``)."""
+        """Queue ``job``; ``ensure`` afterwards, so a writer is there to take it."""
+        (self.rd / "queue").mkdir(parents=True, exist_ok=True)
         (self.rd / "results" / job_name(job.target, job.step)).unlink(missing_ok=True)
         write_json(self.rd / "queue" / job_name(job.target, job.step), job.__dict__)
 

@@ -269,9 +269,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         records = write_part(first, self.step, self.rank, items)
         if slower:
             handle = writer_handle(self.config, self.rank)
-            handle.ensure(self.owner_pid or os.getpid())
             for target in slower:
                 handle.enqueue(Job(self.step, first.index, target, self.rank, self.node, time.time()))
+            handle.ensure(self.owner_pid or os.getpid())  # after: a writer is there for these jobs
         results = [
             WriteResult(
                 index=it.index,
