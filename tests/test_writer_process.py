@@ -28,8 +28,10 @@ from tiered_dcp import (
     wait_for,
     writer_status,
 )
-from tiered_dcp.runtime import rundir
+from tiered_dcp.persist import prune_results
+from tiered_dcp.runtime import Job, job_name, results, rundir, write_json
 from tiered_dcp.staging import POOL
+from tiered_dcp.writer import writer_handle
 
 HERE = os.path.dirname(__file__)
 MiB = 1 << 20
@@ -294,3 +296,38 @@ def test_wait_for_and_cli_show_the_queue(tmp_path, monkeypatch):
     wait_for(cfg, 1, tier=str(tmp_path / "ssd"), timeout=60)
     assert shutdown(wait=True, timeout=60)  # the writer exits, and its runtime dir goes
     assert writer_status(cfg) == [] and not rundir(cfg, 0).exists()
+
+
+def test_a_step_whose_save_never_committed_is_abandoned_and_reported(tmp_path):
+    cfg = TieredConfig("ab", [Tier(str(tmp_path / "ram")), Tier(str(tmp_path / "ssd"))])
+    dcp.save(small_state(1), storage_writer=TieredWriter(cfg, step=1))
+    settle(cfg)
+    # a save of step 2 that died after its part was written and queued, before the commit
+    handle = writer_handle(cfg, 0)
+    (tmp_path / "ram/ab/step_000000000002").mkdir(parents=True)
+    (tmp_path / "ram/ab/step_000000000002/rank_00000.part").write_bytes(b"x" * 100)
+    (tmp_path / "ram/ab/step_000000000002/pin.rank_00000.t01").write_bytes(b"")
+    handle.enqueue(Job(2, 0, 1, 0, 0, time.time()))
+    handle.ensure(os.getpid())
+    dcp.save(small_state(3), storage_writer=TieredWriter(cfg, step=3))  # a newer step commits
+    settle(cfg)
+    (w,) = writer_status(cfg)
+    assert [(s, t) for s, t, _ in w.failed] == [(2, 1)] and "abandoned" in w.failed[0][2]
+    wait_for(cfg, 3, timeout=60)
+    assert not (tmp_path / "ssd/ab/step_000000000002/COMMITTED").exists()
+
+
+def test_outcomes_are_pruned_and_a_new_trainer_clears_a_dead_ones(tmp_path):
+    cfg = TieredConfig("pr", [Tier(str(tmp_path / "ram")), Tier(str(tmp_path / "ssd"))])
+    rd = rundir(cfg, 0)
+    (rd / "results").mkdir(parents=True)
+    for step in range(150):
+        write_json(rd / "results" / job_name(1, step), {"step": step, "target": 1, "state": "failed"})
+    prune_results(rd / "results", 1)
+    assert sorted(results(rd)) == [(s, 1) for s in range(50, 150)]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (rd / "owner").write_text(str(dead.pid))  # the outcomes of a trainer that is gone
+    dcp.save(small_state(1), storage_writer=TieredWriter(cfg, step=1))
+    settle(cfg)
+    assert list(results(rd)) == [(1, 1)] and results(rd)[(1, 1)]["state"] == "committed"
