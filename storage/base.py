@@ -14,6 +14,23 @@ from collections.abc import Iterable
 Buffer = bytes | bytearray | memoryview
 
 
+class Reservation:
+    """A writable buffer that becomes the object under a key on ``commit`` (else nothing).
+
+    Lets bytes arriving from elsewhere (a peer's replica) land in place, with no copy.
+    """
+
+    def __init__(self, store: Storage, key: str, size: int) -> None:
+        self.store, self.key = store, key
+        self.view = memoryview(bytearray(size))
+
+    def commit(self) -> None:
+        self.store.write(self.key, [self.view])
+
+    def discard(self) -> None:
+        self.view = memoryview(b"")
+
+
 class Storage(ABC):
     """Files under one root: put, read a byte range, list, delete."""
 
@@ -45,6 +62,10 @@ class Storage(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key`` and everything under it; no error when absent."""
+
+    def reserve(self, key: str, size: int) -> Reservation:
+        """A ``size``-byte buffer to fill, then commit under ``key``; backends may map the file."""
+        return Reservation(self, key, size)
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None

@@ -83,6 +83,25 @@ def verify_raw(record: dict[str, Any], raw: memoryview) -> None:
         pos += n
 
 
+def verify_stored(record: dict[str, Any], stored: memoryview) -> None:
+    """Check an item's stored bytes (as a peer sent them) against its record."""
+    if len(stored) != record["length"]:
+        raise ChecksumMismatch(f"{len(stored)} bytes where the record says {record['length']}")
+    if record["codec"] == "raw":
+        verify_raw(record, stored)
+        return
+    zd = zstandard.ZstdDecompressor()
+    pos = 0
+    for i, (s, n, h) in enumerate(record["chunks"]):
+        try:
+            raw = zd.decompress(stored[pos : pos + s], max_output_size=n) if n else b""
+        except zstandard.ZstdError as e:
+            raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
+        if len(raw) != n or checksum(raw) != h:
+            raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
+        pos += s
+
+
 def iter_raw_chunks(store: Storage, key: str, record: dict[str, Any]) -> Iterator[bytes]:
     """An item's raw chunks read one at a time from ``store``, each verified."""
     zd = zstandard.ZstdDecompressor() if record["codec"] == "zstd" else None

@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import mmap
 import os
 import shutil
 import uuid
 from collections.abc import Iterable
 
-from .base import Buffer, Storage
+from .base import Buffer, Reservation, Storage
 
 DIRTY = ".dirty-"
 _VOLATILE_FS = {"tmpfs", "ramfs"}
@@ -45,6 +46,60 @@ def _write_all(fd: int, buf: Buffer) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def _sync_dir(parent: str) -> None:
+    dfd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class MappedReservation(Reservation):
+    """A dirty file mapped into memory: filled in place, then synced and renamed clean."""
+
+    def __init__(self, store: LocalStorage, key: str, size: int) -> None:
+        self.store, self.key = store, key
+        self.path = store._path(key)
+        self.parent = os.path.dirname(self.path)
+        os.makedirs(self.parent, exist_ok=True)
+        self.tmp = f"{self.path}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size) if size else None
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.tmp)
+            raise
+        self.fd = fd
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def _release(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.view.release()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a tensor still wraps it: GC closes it
+                self._map.close()
+        os.close(self.fd)
+
+    def commit(self) -> None:
+        try:
+            if needs_fsync(self.parent):
+                if self._map is not None:
+                    self._map.flush()
+                os.fsync(self.fd)
+        finally:
+            self._release()
+        os.replace(self.tmp, self.path)
+        if needs_fsync(self.parent):
+            _sync_dir(self.parent)
+
+    def discard(self) -> None:
+        self._release()
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
 
 
 class LocalStorage(Storage):
@@ -77,12 +132,11 @@ class LocalStorage(Storage):
                 os.unlink(tmp)
             raise
         if needs_fsync(parent):
-            dfd = os.open(parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            _sync_dir(parent)
         return total
+
+    def reserve(self, key: str, size: int) -> Reservation:
+        return MappedReservation(self, key, size)
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         with open(self._path(key), "rb") as f:

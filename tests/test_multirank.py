@@ -55,9 +55,9 @@ def _save_and_load_two_nodes(rank, world, root):
 def test_two_ranks_on_two_nodes(tmp_path):
     listings = run_ranks(_save_and_load_two_nodes, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1})
     settle(make_config(str(tmp_path)))
-    # each node's RAM dir holds its own rank's part, plus the metadata and the marker
-    assert listings[0] == ["COMMITTED", "metadata", "rank_00000.part"]
-    assert listings[1] == ["COMMITTED", "metadata", "rank_00001.part"]
+    # each node's RAM dir holds its own rank's part and index, plus the metadata and the marker
+    assert listings[0] == ["COMMITTED", "metadata", "rank_00000.index", "rank_00000.part"]
+    assert listings[1] == ["COMMITTED", "metadata", "rank_00001.index", "rank_00001.part"]
     assert sorted(os.listdir(tmp_path / "ram/0/job")) == ["step_000000000002", "step_000000000003"]
     assert sorted(os.listdir(tmp_path / "bucket/job")) == ["step_000000000000", "step_000000000002"]
 

@@ -4,11 +4,14 @@ On-storage layout of one tier root (see docs/format.md)::
 
     <root>/<namespace>/step_<12-digit step>/
         rank_<5-digit rank>.part   one per rank: its items' chunks back to back
+        rank_<5-digit rank>.index  that part's records on this tier (pickled)
         metadata                   DCP Metadata (pickled), storage_data = per-item records
         COMMITTED                  JSON marker, written last; readers trust nothing without it
 
-A step's marker and metadata are written to the coordinator's root and to every root
-that holds a part of the step; each part lives in the root of the rank that wrote it.
+A shared tier has one root. On a node-local tier every root (one per node, or per rank
+with ``{rank}``) holds the parts of its own ranks plus the replicas of their clique
+peers' parts (``cliques``), and its own copy of the metadata and the marker: the same
+bytes on every node, so any node can rebuild the step's metadata.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from tiered_dcp.storage import Storage, open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.local import DIRTY
 
+from .cliques import clique
 from .config import Tier, TieredConfig
 
 log = logging.getLogger("tiered_dcp")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 MARKER = "COMMITTED"
 METADATA = "metadata"
 STEP_PREFIX = "step_"
@@ -45,7 +50,7 @@ def part_name(rank: int) -> str:
 
 
 def index_key(namespace: str, step: int, rank: int) -> str:
-    """Rank's records on a tier the writer process filled: what its commit is built from."""
+    """The records of rank's part in the root holding it: written right after the part."""
     return f"{step_dir(namespace, step)}/rank_{rank:05d}.index"
 
 
@@ -72,6 +77,7 @@ class Marker:
     metadata_size: int
     metadata_xxh3: int
     created: float = field(default_factory=time.time)
+    replication: list[int] = field(default_factory=lambda: [1, 1])  # [factor, jump]
     format: int = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
@@ -80,7 +86,7 @@ class Marker:
     @classmethod
     def from_bytes(cls, data: bytes) -> Marker:
         d = json.loads(data)
-        if d.get("format") != FORMAT_VERSION:
+        if d.get("format") not in READABLE_FORMATS:
             raise ValueError(f"unsupported marker format {d.get('format')!r}")
         d["parts"] = [PartInfo(**p) for p in d["parts"]]
         return cls(**d)
@@ -169,9 +175,46 @@ class TierView:
             return None
         return marker if marker.step == step else None
 
+    def holders(self, marker: Marker, rank: int) -> list[Storage]:
+        """The roots that hold (a copy of) rank's part: its own first, then its clique's."""
+        nodes = {p.rank: p.node for p in marker.parts}
+        factor, jump = marker.replication
+        members = [rank] + [m for m in clique(rank, marker.world_size, factor, jump) if m != rank]
+        stores = [self.store_for(nodes[m], m) for m in members if m in nodes]
+        return list({s.url: s for s in stores}.values())
+
+    def part_present(self, store: Storage, marker: Marker, rank: int) -> bool:
+        """Whether ``store`` holds rank's part whole: the size its index (else the marker) says."""
+        key = self.part_key(marker.step, rank)
+        size = store.size(key)
+        if size is None:
+            return False
+        try:
+            records = pickle.loads(store.read(index_key(self.config.namespace, marker.step, rank)))
+        except FileNotFoundError:
+            info = next((p for p in marker.parts if p.rank == rank), None)
+            return info is not None and size == info.size
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError):
+            return False
+        return size == sum(r["length"] for r in records.values())
+
+    def whole_here(self, marker: Marker) -> bool:
+        """Whether this process's root still holds every part it should hold of the step."""
+        own = self.own
+        return (
+            not self.missing(own, marker)
+            if self.tier.is_shared
+            else all(
+                self.part_present(own, marker, p.rank)
+                for p in marker.parts
+                if own.url in (s.url for s in self.holders(marker, p.rank))
+            )
+        )
+
     def part_store(self, marker: Marker, rank: int) -> Storage:
-        info = next(p for p in marker.parts if p.rank == rank)
-        return self.store_for(info.node, info.rank)
+        """The first root (own copy first) holding rank's part whole; the own root if none."""
+        stores = self.holders(marker, rank)
+        return next((s for s in stores if self.part_present(s, marker, rank)), stores[0])
 
     def part_key(self, step: int, rank: int) -> str:
         return f"{step_dir(self.config.namespace, step)}/{part_name(rank)}"
@@ -184,10 +227,10 @@ class TierView:
         if store.size(md_key) != marker.metadata_size:
             problems.append(f"{store.describe(md_key)} missing or wrong size")
         for p in marker.parts:
-            ps = self.store_for(p.node, p.rank)
-            key = self.part_key(step, p.rank)
-            if ps.size(key) != p.size:
-                problems.append(f"{ps.describe(key)} missing or wrong size")
+            stores = self.holders(marker, p.rank)
+            if not any(self.part_present(s, marker, p.rank) for s in stores):
+                where = " or ".join(s.describe(self.part_key(step, p.rank)) for s in stores)
+                problems.append(f"{where} missing or wrong size")
         return problems
 
     def committed(self) -> dict[int, StepCopy]:
@@ -231,36 +274,41 @@ class TierView:
         return [rows[s] for s in sorted(rows)]
 
     def apply_retention(self, newest: int) -> None:
-        """Keep the newest ``keep`` complete steps; drop older ones and failed saves' leftovers.
+        """Keep the newest ``keep`` committed steps of this process's root; drop older ones.
 
         Runs after ``newest`` is committed, so the last complete step is never removed
-        before a newer one exists. Markers go first: a half-deleted step is never trusted.
+        before a newer one exists. Only the own root is touched: on a node-local tier every
+        node prunes its own after its own commit (a marker there means the step was
+        complete everywhere when it was committed). Only steps whose share of this root is
+        still whole take one of the ``keep`` places. Markers go first, so a half-deleted step is never trusted. Failed saves'
+        leftovers older than ``newest`` go too; pinned steps wait for their writer.
         """
-        committed = self.committed()
+        store = self.own
+        ns = self.config.namespace
+        committed = {}
+        for step in self.step_dirs(store):
+            marker = self.read_marker(store, step)
+            if marker is not None:
+                committed[step] = marker
         doomed: list[int] = []
         if self.tier.keep is not None:
-            complete = [s for s, c in committed.items() if not self.missing(c.store, c.marker)]
-            kept = sorted(complete)[-self.tier.keep :]
+            kept = sorted(s for s, m in committed.items() if self.whole_here(m))[-self.tier.keep :]
             doomed = [s for s in committed if s not in kept and s < newest]
-        for step in doomed:
-            marker = committed[step].marker
-            roots = {s.url: s for s in self.scan_roots()}
-            for p in marker.parts:
-                ps = self.store_for(p.node, p.rank)
-                roots[ps.url] = ps
-            if any(self.pinned(store, step) for store in roots.values()):
+        doomed += [s for s in self.step_dirs(store) if s < newest and s not in committed]
+        for step in sorted(doomed):
+            if self.pinned(store, step):
                 continue  # a writer process still copies it to a slower tier
-            for store in roots.values():
-                store.delete(f"{step_dir(self.config.namespace, step)}/{MARKER}")
-            for store in roots.values():
-                store.delete(step_dir(self.config.namespace, step))
-        for store in self.scan_roots():
-            for step in self.step_dirs(store):
-                if step < newest and step not in committed and not self.pinned(store, step):
-                    store.delete(step_dir(self.config.namespace, step))
+            store.delete(f"{step_dir(ns, step)}/{MARKER}")
+            store.delete(step_dir(ns, step))
 
     def pinned(self, store: Storage, step: int) -> bool:
         return any(n.startswith(PIN_PREFIX) for n in store.list(step_dir(self.config.namespace, step)))
+
+
+def commit_root(store: Storage, namespace: str, step: int, blob: bytes, marker: Marker) -> None:
+    """Commit one root's copy of ``step``: the metadata first, the marker last."""
+    store.write(f"{step_dir(namespace, step)}/{METADATA}", [blob])
+    store.write(f"{step_dir(namespace, step)}/{MARKER}", [marker.to_bytes()])
 
 
 def views(config: TieredConfig, node: int, rank: int) -> list[TierView]:

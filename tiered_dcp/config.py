@@ -108,6 +108,9 @@ class TieredConfig:
 
     ``tiers`` are listed fastest first: a save commits on the fastest tier that takes its
     step, and a load reads from the fastest tier holding the step complete.
+    ``replication_factor``/``replication_jump`` lay out the cliques whose members hold
+    copies of each other's parts on node-local tiers (``cliques``). ``peer_timeout`` bounds
+    every wait on another rank (a replica transfer, a peer read) in seconds.
     """
 
     namespace: str
@@ -115,6 +118,7 @@ class TieredConfig:
     replication_factor: int = 1
     replication_jump: int = 1
     dedup: bool = False
+    peer_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -139,6 +143,14 @@ class TieredConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TieredConfig: {name}={value!r} must be an integer >= 1")
+        if (
+            isinstance(self.peer_timeout, bool)
+            or not isinstance(self.peer_timeout, int | float)
+            or not self.peer_timeout > 0
+        ):
+            raise ValueError(
+                f"TieredConfig: peer_timeout={self.peer_timeout!r} must be a number of seconds > 0"
+            )
         if not isinstance(self.dedup, bool):
             raise ValueError(f"TieredConfig: dedup={self.dedup!r} must be True or False")
 

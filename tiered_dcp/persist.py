@@ -15,6 +15,7 @@ exits. Run as ``python -m tiered_dcp.persist RUNDIR``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -30,8 +31,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks, record
 
-from .catalog import StepCopy, TierView, index_key, load_metadata, pin_key, step_dir
+from .catalog import METADATA, StepCopy, TierView, commit_root, index_key, load_metadata, pin_key, step_dir
+from .cliques import clique
 from .config import TieredConfig
+from .replicate import write_index
 from .runtime import POLL, Job, job_name, pid_alive, queued, write_json
 from .writer import commit_step
 
@@ -54,11 +57,13 @@ def _throttle() -> float | None:
     return float(mbps) * 1e6 if mbps else None
 
 
-def copy_part(src: TierView, dst: TierView, job: Job, items: list[tuple[MetadataIndex, dict]]) -> dict:
-    """Stream this rank's part of the step from ``src`` to ``dst``; return its records there."""
+def copy_part(
+    src: TierView, dst: TierView, step: int, rank: int, items: list[tuple[MetadataIndex, dict]]
+) -> dict:
+    """Stream rank's part of ``step`` from ``src`` to ``dst``; return its records there."""
     enc = Encoder(dst.tier.compression)
-    key = src.part_key(job.step, job.rank)
-    out_key = dst.part_key(job.step, job.rank)
+    key = src.part_key(step, rank)
+    out_key = dst.part_key(step, rank)
     records: dict[MetadataIndex, dict] = {}
     rate = _throttle()
     started = time.monotonic()
@@ -207,24 +212,48 @@ class Persister:
     def persist(self, src: TierView, dst: TierView, job: Job) -> str:
         copy = self.wait_for_source(src, job)
         metadata = load_metadata(copy)
-        mine = sorted(
-            ((i, r) for i, r in metadata.storage_data.items() if r["rank"] == job.rank),
-            key=lambda ir: ir[1]["offset"],
-        )
-        records = copy_part(src, dst, job, mine)
-        blob = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
-        dst.own.write(index_key(self.config.namespace, job.step, job.rank), [blob])
+        ns = self.config.namespace
+        world = [p.node for p in sorted(copy.marker.parts, key=lambda p: p.rank)]
+        ranks = [job.rank]
+        if not dst.tier.is_shared:  # and the replicas this rank took on the source tier
+            mine = dst.tier.root(job.node, job.rank)
+            peers = clique(job.rank, len(world), *copy.marker.replication)
+            ranks += [q for q in peers if q != job.rank and dst.tier.root(world[q], q) != mine]
+        for rank in ranks:
+            items = sorted(
+                ((i, r) for i, r in metadata.storage_data.items() if r["rank"] == rank),
+                key=lambda ir: ir[1]["offset"],
+            )
+            records = copy_part(src, dst, job.step, rank, items)
+            write_index(dst, job.step, rank, records)
+        if not dst.tier.is_shared:
+            return self.commit_root_when_whole(src, dst, copy)
         # Commit when every rank's index is there: whichever writer sees that last commits.
         merged: dict[MetadataIndex, dict] = {}
-        parts = sorted(copy.marker.parts, key=lambda p: p.rank)
-        for p in parts:
-            store = dst.store_for(p.node, p.rank)
+        for rank in range(len(world)):
             try:
-                merged.update(pickle.loads(store.read(index_key(self.config.namespace, job.step, p.rank))))
+                merged.update(pickle.loads(dst.own.read(index_key(ns, job.step, rank))))
             except FileNotFoundError:
                 return "clean"
-        commit_step(dst, job.step, metadata, [p.node for p in parts], merged)
+        commit_step(dst, job.step, metadata, world, merged)
         dst.apply_retention(job.step)
+        return "committed"
+
+    def commit_root_when_whole(self, src: TierView, dst: TierView, copy: StepCopy) -> str:
+        """Commit a node-local tier's root once it holds every part its source root holds.
+
+        The metadata and marker are the source's (the same bytes on every node); each part's
+        records on this tier are in its index. Whichever of the root's writers finishes
+        last commits it.
+        """
+        ns, step = self.config.namespace, copy.step
+        held = [p.rank for p in copy.marker.parts if src.part_present(src.own, copy.marker, p.rank)]
+        if not all(dst.own.exists(index_key(ns, step, rank)) for rank in held):
+            return "clean"
+        blob = copy.store.read(f"{step_dir(ns, step)}/{METADATA}")
+        marker = dataclasses.replace(copy.marker, created=time.time())
+        commit_root(dst.own, ns, step, blob, marker)
+        dst.apply_retention(step)
         return "committed"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import time
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -29,16 +28,17 @@ from torch.futures import Future
 
 from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
 
-from . import preemption
-from .catalog import MARKER, METADATA, Marker, PartInfo, TierView, pin_key, step_dir
+from . import preemption, transport
+from .catalog import TierView, commit_root, pin_key
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
+from .errors import TieredCheckpointError
+from .replicate import SavedPart, build_commit, commit_everywhere, replicate, write_index
 from .runtime import MAX_PENDING, Job, WriterHandle, rundir
 from .staging import POOL
 from .tensors import as_cpu_contiguous, byte_view
 
 log = logging.getLogger("tiered_dcp")
-_warned_replication = False
 
 
 @dataclass
@@ -69,11 +69,11 @@ def resolve_items(plan: SavePlan, planner: SavePlanner) -> list[RawItem]:
     return items
 
 
-def write_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> dict[MetadataIndex, dict]:
-    """Write this rank's part of ``step`` to one tier; return each item's record."""
+def write_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> SavedPart:
+    """Write this rank's part of ``step`` to one tier: its records and stored chunks."""
     enc = Encoder(view.tier.compression)
     key = view.part_key(step, rank)
-    records: dict[MetadataIndex, dict] = {}
+    part = SavedPart(rank, {}, [])
 
     def chunks():
         offset = 0
@@ -82,45 +82,21 @@ def write_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> di
             rec = make_record(
                 key.rsplit("/", 1)[1], offset, stored, it.chunks, it.hashes, enc.codec, rank=rank, **it.extra
             )
-            records[it.index] = rec
+            part.records[it.index] = rec
+            part.stored += stored
             offset += rec["length"]
             yield from stored
 
     view.own.write(key, chunks())
-    return records
+    return part
 
 
 def commit_step(
     view: TierView, step: int, metadata: Metadata, world: list[int], records: dict[MetadataIndex, dict]
 ) -> None:
-    """Write the metadata and then the commit marker of ``step`` on one tier.
-
-    ``world[r]`` is the node of rank r. The marker goes to this process's root and to
-    every root that holds a part, after the metadata has landed in all of them.
-    """
-    ns = view.config.namespace
-    tier_md = dataclasses.replace(metadata, storage_data=records)
-    blob = pickle.dumps(tier_md, protocol=pickle.HIGHEST_PROTOCOL)
-    sizes = [0] * len(world)
-    for rec in records.values():
-        sizes[rec["rank"]] += rec["length"]
-    marker = Marker(
-        step,
-        ns,
-        len(world),
-        [PartInfo(r, n, sizes[r]) for r, n in enumerate(world)],
-        len(blob),
-        checksum(blob),
-    )
-    roots = {view.own.url: view.own}
-    for r, n in enumerate(world):
-        store = view.store_for(n, r)
-        if store.exists(view.part_key(step, r)):
-            roots[store.url] = store
-    for store in roots.values():
-        store.write(f"{step_dir(ns, step)}/{METADATA}", [blob])
-    for store in roots.values():
-        store.write(f"{step_dir(ns, step)}/{MARKER}", [marker.to_bytes()])
+    """Commit ``step`` on a shared tier (one root): its metadata, then its marker."""
+    blob, marker = build_commit(view, step, metadata, world, records)
+    commit_root(view.own, view.config.namespace, step, blob, marker)
 
 
 class TieredWriter(StorageWriter, AsyncStager):
@@ -168,14 +144,6 @@ class TieredWriter(StorageWriter, AsyncStager):
                 "of these divides, or add a tier with every=1"
             )
         check_cliques(_world_size(), config.replication_factor, config.replication_jump)
-        global _warned_replication
-        if config.replication_factor > 1 and not _warned_replication:
-            _warned_replication = True
-            log.warning(
-                "replication_factor=%d: clique replication is not implemented yet; "
-                "node-local tiers hold a single copy",
-                config.replication_factor,
-            )
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -236,11 +204,13 @@ class TieredWriter(StorageWriter, AsyncStager):
         return dataclasses.replace(plan, storage_data={"rank": self.rank, "node": self.node})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if any(p.storage_data is None for p in plans):  # DCP's plan cache: unchanged since last time
+            return plans
         self._world = [p.storage_data["node"] for p in plans]
         ranks = [p.storage_data["rank"] for p in plans]
         if ranks != list(range(len(plans))):
             raise ValueError(f"TieredWriter: unexpected rank order {ranks} in the global plan")
-        return plans
+        return [dataclasses.replace(p, storage_data={**p.storage_data, "world": self._world}) for p in plans]
 
     def _first(self) -> TierView:
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
@@ -264,9 +234,14 @@ class TieredWriter(StorageWriter, AsyncStager):
         first = self._first()
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
+        world = (plan.storage_data or {}).get("world") or [self.node]
+        name = transport.next_name(ns, "save") if transport.dist_up() else ""
         for target in slower:  # pins first: retention must not remove what a writer will copy
             first.own.write(pin_key(ns, self.step, self.rank, target), [b""])
-        records = write_part(first, self.step, self.rank, items)
+        if first.tier.is_shared:  # one root: the coordinator commits it in finish()
+            records = write_part(first, self.step, self.rank, items).records
+        else:
+            records = self._write_node_local(first, items, world, planner, name)
         if slower:
             handle = writer_handle(self.config, self.rank)
             for target in slower:
@@ -284,10 +259,43 @@ class TieredWriter(StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
+    def _write_node_local(
+        self, first: TierView, items: list[RawItem], world: list[int], planner: SavePlanner, name: str
+    ) -> dict[MetadataIndex, dict]:
+        """Write the part and its replicas, then commit the step in every root (``replicate``)."""
+        records: dict[MetadataIndex, dict] = {}
+        error: BaseException | None = None
+        try:
+            part = write_part(first, self.step, self.rank, items)
+            records = part.records
+            write_index(first, self.step, self.rank, records)
+            if self.config.replication_factor > 1:
+                replicate(first, self.step, part, world, name)
+            del part
+        except Exception as e:  # told to every rank, so that none waits for this one
+            error = e
+
+        def metadata() -> Metadata:
+            md = getattr(planner, "metadata", None)
+            if not isinstance(md, Metadata):
+                raise TieredCheckpointError(
+                    f"TieredWriter needs a SavePlanner that keeps its global Metadata in .metadata "
+                    f"(DefaultSavePlanner and its subclasses do); {type(planner).__name__} does not"
+                )
+            return md
+
+        commit_everywhere(
+            first, self.step, self.rank, world, self.is_coordinator, metadata, records, error, name
+        )
+        return records
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit a shared first tier (node-local ones are committed in ``write_data``)."""
+        first = self._first()
+        if not first.tier.is_shared:
+            return
         world = self._world if self._world is not None else [self.node]
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        first = self._first()
         commit_step(first, self.step, metadata, world, records)
         first.apply_retention(self.step)
 

@@ -1,0 +1,189 @@
+"""The save side of clique replication and of committing a node-local tier on every node.
+
+After a rank writes its part to a node-local tier it swaps parts with its clique peers
+(``cliques``) over a gloo group of their own (``transport``): each peer's part lands,
+verified, in this rank's own root, with its index. Then the ranks agree through the job's
+store that every part and replica is clean; the coordinator publishes the step's metadata
+and marker, and one rank per root writes both there and prunes that root. Every node thus
+holds the metadata, and a marker on any node means the step was complete everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from tiered_dcp.storage.base import Buffer, Reservation
+from tiered_dcp.storage.codec import ChecksumMismatch, checksum, verify_stored
+
+from . import transport
+from .catalog import Marker, PartInfo, TierView, commit_root, index_key
+from .cliques import clique
+from .errors import TieredCheckpointError
+from .transport import Group, PeerTimeout, as_bytes_tensor
+
+log = logging.getLogger("tiered_dcp")
+Records = dict[MetadataIndex, dict]
+_OWN_KEYS: list[str] = []  # store keys this process set in its previous save, deleted in the next
+
+
+@dataclass
+class SavedPart:
+    """This rank's part as just written: its records and its stored chunks, in file order."""
+
+    rank: int
+    records: Records
+    stored: list[Buffer]
+
+
+def write_index(view: TierView, step: int, rank: int, records: Records) -> None:
+    view.own.write(index_key(view.config.namespace, step, rank), [pickle.dumps(records, protocol=5)])
+
+
+def stored_chunk_sizes(records: Records) -> list[int]:
+    """The stored length of every chunk of a part, in file order."""
+    return [c[0] for rec in sorted(records.values(), key=lambda r: r["offset"]) for c in rec["chunks"]]
+
+
+def replicate(view: TierView, step: int, part: SavedPart, world: list[int], name: str) -> None:
+    """Swap parts with the clique's members on other roots; land theirs, verified, in ours."""
+    cfg = view.config
+    members = clique(part.rank, len(world), cfg.replication_factor, cfg.replication_jump)
+    group = Group(f"{name}/clique{members[0]}", members, part.rank, cfg.peer_timeout)
+    landed: list[tuple[int, Records, Reservation]] = []
+    try:
+        infos = group.allgather(part.records)
+        mine = view.tier.root(world[part.rank], part.rank)
+        sends, recvs = [], []
+        for q, records in zip(members, infos, strict=True):
+            if q == part.rank or view.tier.root(world[q], q) == mine:
+                continue  # already in this root
+            sends += [(q, as_bytes_tensor(c)) for c in part.stored]
+            res = view.own.reserve(view.part_key(step, q), sum(r["length"] for r in records.values()))
+            landed.append((q, records, res))
+            pos = 0
+            for n in stored_chunk_sizes(records):
+                recvs.append((q, as_bytes_tensor(res.view[pos : pos + n])))
+                pos += n
+        group.exchange(sends, recvs)
+        del sends, recvs
+        for q, records, res in landed:
+            for rec in records.values():
+                try:
+                    verify_stored(rec, res.view[rec["offset"] : rec["offset"] + rec["length"]])
+                except ChecksumMismatch as e:
+                    raise TieredCheckpointError(
+                        f"step {step}: the replica of rank {q}'s part arrived damaged: {e}"
+                    ) from e
+        for q, records, res in landed:
+            res.commit()
+            write_index(view, step, q, records)
+        landed.clear()
+    finally:
+        for _, _, res in landed:
+            res.discard()
+        group.close()
+
+
+def build_commit(
+    view: TierView, step: int, metadata: Metadata, world: list[int], records: Records
+) -> tuple[bytes, Marker]:
+    """The metadata blob (every rank's records) and the marker naming it, for every root."""
+    blob = pickle.dumps(dataclasses.replace(metadata, storage_data=records), protocol=pickle.HIGHEST_PROTOCOL)
+    sizes = [0] * len(world)
+    for rec in records.values():
+        sizes[rec["rank"]] += rec["length"]
+    cfg = view.config
+    marker = Marker(
+        step,
+        cfg.namespace,
+        len(world),
+        [PartInfo(r, n, sizes[r]) for r, n in enumerate(world)],
+        len(blob),
+        checksum(blob),
+        replication=[cfg.replication_factor, cfg.replication_jump],
+    )
+    return blob, marker
+
+
+def commit_everywhere(
+    view: TierView,
+    step: int,
+    rank: int,
+    world: list[int],
+    is_coordinator: bool,
+    metadata: Callable[[], Metadata],
+    records: Records,
+    error: BaseException | None,
+    name: str,
+) -> None:
+    """Commit ``step`` on this node-local tier: in every root, once every rank is clean.
+
+    Every rank publishes whether its part (and the replicas it took) are clean, with its
+    records; the coordinator waits for all of them and publishes the metadata and marker,
+    or the failures; the lowest rank of each root writes them there and prunes the root.
+    """
+    ns = view.config.namespace
+    roots = [view.tier.root(n, r) for r, n in enumerate(world)]
+    writes_root = roots.index(roots[rank]) == rank
+    if not transport.dist_up() or len(world) == 1:
+        if error is not None:
+            raise error
+        blob, marker = build_commit(view, step, metadata(), world, records)
+        commit_root(view.own, ns, step, blob, marker)
+        view.apply_retention(step)
+        return
+    store = transport.store()
+    timeout = datetime.timedelta(seconds=view.config.peer_timeout)
+    for key in _OWN_KEYS:  # the previous save ended on every rank: nobody reads these any more
+        store.delete_key(key)
+    _OWN_KEYS.clear()
+    done = f"{name}/done/{rank}"
+    store.set(done, pickle.dumps((None if error is None else f"{type(error).__name__}: {error}", records)))
+    _OWN_KEYS.append(done)
+    if error is not None:
+        raise error
+    verdict = f"{name}/commit"
+    if is_coordinator:
+        _OWN_KEYS.append(verdict)
+        keys = [f"{name}/done/{r}" for r in range(len(world))]
+        try:
+            store.wait(keys, timeout)
+        except Exception as e:
+            late = [r for r, k in enumerate(keys) if not store.check([k])]
+            msg = f"step {step}: rank(s) {late} did not finish writing within {timeout.total_seconds():.0f} s"
+            store.set(verdict, pickle.dumps(("error", msg)))
+            raise PeerTimeout(msg) from e
+        merged: Records = {}
+        failed = []
+        for r, key in enumerate(keys):
+            err, recs = pickle.loads(store.get(key))
+            if err is not None:
+                failed.append(f"rank {r}: {err}")
+            merged.update(recs)
+        if failed:
+            msg = f"step {step} not committed on {view.tier.path}: " + "; ".join(failed)
+            store.set(verdict, pickle.dumps(("error", msg)))
+            raise TieredCheckpointError(msg)
+        blob, marker = build_commit(view, step, metadata(), world, merged)
+        store.set(verdict, pickle.dumps(("ok", blob, marker.to_bytes())))
+    if not writes_root:
+        return
+    try:
+        store.wait([verdict], timeout)
+    except Exception as e:
+        raise PeerTimeout(
+            f"step {step}: no commit decision from the coordinator within {timeout.total_seconds():.0f} s"
+        ) from e
+    outcome: tuple[Any, ...] = pickle.loads(store.get(verdict))
+    if outcome[0] != "ok":
+        raise TieredCheckpointError(outcome[1])
+    commit_root(view.own, ns, step, outcome[1], Marker.from_bytes(outcome[2]))
+    view.apply_retention(step)

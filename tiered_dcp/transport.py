@@ -1,0 +1,120 @@
+"""Moving replica bytes between ranks: a gloo group of our own per operation, with timeouts.
+
+Replicas never travel over the group DCP's collectives use (the user's training group, or
+DCP's own in its PROCESS mode). Each save's clique exchange and each load's peer reads open
+a fresh ``ProcessGroupGloo`` on the job's rendezvous store, under a name every rank derives
+alike (namespace, purpose, a per-process sequence number). A fresh group costs about a
+millisecond, and a group broken by a timed-out peer is never reused.
+
+Small agreements (who is done, the commit's metadata) go through the store itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from .errors import TieredCheckpointError
+
+_SEQ: dict[str, int] = {}
+
+
+class PeerTimeout(TieredCheckpointError):
+    """A peer did not answer within ``TieredConfig.peer_timeout`` (or its connection broke)."""
+
+
+def dist_up() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def next_name(namespace: str, purpose: str) -> str:
+    """A store prefix unique to this operation and equal on every rank (same call order)."""
+    key = f"{namespace}/{purpose}"
+    _SEQ[key] = _SEQ.get(key, 0) + 1
+    return f"tiered_dcp/{key}/{_SEQ[key]}"
+
+
+def store() -> dist.Store:
+    return distributed_c10d._get_default_store()
+
+
+def as_bytes_tensor(buf: memoryview | bytes | bytearray) -> torch.Tensor:
+    """A uint8 tensor over ``buf`` without a copy (read-only buffers are only ever sent)."""
+    view = memoryview(buf).cast("B")
+    if len(view) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we only send it
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+class Group:
+    """A gloo group over ``members`` (global ranks) for one operation, with a deadline per call."""
+
+    def __init__(self, name: str, members: Sequence[int], rank: int, timeout: float) -> None:
+        self.members = list(members)
+        self.me = self.members.index(rank)
+        self.timeout = timeout
+        prefix = dist.PrefixStore(name, store())
+        try:
+            self.pg = dist.ProcessGroupGloo(
+                prefix, self.me, len(self.members), datetime.timedelta(seconds=timeout)
+            )
+        except Exception as e:  # the store's wait timed out: a member never arrived
+            raise PeerTimeout(f"ranks {self.members} did not all join within {timeout:.0f} s: {e}") from e
+
+    def _wait(self, works: list[Any], what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        for w in works:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                w.wait(datetime.timedelta(seconds=left))
+            except Exception as e:
+                raise PeerTimeout(
+                    f"{what} with ranks {self.members} failed after {self.timeout:.0f} s: {e}"
+                ) from e
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every member's ``obj``, in member order."""
+        blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        n = len(self.members)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        self._wait([self.pg.allgather([sizes], [torch.tensor([len(blob)], dtype=torch.int64)])], "allgather")
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(blob)] = as_bytes_tensor(blob)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+        self._wait([self.pg.allgather([out], [mine])], "allgather")
+        return [pickle.loads(out[i][: int(sizes[i])].numpy().tobytes()) for i in range(n)]
+
+    def exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> None:
+        """Post every send and receive (peers as global ranks), then wait for all of them.
+
+        The k-th send from A to B meets the k-th receive at B from A: both sides list
+        their buffers in the same order.
+        """
+        works, tags = [], {}
+        for kind, ops in (("send", sends), ("recv", recvs)):
+            for peer, t in ops:
+                if t.numel() == 0:
+                    continue
+                tag = tags.get((kind, peer), 0)
+                tags[(kind, peer)] = tag + 1
+                other = self.members.index(peer)
+                op = self.pg.send if kind == "send" else self.pg.recv
+                works.append(op([t], other, tag))
+        self._wait(works, "replica transfer")
+
+    def close(self) -> None:
+        """Drop the connections (an unfinished peer sees them close instead of waiting)."""
+        self.pg = None
