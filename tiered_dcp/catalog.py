@@ -280,8 +280,9 @@ class TierView:
         before a newer one exists. Only the own root is touched: on a node-local tier every
         node prunes its own after its own commit (a marker there means the step was
         complete everywhere when it was committed). Only steps whose share of this root is
-        still whole take one of the ``keep`` places. Markers go first, so a half-deleted step is never trusted. Failed saves'
-        leftovers older than ``newest`` go too; pinned steps wait for their writer.
+        still whole take one of the ``keep`` places. Markers go first, so a half-deleted
+        step is never trusted. Failed saves' leftovers older than ``newest`` go too; pinned
+        steps wait for their writer.
         """
         store = self.own
         ns = self.config.namespace

@@ -46,6 +46,22 @@ def store() -> dist.Store:
     return distributed_c10d._get_default_store()
 
 
+def _rendezvous_store(timeout: float) -> dist.Store:
+    """A store client of our own whose waits end after ``timeout`` (the job's are 30 min).
+
+    Setting a timeout on the job's store client would change it for torch's own use too.
+    """
+    base = store()
+    under = base
+    while isinstance(under, dist.PrefixStore):
+        under = under.underlying_store
+    if isinstance(under, dist.TCPStore):
+        return dist.TCPStore(
+            under.host, under.port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+        )
+    return base
+
+
 def as_bytes_tensor(buf: memoryview | bytes | bytearray) -> torch.Tensor:
     """A uint8 tensor over ``buf`` without a copy (read-only buffers are only ever sent)."""
     view = memoryview(buf).cast("B")
@@ -63,7 +79,7 @@ class Group:
         self.members = list(members)
         self.me = self.members.index(rank)
         self.timeout = timeout
-        prefix = dist.PrefixStore(name, store())
+        prefix = dist.PrefixStore(name, _rendezvous_store(timeout))
         try:
             self.pg = dist.ProcessGroupGloo(
                 prefix, self.me, len(self.members), datetime.timedelta(seconds=timeout)

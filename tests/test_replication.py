@@ -1,0 +1,224 @@
+"""Clique replication and recovery after node loss: 4 real ranks on gloo as 2 nodes.
+
+Nodes are simulated by ``{node}`` paths (LOCAL_WORLD_SIZE=2: ranks 0-1 on node 0, ranks 2-3
+on node 1). With replication_factor=2, replication_jump=2 the cliques are {0, 2} and
+{1, 3}, so every node holds every part: its own ranks' and their peers' replicas.
+"""
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import settle
+from dist_utils import run_ranks
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, status
+
+NODES = {"LOCAL_WORLD_SIZE": 2}
+WORLD = 4
+
+
+def make_config(root: str, peer_timeout: float = 60.0) -> TieredConfig:
+    return TieredConfig(
+        "job",
+        [
+            Tier(f"{root}/ram/{{node}}", every=1, keep=2),
+            Tier(f"{root}/ssd/{{node}}", every=2, keep=2, compression="zstd"),
+            Tier(f"{root}/bucket", every=4, shared=True),
+        ],
+        replication_factor=2,
+        replication_jump=2,
+        peer_timeout=peer_timeout,
+    )
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(32 * 6, dtype=torch.float32).reshape(32, 6) + 1000 * step
+
+
+def state(step: int, mesh) -> dict:
+    return {
+        "w": distribute_tensor(full(step), mesh, [Shard(0)]),
+        "cols": distribute_tensor(full(step).t().contiguous(), mesh, [Shard(1)]),
+        "rep": distribute_tensor(torch.full((7,), float(step)), mesh, [Replicate()]),
+        "plain": torch.full((5,), float(step)),
+        "meta": {"step": step, "name": "x"},
+    }
+
+
+def empty_state(mesh) -> dict:
+    s = state(0, mesh)
+    s["w"] = distribute_tensor(torch.zeros(32, 6), mesh, [Shard(0)])
+    s["cols"] = distribute_tensor(torch.zeros(6, 32), mesh, [Shard(1)])
+    s["rep"] = distribute_tensor(torch.zeros(7), mesh, [Replicate()])
+    s["plain"] = torch.zeros(5)
+    s["meta"] = {"step": -1, "name": ""}
+    return s
+
+
+def check(loaded: dict, step: int) -> None:
+    assert torch.equal(loaded["w"].full_tensor(), full(step))
+    assert torch.equal(loaded["cols"].full_tensor(), full(step).t())
+    assert torch.equal(loaded["rep"].full_tensor(), torch.full((7,), float(step)))
+    assert torch.equal(loaded["plain"], torch.full((5,), float(step)))
+    assert loaded["meta"] == {"step": step, "name": "x"}
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        logging.getLogger("tiered_dcp").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _save(rank, world, root, steps):
+    cfg = make_config(root)
+    mesh = init_device_mesh("cpu", (world,))
+    for step in steps:
+        dcp.save(state(step, mesh), storage_writer=TieredWriter(cfg, step=step))
+
+
+def _load(rank, world, root, peer_timeout=60.0, stop_for=0.0):
+    cfg = make_config(root, peer_timeout)
+    mesh = init_device_mesh("cpu", (world,))
+    captured = Captured()
+    reader = TieredReader(cfg)
+    target = empty_state(mesh)
+    planner = PausingPlanner(stop_for) if stop_for and rank == 0 else None
+    started = time.monotonic()
+    dcp.load(target, storage_reader=reader, planner=planner)
+    check(target, reader.step)
+    return reader.step, reader.tiers, captured.lines, time.monotonic() - started
+
+
+class PausingPlanner(DefaultLoadPlanner):
+    """Stops this very process (SIGSTOP) for a while at its first item: a peer gone silent."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def resolve_tensor(self, read_item):
+        if self.seconds:
+            subprocess.Popen(["sh", "-c", f"sleep {self.seconds}; kill -CONT {os.getpid()}"])
+            seconds, self.seconds = self.seconds, 0
+            os.kill(os.getpid(), signal.SIGSTOP)
+            del seconds
+        return super().resolve_tensor(read_item)
+
+
+def _resave_and_list(rank, world, root, step):
+    _load(rank, world, root)
+    _save(rank, world, root, [step])
+    names = os.listdir(f"{root}/ram/{rank // 2}/job/step_{step:012d}")
+    return sorted(n for n in names if not n.startswith("pin."))  # pins: the SSD copy is under way
+
+
+def wipe(root, node: int) -> None:
+    for tier in ("ram", "ssd"):
+        shutil.rmtree(f"{root}/{tier}/{node}", ignore_errors=True)
+
+
+PARTS = [f"rank_{r:05d}.{ext}" for r in range(WORLD) for ext in ("index", "part")]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 1..5 saved by 4 ranks as 2 nodes; a pristine copy to restore before each test."""
+    root = tmp_path_factory.mktemp("replicated")
+    run_ranks(_save, WORLD, str(root), list(range(1, 6)), env=NODES)
+    settle(make_config(str(root)))
+    return root
+
+
+@pytest.fixture
+def root(saved, tmp_path):
+    dest = tmp_path / "tiers"
+    shutil.copytree(saved, dest)
+    return dest
+
+
+def test_every_node_holds_every_part_metadata_and_marker(root):
+    for node in (0, 1):
+        for tier, steps in (("ram", (4, 5)), ("ssd", (2, 4))):
+            for step in steps:
+                names = sorted(os.listdir(root / f"{tier}/{node}/job/step_{step:012d}"))
+                assert names == ["COMMITTED", "metadata", *PARTS], (tier, node, step, names)
+        metadata = {(root / f"ram/{n}/job/step_000000000005/metadata").read_bytes() for n in (0, 1)}
+        assert len(metadata) == 1  # the same bytes on every node
+    assert sorted(os.listdir(root / "bucket/job")) == ["step_000000000004"]
+    rows = {(r.tier_index, r.step): r.state for r in status(make_config(str(root)))}
+    assert rows == {
+        (0, 4): "committed",
+        (0, 5): "committed",
+        (1, 2): "committed",
+        (1, 4): "committed",
+        (2, 4): "committed",
+    }
+
+
+def test_node_loss_loads_everything_from_the_survivors(root):
+    wipe(root, 1)
+    results = run_ranks(_load, WORLD, str(root), env=NODES)
+    assert [r[0] for r in results] == [5] * WORLD  # the RAM step, newer than the bucket's 4
+    assert all(0 in r[1] for r in results)
+
+
+def test_replacement_node_holds_its_parts_again_after_the_next_save(root):
+    wipe(root, 1)
+    listings = run_ranks(_resave_and_list, WORLD, str(root), 6, env=NODES)
+    assert listings[2] == listings[3] == ["COMMITTED", "metadata", *PARTS]
+
+
+def test_both_nodes_lost_falls_back_to_the_shared_tier(root):
+    wipe(root, 0)
+    wipe(root, 1)
+    results = run_ranks(_load, WORLD, str(root), env=NODES)
+    assert [(r[0], r[1]) for r in results] == [(4, [2])] * WORLD
+
+
+def test_whole_clique_lost_falls_back_to_the_shared_tier_and_says_why(root):
+    # ranks 1 and 3 form a clique: remove their parts everywhere, on the node-local tiers
+    for tier in ("ram", "ssd"):
+        for node in (0, 1):
+            for path in (root / f"{tier}/{node}/job").glob("step_*/rank_0000[13].*"):
+                path.unlink()
+    results = run_ranks(_load, WORLD, str(root), env=NODES)
+    assert [r[0] for r in results] == [4] * WORLD
+    assert any("no node holds the part of rank(s) [1, 3]" in line for line in results[0][2])
+
+
+def test_flipped_byte_in_own_part_is_read_from_the_replica(root):
+    bad = root / "ram/0/job/step_000000000005/rank_00001.part"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(data)
+    results = run_ranks(_load, WORLD, str(root), env=NODES)
+    assert [r[0] for r in results] == [5] * WORLD  # odd step: RAM only, so the peer's replica served
+    assert any(str(bad) in line for line in results[1][2]), results[1][2]
+
+
+def test_silent_peer_falls_back_to_the_shared_tier_instead_of_hanging(root):
+    # Make step 4 the newest (on RAM, SSD and bucket), lose node 1, and stop rank 0 (a holder
+    # of node 1's parts) for 8 s in the middle of the load: with peer_timeout=2 the others
+    # give up on it and read from the bucket.
+    for node in (0, 1):
+        for tier in ("ram",):
+            shutil.rmtree(root / f"{tier}/{node}/job/step_000000000005", ignore_errors=True)
+    wipe(root, 1)
+    results = run_ranks(_load, WORLD, str(root), 2.0, 8.0, env=NODES)
+    assert [r[0] for r in results] == [4] * WORLD
+    for rank in (2, 3):
+        assert any("did not answer within 2 s" in line for line in results[rank][2]), results[rank][2]
