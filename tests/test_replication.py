@@ -222,3 +222,31 @@ def test_silent_peer_falls_back_to_the_shared_tier_instead_of_hanging(root):
     assert [r[0] for r in results] == [4] * WORLD
     for rank in (2, 3):
         assert any("did not answer within 2 s" in line for line in results[rank][2]), results[rank][2]
+
+
+def _async_save_then_lose_a_node(rank, world, root, mode):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    cfg = make_config(root)
+    mesh = init_device_mesh("cpu", (world,))
+    group = dist.new_group(backend="gloo")  # the saves' own group, as a training job would use
+    kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    for step in (1, 2, 3):
+        fut = dcp.async_save(
+            state(step, mesh),
+            storage_writer=TieredWriter(cfg, step=step),
+            process_group=group,
+            async_checkpointer_type=kind,
+        )
+        fut.result()
+    dist.barrier()
+    if rank == 0:
+        wipe(root, 1)
+    dist.barrier()
+    return _load(rank, world, root)[0]
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_async_saves_replicate_too(tmp_path, mode):
+    assert run_ranks(_async_save_then_lose_a_node, WORLD, str(tmp_path), mode, env=NODES) == [3] * WORLD
