@@ -125,8 +125,9 @@ class TieredReader(StorageReader):
     def _pool(self) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
         """Every rank's holdings, pooled: shared steps all agree on, node-local steps by union."""
         mine: dict[int, Any] = {}
+        shared = {v.index: v.complete() for v in self._views.values() if v.tier.is_shared}
         for v in self._views.values():
-            mine[v.index] = sorted(v.complete()) if v.tier.is_shared else (v.own.url, own_holdings(v))
+            mine[v.index] = sorted(shared[v.index]) if v.tier.is_shared else (v.own.url, own_holdings(v))
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         found: dict[int, list[StepCopy]] = {}
@@ -135,7 +136,7 @@ class TieredReader(StorageReader):
         for v in self._views.values():
             if v.tier.is_shared:
                 common = set.intersection(*(set(g[v.index]) for g in gathered))
-                for s, copy in v.complete().items():
+                for s, copy in shared[v.index].items():
                     if s in common:
                         found.setdefault(s, []).append(copy)
             else:
