@@ -348,7 +348,9 @@ class TieredReader(StorageReader):
             return None
         for cc in self._cluster:
             urls = self._urls[cc.tier_index]
-            for holder in cc.holders.get(rec["rank"], []):
+            holders = cc.holders.get(rec["rank"], [])
+            start = self.rank % len(holders) if holders else 0
+            for holder in holders[start:] + holders[:start]:  # spread the requesters over the holders
                 if urls[holder] == urls[self.rank] or (cc.tier_index, holder) in tried:
                     continue
                 tried.add((cc.tier_index, holder))

@@ -52,44 +52,78 @@ def stored_chunk_sizes(records: Records) -> list[int]:
     return [c[0] for rec in sorted(records.values(), key=lambda r: r["offset"]) for c in rec["chunks"]]
 
 
-def replicate(view: TierView, step: int, part: SavedPart, world: list[int], name: str) -> None:
-    """Swap parts with the clique's members on other roots; land theirs, verified, in ours."""
-    cfg = view.config
-    members = clique(part.rank, len(world), cfg.replication_factor, cfg.replication_jump)
-    group = Group(f"{name}/clique{members[0]}", members, part.rank, cfg.peer_timeout)
-    landed: list[tuple[int, Records, Reservation]] = []
-    try:
-        infos = group.allgather(part.records)
-        mine = view.tier.root(world[part.rank], part.rank)
-        sends, recvs = [], []
-        for q, records in zip(members, infos, strict=True):
-            if q == part.rank or view.tier.root(world[q], q) == mine:
-                continue  # already in this root
-            sends += [(q, as_bytes_tensor(c)) for c in part.stored]
-            res = view.own.reserve(view.part_key(step, q), sum(r["length"] for r in records.values()))
-            landed.append((q, records, res))
-            pos = 0
-            for n in stored_chunk_sizes(records):
-                recvs.append((q, as_bytes_tensor(res.view[pos : pos + n])))
-                pos += n
-        group.exchange(sends, recvs)
-        del sends, recvs
-        for q, records, res in landed:
-            for rec in records.values():
-                try:
-                    verify_stored(rec, res.view[rec["offset"] : rec["offset"] + rec["length"]])
-                except ChecksumMismatch as e:
-                    raise TieredCheckpointError(
-                        f"step {step}: the replica of rank {q}'s part arrived damaged: {e}"
-                    ) from e
-        for q, records, res in landed:
-            res.commit()
-            write_index(view, step, q, records)
-        landed.clear()
-    finally:
-        for _, _, res in landed:
+class Swap:
+    """This rank's part swapped with its clique's members on other roots, theirs landing here.
+
+    ``start`` posts the transfers (they run in gloo's threads while the rank writes its own
+    part); ``finish`` waits, verifies every replica against its checksums and renames it
+    clean with its index. Any failure discards the landed replicas.
+    """
+
+    def __init__(self, view: TierView, step: int, part: SavedPart, world: list[int], name: str) -> None:
+        cfg = view.config
+        self.view, self.step, self.part = view, step, part
+        self.members = clique(part.rank, len(world), cfg.replication_factor, cfg.replication_jump)
+        self.world, self.name = world, name
+        self.landed: list[tuple[int, Records, Reservation]] = []
+        self.group: Group | None = None
+        self.works: list[Any] = []
+
+    def start(self) -> Swap:
+        view, part, world = self.view, self.part, self.world
+        try:
+            self.group = Group(
+                f"{self.name}/clique{self.members[0]}", self.members, part.rank, view.config.peer_timeout
+            )
+            infos = self.group.allgather(part.records)
+            mine = view.tier.root(world[part.rank], part.rank)
+            sends, recvs = [], []
+            for q, records in zip(self.members, infos, strict=True):
+                if q == part.rank or view.tier.root(world[q], q) == mine:
+                    continue  # already in this root
+                sends += [(q, as_bytes_tensor(c)) for c in part.stored]
+                size = sum(r["length"] for r in records.values())
+                res = view.own.reserve(view.part_key(self.step, q), size)
+                self.landed.append((q, records, res))
+                pos = 0
+                for n in stored_chunk_sizes(records):
+                    recvs.append((q, as_bytes_tensor(res.view[pos : pos + n])))
+                    pos += n
+            self.works = self.group.post(sends, recvs)
+        except BaseException:
+            self.abort()
+            raise
+        return self
+
+    def finish(self) -> None:
+        try:
+            assert self.group is not None
+            self.group.wait(self.works)
+            self.works = []
+            for q, records, res in self.landed:
+                for rec in records.values():
+                    try:
+                        verify_stored(rec, res.view[rec["offset"] : rec["offset"] + rec["length"]])
+                    except ChecksumMismatch as e:
+                        raise TieredCheckpointError(
+                            f"step {self.step}: the replica of rank {q}'s part arrived damaged: {e}"
+                        ) from e
+            for q, records, res in self.landed:
+                res.commit()
+                write_index(self.view, self.step, q, records)
+            self.landed.clear()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the group (peers see it close) and any replica not committed yet."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.works = []
+        for _, _, res in self.landed:
             res.discard()
-        group.close()
+        self.landed.clear()
 
 
 def build_commit(

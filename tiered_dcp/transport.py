@@ -114,7 +114,13 @@ class Group:
     def exchange(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
     ) -> None:
-        """Post every send and receive (peers as global ranks), then wait for all of them.
+        """Post every send and receive (peers as global ranks), then wait for all of them."""
+        self.wait(self.post(sends, recvs))
+
+    def post(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> list[Any]:
+        """Start every send and receive; they run in gloo's threads until ``wait``.
 
         The k-th send from A to B meets the k-th receive at B from A: both sides list
         their buffers in the same order.
@@ -129,6 +135,9 @@ class Group:
                 other = self.members.index(peer)
                 op = self.pg.send if kind == "send" else self.pg.recv
                 works.append(op([t], other, tag))
+        return works
+
+    def wait(self, works: list[Any]) -> None:
         self._wait(works, "replica transfer")
 
     def close(self) -> None:

@@ -29,11 +29,11 @@ from torch.futures import Future
 from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
 
 from . import preemption, transport
-from .catalog import TierView, commit_root, pin_key
+from .catalog import TierView, commit_root, part_name, pin_key
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
-from .replicate import SavedPart, build_commit, commit_everywhere, replicate, write_index
+from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
 from .runtime import MAX_PENDING, Job, WriterHandle, rundir
 from .staging import POOL
 from .tensors import as_cpu_contiguous, byte_view
@@ -69,26 +69,27 @@ def resolve_items(plan: SavePlan, planner: SavePlanner) -> list[RawItem]:
     return items
 
 
-def write_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> SavedPart:
-    """Write this rank's part of ``step`` to one tier: its records and stored chunks."""
+def encode_part(view: TierView, rank: int, items: list[RawItem]) -> SavedPart:
+    """This rank's part for one tier, in memory: its records and stored chunks in file order.
+
+    Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
+    chunks are held until the part and its replicas are written.
+    """
     enc = Encoder(view.tier.compression)
-    key = view.part_key(step, rank)
+    name = part_name(rank)
     part = SavedPart(rank, {}, [])
-
-    def chunks():
-        offset = 0
-        for it in items:
-            stored = [enc.encode(c) for c in it.chunks]
-            rec = make_record(
-                key.rsplit("/", 1)[1], offset, stored, it.chunks, it.hashes, enc.codec, rank=rank, **it.extra
-            )
-            part.records[it.index] = rec
-            part.stored += stored
-            offset += rec["length"]
-            yield from stored
-
-    view.own.write(key, chunks())
+    offset = 0
+    for it in items:
+        stored = [enc.encode(c) for c in it.chunks]
+        rec = make_record(name, offset, stored, it.chunks, it.hashes, enc.codec, rank=rank, **it.extra)
+        part.records[it.index] = rec
+        part.stored += stored
+        offset += rec["length"]
     return part
+
+
+def write_part(view: TierView, step: int, part: SavedPart) -> None:
+    view.own.write(view.part_key(step, part.rank), part.stored)
 
 
 def commit_step(
@@ -239,7 +240,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         for target in slower:  # pins first: retention must not remove what a writer will copy
             first.own.write(pin_key(ns, self.step, self.rank, target), [b""])
         if first.tier.is_shared:  # one root: the coordinator commits it in finish()
-            records = write_part(first, self.step, self.rank, items).records
+            part = encode_part(first, self.rank, items)
+            write_part(first, self.step, part)
+            records = part.records
         else:
             records = self._write_node_local(first, items, world, planner, name)
         if slower:
@@ -265,15 +268,21 @@ class TieredWriter(StorageWriter, AsyncStager):
         """Write the part and its replicas, then commit the step in every root (``replicate``)."""
         records: dict[MetadataIndex, dict] = {}
         error: BaseException | None = None
+        swap = None
         try:
-            part = write_part(first, self.step, self.rank, items)
+            part = encode_part(first, self.rank, items)
             records = part.records
+            if self.config.replication_factor > 1:  # the transfer runs while the part is written
+                swap = Swap(first, self.step, part, world, name).start()
+            write_part(first, self.step, part)
             write_index(first, self.step, self.rank, records)
-            if self.config.replication_factor > 1:
-                replicate(first, self.step, part, world, name)
+            if swap is not None:
+                swap.finish()
             del part
         except Exception as e:  # told to every rank, so that none waits for this one
             error = e
+            if swap is not None:
+                swap.abort()
 
         def metadata() -> Metadata:
             md = getattr(planner, "metadata", None)
