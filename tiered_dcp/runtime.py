@@ -278,6 +278,11 @@ class WriterHandle:
                 )
         self._seen &= names
 
+    def _starting(self) -> bool:
+        """Whether a writer this process launched is alive (maybe still importing, unlocked)."""
+        proc = _LAUNCHED.get(self.rd)
+        return proc is not None and proc.poll() is None
+
     def stop(self, wait: bool, timeout: float | None) -> bool:
         """Ask the writer to exit once its queue is empty; with ``wait``, wait for that."""
         if not self.rd.is_dir():
@@ -286,7 +291,7 @@ class WriterHandle:
         if not wait:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        while writer_running(self.rd):
+        while writer_running(self.rd) or (queued(self.rd) and self._starting()):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(POLL)
