@@ -13,6 +13,13 @@ Rank 1 is SIGKILLed while it saves step ``kill_at``; the launcher stops the job 
 torchrun would, restarts it, and the new job loads the newest complete step and checks
 that it is exactly the state that was saved (each rank logged a hash of its shard before
 each save).
+
+A second scene loses a node: 4 ranks as 2 simulated nodes (``{node}`` paths,
+LOCAL_WORLD_SIZE=2) with ``replication_factor=2, replication_jump=2``, so each node's RAM
+tier also holds its peers' replicas. They train and ``dcp.save`` a few steps, the newest
+being only in RAM (the shared bucket has an older one); node 1's RAM tier is wiped, and
+the ranks rebuild their model and optimizer and load with ``TieredReader``: the newest step
+comes from the replicas node 0 holds, and must be exactly the state that was saved.
 """
 
 from __future__ import annotations
@@ -47,6 +54,29 @@ def demo_config(workdir: str, ram_root: str):
     )
 
 
+# The node-loss scene: 4 ranks as 2 simulated nodes (ranks 0-1 on node 0, 2-3 on node 1).
+# With replication_factor=2, replication_jump=2 the cliques are {0, 2} and {1, 3}: each node
+# holds its own ranks' parts and their peers' replicas, so either node alone holds a step.
+NL_WORLD, NL_LOCAL = 4, 2
+NL_STEPS = 6  # the bucket takes every 4th: steps 5 and 6 are only in the cluster's RAM
+NL_HIDDEN = 512  # a narrower MLP than the first scene's: this scene is about where the bytes are
+NL_LOST = 1  # the node whose tiers are wiped
+
+
+def node_loss_config(workdir: str, ram_root: str):
+    from .config import Tier, TieredConfig
+
+    return TieredConfig(
+        "demo-nodeloss",
+        [
+            Tier(f"{ram_root}/nodeloss/{{node}}", every=1, keep=2),
+            Tier(f"{workdir}/nodeloss/bucket", every=4, shared=True),
+        ],
+        replication_factor=2,
+        replication_jump=2,
+    )
+
+
 # ----------------------------------------------------------------------------- worker
 
 
@@ -72,13 +102,43 @@ def _state_hash(state) -> str:
     return h.hexdigest()
 
 
+def _build(mesh, hidden: int = 2048):
+    """The demo's model, an MLP sharded with FSDP2 over ``mesh``, and its optimizer."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 512))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train_step(model, opt, step: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(64, 512, generator=g)
+    loss = (model(x) - x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(model, opt, step: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "step": step}
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from . import TieredReader, TieredWriter, shutdown
 
@@ -90,24 +150,13 @@ def worker(args: argparse.Namespace) -> None:
     cfg = demo_config(args.dir, args.ram)
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _build(mesh)
 
     def train_step(step: int) -> None:
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(64, 512, generator=g)
-        loss = (model(x) - x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        _train_step(model, opt, step)
 
     def state(step: int) -> dict:
-        msd, osd = get_state_dict(model, opt)
-        return {"model": msd, "optim": osd, "step": step}
+        return _state(model, opt, step)
 
     def log_timing(rec: dict) -> None:
         if rank == 0:
@@ -187,20 +236,92 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def node_loss_worker(args: argparse.Namespace) -> None:
+    """Save ``args.steps`` steps, lose node NL_LOST's tiers, rebuild the state, load it back."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from . import TieredReader, TieredWriter, shutdown, wait_for
+    from .config import node_of
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    node = node_of(rank)
+    cfg = node_loss_config(args.dir, args.ram)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model, opt = _build(mesh, NL_HIDDEN)
+    for step in range(1, args.steps + 1):
+        _train_step(model, opt, step)
+        dcp.save(_state(model, opt, step), storage_writer=TieredWriter(cfg, step=step))
+    saved = _state_hash(_state(model, opt, args.steps))
+    # The bucket's newest step must be there before a node goes: wait for it, then for the
+    # writer processes to exit (shutdown alone does not wait for a writer still starting up).
+    bucket = cfg.tiers[1]
+    wait_for(cfg, args.steps // bucket.every * bucket.every, tier=1, timeout=60)
+    if not shutdown(wait=True, timeout=60):
+        raise RuntimeError("the writer processes did not exit within 60 s")
+    dist.barrier()
+    if rank == NL_LOST * NL_LOCAL:  # the lost node's first rank: every node-local tier is gone
+        for tier in cfg.tiers:
+            if not tier.is_shared:
+                shutil.rmtree(tier.root(NL_LOST, rank), ignore_errors=True)
+    dist.barrier()
+
+    # the restart: a new model and optimizer (other weights), then the state from the tiers
+    del model, opt
+    torch.manual_seed(1)
+    model, opt = _build(mesh, NL_HIDDEN)
+    _train_step(model, opt, 0)  # materialise optimizer state so there is something to load into
+    own = [tier.root(node, rank) for tier in cfg.tiers if not tier.is_shared]
+    held = any(os.path.isdir(root) and os.listdir(root) for root in own)
+    t0 = time.perf_counter()
+    reader = TieredReader(cfg)
+    sd = _state(model, opt, -1)
+    dcp.load(sd, storage_reader=reader)
+    seconds = time.perf_counter() - t0
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    report = {
+        "rank": rank,
+        "node": node,
+        "held": bool(held),
+        "step": sd["step"],
+        "tiers": reader.tiers,
+        "seconds": seconds,
+        "match": sd["step"] == args.steps and _state_hash(_state(model, opt, sd["step"])) == saved,
+    }
+    with open(f"{args.dir}/report.{args.phase}.rank{rank}.json", "w") as f:
+        json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- launcher
 
 
 def _launch(
-    workdir: str, ram: str, steps: int, phase: str, resume: bool, port: int
+    workdir: str,
+    ram: str,
+    steps: int,
+    phase: str,
+    resume: bool,
+    port: int,
+    world: int = WORLD,
+    local: int = WORLD,
+    scene: str = "kill",
 ) -> list[subprocess.Popen]:
+    """Start ``world`` ranks, ``local`` per simulated node."""
     procs = []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = dict(
             os.environ,
             RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(WORLD),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank % local),
+            LOCAL_WORLD_SIZE=str(local),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
@@ -217,6 +338,8 @@ def _launch(
             str(steps),
             "--phase",
             phase,
+            "--scene",
+            scene,
         ] + (["--resume"] if resume else [])
         with open(f"{workdir}/stderr.{phase}.rank{rank}", "wb") as err:  # a file: a pipe can fill up
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
@@ -277,8 +400,100 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
+def _node_loss_scene(workdir: str, ram: str) -> bool:
+    """Lose a node after the newest step left the shared tier behind; resume from peers."""
+    from . import runtime
+    from .api import status, writer_status
+
+    cfg = node_loss_config(workdir, ram)
+    names = ["RAM", "bucket"]
+    phase = "nodeloss"
+    shutil.rmtree(f"{workdir}/nodeloss", ignore_errors=True)
+    shutil.rmtree(f"{ram}/nodeloss", ignore_errors=True)
+    for rank in range(NL_WORLD):
+        if os.path.exists(f"{workdir}/report.{phase}.rank{rank}.json"):
+            os.remove(f"{workdir}/report.{phase}.rank{rank}.json")
+    if not any(w.running for w in writer_status(cfg)):
+        shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+    nodes = NL_WORLD // NL_LOCAL
+    lost_ranks = list(range(NL_LOST * NL_LOCAL, (NL_LOST + 1) * NL_LOCAL))
+    layout = ", ".join(f"{n * NL_LOCAL}-{(n + 1) * NL_LOCAL - 1}" for n in range(nodes))
+    print(
+        f"\ntiered-dcp demo, node loss: {NL_WORLD} ranks on {nodes} simulated nodes (ranks {layout}) "
+        f"train and dcp.save {NL_STEPS} steps"
+    )
+    print(
+        f"  replication_factor={cfg.replication_factor}, replication_jump={cfg.replication_jump}: "
+        "each rank's part is also kept by its clique peer on the other node"
+    )
+    for i, t in enumerate(cfg.tiers):
+        where = "shared" if t.is_shared else "node-local"
+        print(f"  tier {i} {names[i]:<6} {t.path}  (every {t.every}, keep {t.keep or 'all'}, {where})")
+    procs = _launch(workdir, ram, NL_STEPS, phase, False, _free_port(), NL_WORLD, NL_LOCAL, "node-loss")
+    deadline = time.time() + 120
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                _fail(procs, workdir, phase, "the node-loss scene failed")
+                return False
+            time.sleep(0.02)
+        reports = []
+        for rank in range(NL_WORLD):
+            with open(f"{workdir}/report.{phase}.rank{rank}.json") as f:
+                reports.append(json.load(f))
+    finally:
+        deadline = time.time() + 5  # the writers exit once their queues are empty
+        while any(w.running for w in writer_status(cfg)) and time.time() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+    bucket = max((r.step for r in status(cfg) if r.tier_index == 1 and r.state == "committed"), default=None)
+    step = reports[0]["step"]
+    lost_root = cfg.tiers[0].root(NL_LOST, lost_ranks[0])
+    others = 1 - NL_LOST
+    print(
+        f"\n  saved:   steps 1..{NL_STEPS}; the bucket took step {bucket}, "
+        f"so step {NL_STEPS} is only in the nodes' RAM"
+    )
+    lost = ", ".join(map(str, lost_ranks))
+    print(f"  lost:    node {NL_LOST} (ranks {lost}): its RAM tier {lost_root} wiped")
+    print("           the job restarts: every rank builds a new model and optimizer, loads with TieredReader")
+    read = sorted({t for r in reports for t in r["tiers"]})
+    where = "peer replicas in the cluster's RAM" if read == [0] else " + ".join(names[t] for t in read)
+    newer = "newer than" if bucket is not None and step > bucket else "not newer than"
+    print(f"  resume:  step {step}, from {where} ({newer} step {bucket} on the shared tier)")
+    if read == [0] and not any(r["held"] for r in reports if r["node"] == NL_LOST):
+        print(f"           node {NL_LOST}'s ranks held none of it: node {others} sent them their replicas")
+    took = _ms(max(r["seconds"] for r in reports))
+    print(f"           loaded in {took} (TieredReader + dcp.load, slowest rank)")
+    print(
+        f"           restored state == state saved at step {NL_STEPS}: "
+        + ", ".join(f"rank {r['rank']} {'yes' if r['match'] else 'NO'}" for r in reports)
+    )
+    problems = []
+    if not all(r["match"] for r in reports):
+        problems.append("the restored state differs from the saved one")
+    if any(r["step"] != NL_STEPS for r in reports):
+        problems.append(f"resumed from step(s) {sorted({r['step'] for r in reports})}, not {NL_STEPS}")
+    if bucket is None or bucket >= NL_STEPS:
+        problems.append(f"the bucket's newest step is {bucket}: the scene needs an older one there")
+    if any(r["tiers"] != [0] for r in reports):
+        problems.append(f"read from tier(s) {read}, not the RAM tier alone")
+    if any(r["held"] for r in reports if r["node"] == NL_LOST) or os.path.exists(lost_root):
+        problems.append(f"node {NL_LOST}'s RAM tier was not wiped")
+    if any(not r["held"] for r in reports if r["node"] != NL_LOST):
+        problems.append(f"node {others}'s RAM tier was empty before the load")
+    if problems:
+        print("\n  FAILED: " + "; ".join(problems))
+        return False
+    print(
+        f"\n  OK: with node {NL_LOST} lost, the job resumed from step {step} (the bucket has {bucket}) "
+        "with exactly the saved state"
+    )
+    return True
+
+
 def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> int:
-    """Run the demo; return 0 when the resumed state matched the saved one."""
+    """Run the demo; return 0 when the resumed state matched the saved one in both scenes."""
     if not 1 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 2 and {steps - 1}")
     from . import runtime
@@ -423,6 +638,7 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
             f"\n  {'OK' if ok else 'FAILED'}: the job resumed from step {r0['step']} "
             f"with exactly the saved state"
         )
+        ok = _node_loss_scene(workdir, ram) and ok
         return 0 if ok else 1
     finally:
         if own_dir:
@@ -441,9 +657,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--phase", required=True)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--scene", choices=["kill", "node-loss"], default="kill")
     code = 0
     try:
-        worker(p.parse_args())
+        args = p.parse_args()
+        (node_loss_worker if args.scene == "node-loss" else worker)(args)
     except BaseException:
         traceback.print_exc()
         code = 1
