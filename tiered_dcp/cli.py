@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, help="the step (default: the newest complete)")
     p.add_argument("--to", required=True, help="destination directory")
     p.set_defaults(fn=cmd_export)
-    p = sub.add_parser("demo", help="train on 2 ranks, kill one, resume; then lose a node of 4 ranks and resume from peer replicas")
+    p = sub.add_parser("demo", help="kill a rank and resume; lose a node and resume from peer replicas")
     p.add_argument("--dir", help="where the tiers go (default: a temporary directory, RAM tier in /dev/shm)")
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     p.add_argument("--kill-at", type=int, default=17, help="step during whose save rank 1 is killed")
