@@ -14,7 +14,10 @@ involved); the two modes alternate within every round (their order flips every r
 
 - ``save_unreplicated_s``: a synchronous ``dcp.save``, ``replication_factor=1``;
 - ``save_replicated_s``: the same with ``replication_factor=2, replication_jump=2`` (cliques
-  {0, 2} and {1, 3}: every node holds every part, its ranks' own and their peers').
+  {0, 2} and {1, 3}: every node holds every part, its ranks' own and their peers');
+- ``stall_unreplicated_s`` / ``stall_replicated_s``: what the training loop waits for with
+  ``dcp.async_save`` (on a gloo group of its own) in the same two configurations; each
+  save's future is then waited for, untimed.
 
 Load, a RAM tier plus a shared "bucket" directory (both ``keep=2``; the bucket lies in
 /dev/shm too, so its figure is a floor for a real bucket), replication 2/2. Every round
@@ -121,11 +124,20 @@ def bench_save(root: str, state: dict, runs: int, times: dict) -> None:
             "bench-repl-save-f2", [tier], replication_factor=2, replication_jump=2
         ),
     }
+    group = dist.new_group(backend="gloo")  # async saves get a group of their own, as in training
     for step in range(1, runs + 2):  # step 1 is the warm-up round
         order = SAVE_MODES if step % 2 else SAVE_MODES[::-1]
         for mode in order:
             writer = TieredWriter(configs[mode], step=step)
             times[mode].append(timed(lambda w=writer: dcp.save(state, storage_writer=w)))
+        for mode in order:  # the training loop's stall; replication runs in the upload
+            writer, futures = TieredWriter(configs[mode], step=100 + step), []
+
+            def save(w: TieredWriter = writer, f: list = futures) -> None:
+                f.append(dcp.async_save(state, storage_writer=w, process_group=group))
+
+            times[mode.replace("save_", "stall_")].append(timed(save))
+            futures[0].result()  # untimed: until committed, replicas included
 
 
 def bench_load(root: str, state: dict, runs: int, times: dict, timeout: float) -> list[list[int]]:
@@ -185,7 +197,8 @@ def rank_main(rank: int, world: int, port: int, root: str, args: dict, results: 
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args["timeout"])
         )
         state = rank_state(rank, args["mib"])
-        times: dict[str, list[float]] = {k: [] for k in (*SAVE_MODES, *LOAD_MODES)}
+        stalls = [m.replace("save_", "stall_") for m in SAVE_MODES]
+        times: dict[str, list[float]] = {k: [] for k in (*SAVE_MODES, *stalls, *LOAD_MODES)}
         bench_save(f"{root}/save", state, args["runs"], times)
         on_rank0(lambda: shutil.rmtree(f"{root}/save"))
         tiers = bench_load(f"{root}/load", state, args["runs"], times, args["timeout"])
@@ -268,6 +281,7 @@ def main() -> None:
     res = {k: statistics.median(v[1:]) for k, v in samples.items()}
     ratios = {
         "save_replicated_vs_unreplicated": res["save_replicated_s"] / res["save_unreplicated_s"],
+        "async_stall_replicated_vs_unreplicated": res["stall_replicated_s"] / res["stall_unreplicated_s"],
         "load_node_lost_vs_intact": res["load_node_lost_s"] / res["load_intact_s"],
         "load_node_lost_vs_bucket_only": res["load_node_lost_s"] / res["load_bucket_only_s"],
         "load_bucket_only_vs_intact": res["load_bucket_only_s"] / res["load_intact_s"],
