@@ -11,7 +11,6 @@ holds them, over a gloo group of the load's own, round by round until none is mi
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +19,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiered_dcp.storage.codec import ChecksumMismatch, raw_length, read_item, verify_raw
 
-from .catalog import METADATA, TierView, index_key, step_dir
+from .catalog import METADATA, TierView, step_dir
 from .transport import Group, as_bytes_tensor
 
 log = logging.getLogger("tiered_dcp")
@@ -95,13 +94,10 @@ class PeerRequest:
     length: int
 
 
-def read_raw(view: TierView, step: int, part: int, index: MetadataIndex) -> bytearray:
+def read_raw(view: TierView, step: int, part: int, rec: dict) -> bytearray:
     """An item's raw bytes from this rank's own root, verified (for a peer that asked)."""
-    store = view.own
-    records = pickle.loads(store.read(index_key(view.config.namespace, step, part)))
-    rec = records[index]
     out = bytearray(raw_length(rec))
-    read_item(store, view.part_key(step, part), rec, memoryview(out))
+    read_item(view.own, view.part_key(step, part), rec, memoryview(out))
     return out
 
 

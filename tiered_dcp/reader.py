@@ -85,7 +85,7 @@ class TieredReader(StorageReader):
         self._views = {v.index: v for v in views(config, self.node, rank)}
         self._metadata: dict[int, Metadata | None] = {}
         self._bad_metadata: dict[int, str] = {}
-        self._held: dict[tuple[str, int], dict | None] = {}
+        self._held: dict[tuple[str, int, int], dict | None] = {}  # (root, tier, part) -> records
         self._cluster: list[ClusterCopy] = []
         self._cluster_md: Metadata | None = None
         self._urls: dict[int, dict[int, str]] = {}  # tier -> rank -> its own root
@@ -358,10 +358,13 @@ class TieredReader(StorageReader):
         return None
 
     def _serve(self, req: PeerRequest) -> bytearray | None:
+        view = self._views[req.tier_index]
         try:
-            return read_raw(self._views[req.tier_index], self.step, req.part, req.index)
-        except (ChecksumMismatch, OSError, KeyError, pickle.UnpicklingError) as e:
-            view = self._views[req.tier_index]
+            own = self._own[req.tier_index]  # asked only of ranks whose own root holds the part
+            records = self._part_records(view, view.own, own.marker, req.part) or {}
+            rec = records.get(req.index) or self._load_metadata(own).storage_data[req.index]
+            return read_raw(view, self.step, req.part, rec)
+        except (ChecksumMismatch, OSError, KeyError) as e:
             log.warning(
                 "step %d: cannot serve item %r of rank %d's part from %s to a peer: %s",
                 self.step,
