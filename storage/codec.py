@@ -90,16 +90,8 @@ def verify_stored(record: dict[str, Any], stored: memoryview) -> None:
     if record["codec"] == "raw":
         verify_raw(record, stored)
         return
-    zd = zstandard.ZstdDecompressor()
-    pos = 0
-    for i, (s, n, h) in enumerate(record["chunks"]):
-        try:
-            raw = zd.decompress(stored[pos : pos + s], max_output_size=n) if n else b""
-        except zstandard.ZstdError as e:
-            raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
-        if len(raw) != n or checksum(raw) != h:
-            raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
-        pos += s
+    for _ in _decoded_chunks(record, stored):
+        pass
 
 
 def iter_raw_chunks(store: Storage, key: str, record: dict[str, Any]) -> Iterator[bytes]:
@@ -132,24 +124,30 @@ def read_item(store: Storage, key: str, record: dict[str, Any], out: memoryview)
     decode_into(record, memoryview(stored), out)
 
 
+def _decoded_chunks(record: dict[str, Any], stored: memoryview) -> Iterator[bytes]:
+    """The raw chunks of an item's zstd-stored bytes, each checked against its checksum."""
+    if record["codec"] != "zstd":
+        raise ChecksumMismatch(f"unknown codec {record['codec']!r}")
+    zd = zstandard.ZstdDecompressor()
+    pos = 0
+    for i, (s, n, h) in enumerate(record["chunks"]):
+        try:
+            raw = zd.decompress(stored[pos : pos + s], max_output_size=n) if n else b""
+        except zstandard.ZstdError as e:
+            raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
+        if len(raw) != n or checksum(raw) != h:
+            raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
+        pos += s
+        yield raw
+
+
 def decode_into(record: dict[str, Any], stored: memoryview, out: memoryview) -> None:
     """Decode the stored bytes of an item into ``out`` (its raw size), verifying chunks."""
     if record["codec"] == "raw":
         out[:] = stored
         verify_raw(record, out)
         return
-    if record["codec"] != "zstd":
-        raise ChecksumMismatch(f"unknown codec {record['codec']!r}")
-    zd = zstandard.ZstdDecompressor()
-    spos = rpos = 0
-    for i, (s, n, _) in enumerate(record["chunks"]):
-        try:
-            data = zd.decompress(stored[spos : spos + s], max_output_size=n) if n else b""
-        except zstandard.ZstdError as e:
-            raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
-        if len(data) != n:
-            raise ChecksumMismatch(f"chunk {i} decompresses to {len(data)} bytes, not {n}")
-        out[rpos : rpos + n] = data
-        spos += s
-        rpos += n
-    verify_raw(record, out)
+    pos = 0
+    for raw in _decoded_chunks(record, stored):
+        out[pos : pos + len(raw)] = raw
+        pos += len(raw)

@@ -9,6 +9,7 @@ from tiered_dcp.storage.codec import (
     decode_into,
     make_record,
     split,
+    verify_stored,
 )
 from tiered_dcp.storage.local import needs_fsync
 
@@ -103,6 +104,24 @@ def test_codec_roundtrip_and_damage(codec):
     out = bytearray(len(data))
     decode_into(rec, memoryview(blob), memoryview(out))
     assert out == data
+    verify_stored(rec, memoryview(blob))  # as a replica arriving from a peer is checked
     blob[len(blob) // 2] ^= 0xFF
     with pytest.raises(ChecksumMismatch):
         decode_into(rec, memoryview(blob), memoryview(out))
+    with pytest.raises(ChecksumMismatch):
+        verify_stored(rec, memoryview(blob))
+    with pytest.raises(ChecksumMismatch):
+        verify_stored(rec, memoryview(blob)[:-1])
+
+
+@pytest.mark.parametrize("outcome", ["commit", "discard"])
+def test_reserve_lands_whole_or_not_at_all(store, outcome):
+    res = store.reserve("d/obj", 1000)
+    res.view[:] = bytes(range(250)) * 4
+    assert store.size("d/obj") is None  # nothing under the name while it is being filled
+    getattr(res, outcome)()
+    if outcome == "commit":
+        assert store.read("d/obj") == bytes(range(250)) * 4
+    else:
+        assert store.size("d/obj") is None
+    assert store.list("d") in ([], ["obj"])  # no dirty leftovers

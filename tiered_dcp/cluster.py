@@ -10,7 +10,6 @@ holds them, over a gloo group of the load's own, round by round until none is mi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,8 +20,6 @@ from tiered_dcp.storage.codec import ChecksumMismatch, raw_length, read_item, ve
 
 from .catalog import METADATA, TierView, step_dir
 from .transport import Group, as_bytes_tensor
-
-log = logging.getLogger("tiered_dcp")
 
 
 @dataclass

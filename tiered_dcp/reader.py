@@ -56,7 +56,7 @@ log = logging.getLogger("tiered_dcp")
 
 
 def _dist_rank() -> tuple[int, bool]:
-    up = dist.is_available() and dist.is_initialized()
+    up = transport.dist_up()
     return (dist.get_rank() if up else 0), up
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import logging
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from .cliques import clique
 from .errors import TieredCheckpointError
 from .transport import Group, PeerTimeout, as_bytes_tensor
 
-log = logging.getLogger("tiered_dcp")
 Records = dict[MetadataIndex, dict]
 _OWN_KEYS: list[str] = []  # store keys this process set in its previous save, deleted in the next
 
