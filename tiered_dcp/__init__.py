@@ -7,13 +7,14 @@ dcp.load(state, storage_reader=TieredReader(config))
 from .api import WriterInfo, export, latest_step, shutdown, status, wait_for, writer_status
 from .catalog import StepState
 from .config import Tier, TieredConfig
-from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
+from .errors import CheckpointCorruptError, NoCheckpointError, SnapshotError, TieredCheckpointError
 from .reader import TieredReader
 from .writer import TieredWriter
 
 __all__ = [
     "CheckpointCorruptError",
     "NoCheckpointError",
+    "SnapshotError",
     "StepState",
     "Tier",
     "TieredCheckpointError",

@@ -11,3 +11,7 @@ class NoCheckpointError(TieredCheckpointError):
 
 class CheckpointCorruptError(TieredCheckpointError):
     """A checksum mismatch with no good copy left; names the file and the item."""
+
+
+class SnapshotError(TieredCheckpointError, TypeError):
+    """``async_save`` staging met a value it cannot snapshot; names its key and type."""

@@ -14,7 +14,6 @@ Memory is bounded: at most ``slots`` staged copies exist per process. A slot is 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import threading
 import time
@@ -24,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .snapshot import Leaf
 
 log = logging.getLogger("tiered_dcp")
 
@@ -44,14 +44,14 @@ class _Hole:
     index: int
 
 
-def _flatten(obj: Any, leaves: list[Any]) -> Any:
+def _flatten(obj: Any, leaves: list[Leaf], path: str = "") -> Any:
     """A template of ``obj`` with every leaf replaced by a ``_Hole``; leaves appended in order."""
     if isinstance(obj, Mapping):
-        return {k: _flatten(v, leaves) for k, v in obj.items()}
+        return {k: _flatten(v, leaves, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
     if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
-        items = [_flatten(v, leaves) for v in obj]
+        items = [_flatten(v, leaves, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
-    leaves.append(obj)
+    leaves.append(Leaf.of(path, obj))
     return _Hole(len(leaves) - 1)
 
 
@@ -67,26 +67,23 @@ def _fill(template: Any, values: list[Any]) -> Any:
     return template
 
 
-def _is_plain(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter)
+@dataclass
+class Examined:
+    """A state dict taken apart: its containers (a template) and its leaves, classified."""
+
+    template: Any
+    leaves: list[Leaf]
+
+    @property
+    def signature(self) -> tuple:
+        """What decides the buffers' layout: every leaf's kind, pieces and static metadata."""
+        return tuple(leaf.layout for leaf in self.leaves)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _signature(leaves: list[Any]) -> tuple:
-    """What decides the buffers' layout: dtype, shape and device of every tensor leaf."""
-    sig = []
-    for v in leaves:
-        if isinstance(v, DTensor):
-            loc = v._local_tensor
-            sig.append(("d", loc.dtype, tuple(loc.shape), loc.device.type, v._spec))
-        elif _is_plain(v):
-            sig.append(("t", v.dtype, tuple(v.shape), v.device.type))
-        else:
-            sig.append(None)
-    return tuple(sig)
+def examine(state_dict: Mapping[str, Any]) -> Examined:
+    """Classify every leaf (``snapshot``); raises ``SnapshotError`` for one that cannot be copied."""
+    leaves: list[Leaf] = []
+    return Examined(_flatten(state_dict, leaves), leaves)
 
 
 def _pin(ptr: int, nbytes: int) -> None:
@@ -105,8 +102,8 @@ class _Slot:
 
     signature: tuple
     arena: torch.Tensor
-    targets: list[torch.Tensor | None]  # per leaf: the local view to copy into
-    staged: list[Any]  # per leaf: what the staged dict holds (a view or a DTensor over it)
+    targets: list[list[torch.Tensor]]  # per leaf: the arena views its pieces are copied into
+    staged: list[Any]  # per leaf: the staged value built over those views (see ``snapshot``)
     pinned: bool
     busy: bool = False
     generation: int = 0
@@ -123,35 +120,33 @@ class _Slot:
         self.arena = torch.empty(0, dtype=torch.uint8)
 
 
-def _allocate(leaves: list[Any], signature: tuple) -> _Slot:
-    offsets, total = [], 0
-    for v in leaves:
-        if isinstance(v, torch.Tensor) and (isinstance(v, DTensor) or _is_plain(v)):
-            loc = _local(v)
-            offsets.append(total)
-            total += (loc.numel() * loc.element_size() + ALIGN - 1) // ALIGN * ALIGN
-        else:
-            offsets.append(None)
+def _nbytes(t: torch.Tensor) -> int:
+    return (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _allocate(leaves: list[Leaf], signature: tuple) -> _Slot:
+    total = sum(_nbytes(p) for leaf in leaves for p in leaf.pieces)
     storage = torch.UntypedStorage._new_shared(max(total, 1), device="cpu")
     arena = torch.empty(0, dtype=torch.uint8).set_(storage)
     arena.fill_(0)  # touch every page now, not during the first save's copy
-    on_cuda = any(s is not None and s[3] == "cuda" for s in signature)
+    on_cuda = any(p.device.type == "cuda" for leaf in leaves for p in leaf.pieces)
     if on_cuda:
         _pin(arena.data_ptr(), arena.numel())
-    targets: list[torch.Tensor | None] = []
+    targets: list[list[torch.Tensor]] = []
     staged: list[Any] = []
-    for v, off in zip(leaves, offsets, strict=True):
-        if off is None:
-            targets.append(None)
-            staged.append(None)
-            continue
-        loc = _local(v)
-        n = loc.numel() * loc.element_size()
-        # A storage of its own over the arena's bytes (offset 0): DTensor mis-reports the
-        # data pointer of a local tensor at a storage offset, which breaks its pickling.
-        view = torch.empty(0, dtype=loc.dtype).set_(storage[off : off + n], 0, loc.shape, _strides(loc.shape))
-        targets.append(view)
-        staged.append(DTensor(view, v._spec, requires_grad=False) if isinstance(v, DTensor) else view)
+    off = 0
+    for leaf in leaves:
+        views = []
+        for p in leaf.pieces:
+            n = p.numel() * p.element_size()
+            # A storage of its own over the arena's bytes (offset 0): DTensor mis-reports the
+            # data pointer of a local tensor at a storage offset, which breaks its pickling.
+            views.append(
+                torch.empty(0, dtype=p.dtype).set_(storage[off : off + n], 0, p.shape, _strides(p.shape))
+            )
+            off += _nbytes(p)
+        targets.append(views)
+        staged.append(leaf.kind.build(leaf.value, views))
     return _Slot(signature, arena, targets, staged, on_cuda)
 
 
@@ -161,18 +156,6 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(dim, 1)
     return tuple(reversed(strides))
-
-
-def _copy_other(value: Any) -> Any:
-    """A leaf that is not a plain tensor or DTensor, copied so later training cannot change it."""
-    if isinstance(value, torch.Tensor):  # ShardedTensor and other subclasses: a fresh CPU copy
-        from torch.distributed._state_dict_utils import _offload_state_dict_to_cpu
-
-        return _offload_state_dict_to_cpu({"v": value})["v"]
-    try:
-        return copy.deepcopy(value)
-    except Exception:  # an object that cannot be copied is saved as it is at upload time
-        return value
 
 
 class StagingPool:
@@ -191,45 +174,39 @@ class StagingPool:
             self._reserved += 1
         return True
 
-    def stage(self, state_dict: Mapping[str, Any], reserved: bool = False) -> StagedStateDict:
+    def stage(self, state: Mapping[str, Any] | Examined, reserved: bool = False) -> StagedStateDict:
+        """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early)."""
         try:
-            leaves: list[Any] = []
-            template = _flatten(state_dict, leaves)
-            signature = _signature(leaves)
-            slot = self._acquire(leaves, signature)
+            examined = state if isinstance(state, Examined) else examine(state)
+            slot = self._acquire(examined.leaves, examined.signature)
         finally:
             if reserved:
                 with self._cond:
                     self._reserved -= 1
         try:
-            values = self._copy_into(slot, leaves)
+            values = self._copy_into(slot, examined.leaves)
         except BaseException:
             self._release(slot, slot.generation)
             raise
-        staged = StagedStateDict(_fill(template, values))
+        staged = StagedStateDict(_fill(examined.template, values))
         weakref.finalize(staged, self._release, slot, slot.generation)
         return staged
 
     @torch.no_grad()
-    def _copy_into(self, slot: _Slot, leaves: list[Any]) -> list[Any]:
-        values = []
+    def _copy_into(self, slot: _Slot, leaves: list[Leaf]) -> list[Any]:
         stream = None
         if slot.pinned:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
-            for v, dst, staged in zip(leaves, slot.targets, slot.staged, strict=True):
-                if dst is None:
-                    values.append(_copy_other(v))
-                else:
-                    dst.copy_(_local(v), non_blocking=stream is not None)
-                    values.append(staged)
+            for leaf, views in zip(leaves, slot.targets, strict=True):
+                leaf.copy_into(views, non_blocking=stream is not None)
         if stream is not None:
             stream.synchronize()
-        return values
+        return [leaf.refresh(staged) for leaf, staged in zip(leaves, slot.staged, strict=True)]
 
-    def _acquire(self, leaves: list[Any], signature: tuple) -> _Slot:
+    def _acquire(self, leaves: list[Leaf], signature: tuple) -> _Slot:
         started = time.monotonic()
         warned = False
         with self._cond:

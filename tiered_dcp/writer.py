@@ -35,7 +35,7 @@ from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
 from .runtime import MAX_PENDING, Job, WriterHandle, rundir
-from .staging import POOL
+from .staging import POOL, examine
 from .tensors import as_cpu_contiguous, byte_view
 
 log = logging.getLogger("tiered_dcp")
@@ -170,7 +170,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         POOL.slots = self.staging_slots
         if not self.background_staging:
             return POOL.stage(state_dict)
-        return _staging_thread().submit(POOL.stage, state_dict, POOL.reserve())
+        examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
+        return _staging_thread().submit(POOL.stage, examined, POOL.reserve())
 
     def synchronize_staging(self) -> None:
         """Nothing to do: ``stage`` returns a finished copy or a future for it."""
