@@ -1,9 +1,10 @@
 """How long async_save blocks the training loop, and how long until the step is safe.
 
-    .venv/bin/python benchmarks/bench_async.py [--mib 512] [--runs 5]
+    .venv/bin/python benchmarks/bench_async.py [--mib 512] [--runs 5] [--tensors 32]
 
 Modes, each the median of ``--runs`` runs after one discarded warm-up run, on one state of
-``--mib`` MiB in 32 float32 tensors (single process, no process group):
+``--mib`` MiB in ``--tensors`` float32 tensors (single process, no process group; many
+small tensors show the per-value cost of staging):
 
 - ``memcpy``: a warm copy of the same bytes into preallocated tensors (the baseline);
 - ``stock_stall``: ``dcp.async_save`` with torch's stock ``FileSystemWriter`` (its stager);
@@ -120,8 +121,9 @@ def main() -> None:
     ap.add_argument(
         "--runs", type=int, default=5, help="runs per mode after one warm-up; the median is reported"
     )
+    ap.add_argument("--tensors", type=int, default=32, help="number of tensors (default 32)")
     args = ap.parse_args()
-    state = make_state(args.mib)
+    state = make_state(args.mib, args.tensors)
     nbytes = sum(t.nbytes for t in state.values())
     disk = tempfile.mkdtemp(prefix="tdcp-bench-async-")
     shm = tempfile.mkdtemp(prefix="tdcp-bench-async-", dir="/dev/shm") if os.path.isdir("/dev/shm") else disk

@@ -13,8 +13,8 @@ dict is of one *kind*, and each kind says:
 - ``build``: the staged value over the arena views of its pieces, made once per slot;
 - ``refresh``: the per-save part (a deep copy of Python values, a subclass's attributes).
 
-A value none of the kinds can snapshot is refused with ``SnapshotError`` naming its key:
-never saved silently as it is later.
+A value none of the kinds can snapshot is refused with ``SnapshotError`` naming its key
+(``refused``): never saved silently as it is later.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ class Kind:
     pieces: Callable[[Any], list[torch.Tensor]]
     layout: Callable[[Any, list[torch.Tensor]], tuple]
     build: Callable[[Any, list[torch.Tensor]], Any]
-    refresh: Callable[[Any, Any], Any] = lambda value, staged: staged
+    refresh: Callable[[Any, Any], Any] | None = None  # None: the built value is reused as it is
 
 
 # -- plain tensors and DTensors over plain local tensors ------------------------------------
 
 PLAIN = Kind(
-    "tensor",
+    "tensor",  # ``examine`` lays plain tensors out itself, on the fast path
     pieces=lambda v: [v],
     layout=lambda v, pieces: (),
     build=lambda v, views: views[0],
@@ -211,58 +211,25 @@ PYTHON = Kind(
 )
 
 
-def kind_of(value: Any) -> Kind:
+def examine(value: Any) -> tuple[Kind, list[torch.Tensor], tuple]:
+    """``value``'s kind, the tensors to copy and its layout; raises if it cannot be staged."""
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case, fast
+        return PLAIN, [value], ("tensor", value.dtype, value.shape, value.device.type)
     if isinstance(value, DTensor) and is_plain(value._local_tensor):
-        return DTENSOR
-    if isinstance(value, ShardedTensor) or (
+        kind = DTENSOR
+    elif isinstance(value, ShardedTensor) or (
         isinstance(value, torch.Tensor) and hasattr(value, "__create_write_items__")
     ):
-        return SHARDED
-    if is_plain(value):
-        return PLAIN
-    if isinstance(value, torch.Tensor):
-        return SUBCLASS
-    return PYTHON
+        kind = SHARDED
+    elif isinstance(value, torch.Tensor):
+        kind = SUBCLASS
+    else:
+        kind = PYTHON
+    pieces = kind.pieces(value)
+    return kind, pieces, (kind.name, *kind.layout(value, pieces), *(_piece_layout(p) for p in pieces))
 
 
-@dataclass
-class Leaf:
-    """One leaf of the state dict: where it is, its kind, and the tensors to copy."""
-
-    path: str
-    value: Any
-    kind: Kind
-    pieces: list[torch.Tensor]
-    layout: tuple
-
-    @classmethod
-    def of(cls, path: str, value: Any) -> Leaf:
-        kind = kind_of(value)
-        try:
-            pieces = kind.pieces(value)
-            layout = (kind.name, *kind.layout(value, pieces), *(_piece_layout(p) for p in pieces))
-        except SnapshotError:
-            raise
-        except Exception as e:
-            raise _refused(path, value, e) from e
-        return cls(path, value, kind, pieces, layout)
-
-    def copy_into(self, views: list[torch.Tensor], non_blocking: bool) -> None:
-        """Copy the pieces' bytes into their arena views."""
-        try:
-            for src, dst in zip(self.pieces, views, strict=True):
-                dst.copy_(src, non_blocking=non_blocking)
-        except Exception as e:
-            raise _refused(self.path, self.value, e) from e
-
-    def refresh(self, staged: Any) -> Any:
-        try:
-            return self.kind.refresh(self.value, staged)
-        except Exception as e:
-            raise _refused(self.path, self.value, e) from e
-
-
-def _refused(path: str, value: Any, why: BaseException) -> SnapshotError:
+def refused(path: str, value: Any, why: BaseException) -> SnapshotError:
     kind = type(value)
     return SnapshotError(
         f"async_save cannot snapshot state_dict[{path!r}] of type {kind.__module__}.{kind.__qualname__} "

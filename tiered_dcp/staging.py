@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from .snapshot import Leaf
+from .errors import SnapshotError
+from .snapshot import Kind, refused
+from .snapshot import examine as examine_leaf
 
 log = logging.getLogger("tiered_dcp")
 
@@ -37,22 +39,49 @@ class StagedStateDict(dict):
     __slots__ = ("__weakref__",)
 
 
-@dataclass(frozen=True)
 class _Hole:
     """Where leaf ``index`` sits in the template of a state dict."""
 
-    index: int
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
-def _flatten(obj: Any, leaves: list[Leaf], path: str = "") -> Any:
-    """A template of ``obj`` with every leaf replaced by a ``_Hole``; leaves appended in order."""
+class _Refusal(Exception):
+    """A leaf ``examine`` could not stage; the containers above it add their keys."""
+
+    def __init__(self, value: Any, why: Exception) -> None:
+        self.value, self.why, self.keys = value, why, []
+
+
+def _flatten(obj: Any, ex: Examined) -> Any:
+    """A template of ``obj`` with every leaf replaced by a ``_Hole``; leaves examined in order."""
     if isinstance(obj, Mapping):
-        return {k: _flatten(v, leaves, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
+        return {k: _child(k, v, ex) for k, v in obj.items()}
     if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
-        items = [_flatten(v, leaves, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)]
+        items = [_child(i, v, ex) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
-    leaves.append(Leaf.of(path, obj))
-    return _Hole(len(leaves) - 1)
+    try:
+        kind, pieces, layout = examine_leaf(obj)
+    except Exception as e:
+        raise _Refusal(obj, e) from e
+    values = ex.values
+    values.append(obj)
+    ex.kinds.append(kind)
+    ex.pieces.append(pieces)
+    ex.layouts.append(layout)
+    if kind.refresh is not None:
+        ex.refresh.append(len(values) - 1)
+    return _Hole(len(values) - 1)
+
+
+def _child(key: Any, value: Any, ex: Examined) -> Any:
+    try:
+        return _flatten(value, ex)
+    except _Refusal as r:
+        r.keys.append(key)
+        raise
 
 
 def _fill(template: Any, values: list[Any]) -> Any:
@@ -67,23 +96,47 @@ def _fill(template: Any, values: list[Any]) -> Any:
     return template
 
 
+def _path(template: Any, index: int) -> str | None:
+    """The dotted key of leaf ``index`` in ``template`` (as DCP names it)."""
+    if isinstance(template, _Hole):
+        return "" if template.index == index else None
+    pairs = template.items() if isinstance(template, dict) else enumerate(template)
+    for k, v in pairs:
+        sub = _path(v, index)
+        if sub is not None:
+            return f"{k}.{sub}" if sub else str(k)
+    return None
+
+
 @dataclass
 class Examined:
-    """A state dict taken apart: its containers (a template) and its leaves, classified."""
+    """A state dict taken apart: its containers (a template) and its leaves, per leaf:
+    the value, its kind, the tensors to copy and its layout (see ``snapshot``)."""
 
-    template: Any
-    leaves: list[Leaf]
+    template: Any = None
+    values: list[Any] = field(default_factory=list)
+    kinds: list[Kind] = field(default_factory=list)
+    pieces: list[list[torch.Tensor]] = field(default_factory=list)
+    layouts: list[tuple] = field(default_factory=list)
+    refresh: list[int] = field(default_factory=list)  # the leaves with a per-save part
 
     @property
     def signature(self) -> tuple:
         """What decides the buffers' layout: every leaf's kind, pieces and static metadata."""
-        return tuple(leaf.layout for leaf in self.leaves)
+        return tuple(self.layouts)
+
+    def refused(self, index: int, why: Exception) -> SnapshotError:
+        return refused(_path(self.template, index) or "?", self.values[index], why)
 
 
 def examine(state_dict: Mapping[str, Any]) -> Examined:
-    """Classify every leaf (``snapshot``); raises ``SnapshotError`` for one that cannot be copied."""
-    leaves: list[Leaf] = []
-    return Examined(_flatten(state_dict, leaves), leaves)
+    """Classify every leaf; raises ``SnapshotError`` (naming its key) for one of no kind."""
+    ex = Examined()
+    try:
+        ex.template = _flatten(state_dict, ex)
+    except _Refusal as r:
+        raise refused(".".join(str(k) for k in reversed(r.keys)), r.value, r.why) from r.why
+    return ex
 
 
 def _pin(ptr: int, nbytes: int) -> None:
@@ -124,20 +177,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _allocate(leaves: list[Leaf], signature: tuple) -> _Slot:
-    total = sum(_nbytes(p) for leaf in leaves for p in leaf.pieces)
+def _allocate(ex: Examined) -> _Slot:
+    total = sum(_nbytes(p) for pieces in ex.pieces for p in pieces)
     storage = torch.UntypedStorage._new_shared(max(total, 1), device="cpu")
     arena = torch.empty(0, dtype=torch.uint8).set_(storage)
     arena.fill_(0)  # touch every page now, not during the first save's copy
-    on_cuda = any(p.device.type == "cuda" for leaf in leaves for p in leaf.pieces)
+    on_cuda = any(p.device.type == "cuda" for pieces in ex.pieces for p in pieces)
     if on_cuda:
         _pin(arena.data_ptr(), arena.numel())
     targets: list[list[torch.Tensor]] = []
     staged: list[Any] = []
     off = 0
-    for leaf in leaves:
+    for value, kind, pieces in zip(ex.values, ex.kinds, ex.pieces, strict=True):
         views = []
-        for p in leaf.pieces:
+        for p in pieces:
             n = p.numel() * p.element_size()
             # A storage of its own over the arena's bytes (offset 0): DTensor mis-reports the
             # data pointer of a local tensor at a storage offset, which breaks its pickling.
@@ -146,8 +199,8 @@ def _allocate(leaves: list[Leaf], signature: tuple) -> _Slot:
             )
             off += _nbytes(p)
         targets.append(views)
-        staged.append(leaf.kind.build(leaf.value, views))
-    return _Slot(signature, arena, targets, staged, on_cuda)
+        staged.append(kind.build(value, views))
+    return _Slot(ex.signature, arena, targets, staged, on_cuda)
 
 
 def _strides(shape: torch.Size) -> tuple[int, ...]:
@@ -178,13 +231,13 @@ class StagingPool:
         """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early)."""
         try:
             examined = state if isinstance(state, Examined) else examine(state)
-            slot = self._acquire(examined.leaves, examined.signature)
+            slot = self._acquire(examined)
         finally:
             if reserved:
                 with self._cond:
                     self._reserved -= 1
         try:
-            values = self._copy_into(slot, examined.leaves)
+            values = self._copy_into(slot, examined)
         except BaseException:
             self._release(slot, slot.generation)
             raise
@@ -193,20 +246,30 @@ class StagingPool:
         return staged
 
     @torch.no_grad()
-    def _copy_into(self, slot: _Slot, leaves: list[Leaf]) -> list[Any]:
+    def _copy_into(self, slot: _Slot, ex: Examined) -> list[Any]:
+        """Copy every piece into its arena view; then the per-save part of each leaf."""
         stream = None
         if slot.pinned:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            for leaf, views in zip(leaves, slot.targets, strict=True):
-                leaf.copy_into(views, non_blocking=stream is not None)
-        if stream is not None:
-            stream.synchronize()
-        return [leaf.refresh(staged) for leaf, staged in zip(leaves, slot.staged, strict=True)]
+        i = 0
+        try:
+            with ctx:
+                for i, (pieces, views) in enumerate(zip(ex.pieces, slot.targets, strict=True)):  # noqa: B007
+                    for src, dst in zip(pieces, views, strict=True):
+                        dst.copy_(src, non_blocking=stream is not None)
+            if stream is not None:
+                stream.synchronize()
+            values = list(slot.staged)
+            for i in ex.refresh:
+                values[i] = ex.kinds[i].refresh(ex.values[i], values[i])
+        except Exception as e:
+            raise ex.refused(i, e) from e
+        return values
 
-    def _acquire(self, leaves: list[Leaf], signature: tuple) -> _Slot:
+    def _acquire(self, ex: Examined) -> _Slot:
+        signature = ex.signature
         started = time.monotonic()
         warned = False
         with self._cond:
@@ -219,7 +282,7 @@ class StagingPool:
                 if idle:  # the state changed shape: replace an idle slot's buffers
                     self._drop(idle[0])
                 if len(self._slots) < self.slots:
-                    slot = _allocate(leaves, signature)
+                    slot = _allocate(ex)
                     self._slots.append(slot)
                     return self._take(slot)
                 if not warned and time.monotonic() - started > 5:
