@@ -50,6 +50,18 @@ def _write_all(fd: int, buf: Buffer) -> None:
         view = view[n:]
 
 
+def _allocate(fd: int, size: int) -> None:
+    """Size the file and claim its blocks now: on a full file system this fails with ENOSPC,
+    where a sparse file would kill the process with SIGBUS when its map is written."""
+    os.ftruncate(fd, size)
+    if size:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: stay sparse
+                raise
+
+
 def _sync_dir(parent: str) -> None:
     dfd = os.open(parent, os.O_RDONLY)
     try:
@@ -69,7 +81,7 @@ class MappedReservation(Reservation):
         self.tmp = f"{self.path}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)
+            _allocate(fd, size)
             self._map = mmap.mmap(fd, size) if size else None
         except BaseException:
             os.close(fd)
