@@ -85,6 +85,12 @@ class Storage(ABC):
         """A human-readable location for messages."""
         return f"{self.url.rstrip('/')}/{key}"
 
+    @classmethod
+    def serves(cls, scheme: str) -> bool:
+        """Whether this backend can open URLs of ``scheme``: asked of the ``ANY_SCHEME``
+        fallback for schemes no backend registered."""
+        return True
+
     def errors(self, key: str) -> AbstractContextManager[None]:
         """Translate native errors raised inside the block into storage errors naming ``key``."""
         return translated(self.describe(key))

@@ -16,7 +16,7 @@ import fsspec
 
 from .base import Buffer, Storage
 from .errors import PermanentStorageError, classify
-from .registry import ANY_SCHEME, register_backend, scheme_of
+from .registry import ANY_SCHEME, register_backend
 
 
 def _missing(e: OSError) -> bool:
@@ -26,15 +26,14 @@ def _missing(e: OSError) -> bool:
 
 @register_backend(ANY_SCHEME)
 class FsspecStorage(Storage):
+    @classmethod
+    def serves(cls, scheme: str) -> bool:
+        """Every protocol of the (possibly chained) scheme is one fsspec knows, installed or not
+        (a missing implementation raises fsspec's ImportError, which names the package)."""
+        known = fsspec.available_protocols()
+        return all(p in known for p in scheme.split("::"))
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        for protocol in scheme_of(url).split("::"):
-            try:
-                fsspec.get_filesystem_class(protocol)
-            except ValueError as e:
-                raise ValueError(
-                    f"no storage backend for URL scheme {protocol!r} ({url}): neither a registered "
-                    "backend nor an fsspec protocol"
-                ) from e
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root = self.root.rstrip("/")

@@ -40,11 +40,17 @@ def scheme_of(url: str) -> str:
 
 
 def backend_for(url: str) -> type[Storage]:
-    """The class registered for the URL's scheme, else the ``ANY_SCHEME`` one."""
+    """The class registered for the URL's scheme, else the ``ANY_SCHEME`` one if it serves
+    that scheme; a ValueError naming the scheme otherwise (cheap: checks a URL up front)."""
     scheme = scheme_of(url)
-    cls = _BACKENDS.get(scheme) or _BACKENDS.get(ANY_SCHEME)
+    cls = _BACKENDS.get(scheme)
     if cls is None:
-        raise ValueError(f"no storage backend for URL scheme {scheme!r} ({url})")
+        cls = _BACKENDS.get(ANY_SCHEME)
+        if cls is None or not cls.serves(scheme):
+            raise ValueError(
+                f"no storage backend for URL scheme {scheme!r} ({url}): none is registered for it"
+                + (f" and {cls.__qualname__} does not serve it" if cls is not None else "")
+            )
     return cls
 
 

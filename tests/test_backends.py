@@ -307,7 +307,11 @@ def test_backend_registered_elsewhere_serves_its_scheme(tmp_path):
 
 def test_unknown_scheme_is_a_clear_value_error():
     with pytest.raises(ValueError, match="'nosuchscheme'"):
+        backend_for("nosuchscheme://bucket/x")  # a URL can be checked before it is opened
+    with pytest.raises(ValueError, match="'nosuchscheme'"):
         open_storage("nosuchscheme://bucket/x")
+    with pytest.raises(ValueError, match="'simplecache::nosuchscheme'"):
+        open_storage("simplecache::nosuchscheme://bucket/x")
 
 
 def test_a_scheme_has_one_backend():
