@@ -1,19 +1,25 @@
-"""Tier backends behind one small interface, and the chunk codec."""
+"""Tier backends behind one small interface, their errors, the scheme registry, the chunk codec."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from .base import Storage
+from .errors import PermanentStorageError, StorageError, TransientStorageError, classify
+
+# Importing a backend module registers it (registry.py): one import per built-in backend.
 from .fsspec_store import FsspecStorage
 from .local import LocalStorage
+from .registry import ANY_SCHEME, backend_for, open_storage, register_backend
 
-
-def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
-    """Local files for plain paths and file:// (fast path), fsspec for every other URL."""
-    if "://" not in url or url.startswith("file://"):
-        return LocalStorage(url)
-    return FsspecStorage(url, storage_options)
-
-
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "open_storage"]
+__all__ = [
+    "ANY_SCHEME",
+    "FsspecStorage",
+    "LocalStorage",
+    "PermanentStorageError",
+    "Storage",
+    "StorageError",
+    "TransientStorageError",
+    "backend_for",
+    "classify",
+    "open_storage",
+    "register_backend",
+]

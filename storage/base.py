@@ -4,12 +4,20 @@ Keys are '/'-separated paths relative to the backend's root. ``write`` is the on
 data lands: the object appears whole under its key or not at all where the medium allows
 it (local files: dirty name, fsync, rename); where it does not (a plain ``file://`` via
 fsspec), the commit marker written last is what readers trust.
+
+Errors: a backend raises ``FileNotFoundError`` for a missing key, and translates its
+native failures at its boundary (``with self.errors(key):``) into the kinds of
+``errors.py``: ``TransientStorageError`` (retry) or ``PermanentStorageError`` (don't).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from types import TracebackType
+
+from .errors import translated
 
 Buffer = bytes | bytearray | memoryview
 
@@ -32,7 +40,10 @@ class Reservation:
 
 
 class Storage(ABC):
-    """Files under one root: put, read a byte range, list, delete."""
+    """Files under one root: put, read a byte range, list, delete.
+
+    A backend is built as ``cls(url, storage_options)`` (see ``registry.py``).
+    """
 
     url: str
 
@@ -73,3 +84,26 @@ class Storage(ABC):
     def describe(self, key: str) -> str:
         """A human-readable location for messages."""
         return f"{self.url.rstrip('/')}/{key}"
+
+    @classmethod
+    def serves(cls, scheme: str) -> bool:
+        """Whether this backend can open URLs of ``scheme``: asked of the ``ANY_SCHEME``
+        fallback for schemes no backend registered."""
+        return True
+
+    def errors(self, key: str) -> AbstractContextManager[None]:
+        """Translate native errors raised inside the block into storage errors naming ``key``."""
+        return translated(self.describe(key))
+
+    def close(self) -> None:
+        """Release what the backend holds (connections, caches); idempotent. The store is
+        not used after it."""
+        return None  # nothing held by default
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -8,15 +8,31 @@ object can be seen (file://) the commit marker written last is what readers trus
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Iterable
 from typing import Any
 
 import fsspec
 
 from .base import Buffer, Storage
+from .errors import PermanentStorageError, classify
+from .registry import ANY_SCHEME, register_backend
 
 
+def _missing(e: OSError) -> bool:
+    """A key that is not there, as opposed to a store that did not answer."""
+    return isinstance(e, (FileNotFoundError, NotADirectoryError)) and classify(e) is None
+
+
+@register_backend(ANY_SCHEME)
 class FsspecStorage(Storage):
+    @classmethod
+    def serves(cls, scheme: str) -> bool:
+        """Every protocol of the (possibly chained) scheme is one fsspec knows, installed or not
+        (a missing implementation raises fsspec's ImportError, which names the package)."""
+        known = fsspec.available_protocols()
+        return all(p in known for p in scheme.split("::"))
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -28,37 +44,60 @@ class FsspecStorage(Storage):
     def write(self, key: str, chunks: Iterable[Buffer]) -> int:
         path = self._path(key)
         parent = path.rsplit("/", 1)[0]
-        self.fs.makedirs(parent, exist_ok=True)
         total = 0
-        with self.fs.open(path, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-                total += memoryview(chunk).nbytes
-        self.fs.invalidate_cache(parent)
+        with self.errors(key):
+            try:
+                self.fs.makedirs(parent, exist_ok=True)
+                with self.fs.open(path, "wb") as f:
+                    for chunk in chunks:
+                        f.write(chunk)
+                        total += memoryview(chunk).nbytes
+            except FileNotFoundError as e:
+                if not _missing(e):
+                    raise
+                # a write needs no key to exist: what is missing is the bucket (or directory)
+                raise PermanentStorageError(
+                    errno.ENOENT, "no such bucket or directory", self.describe(key)
+                ) from e
+            self.fs.invalidate_cache(parent)
         return total
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         end = None if length is None else offset + length
-        return self.fs.cat_file(self._path(key), start=offset, end=end)
+        with self.errors(key):
+            return self.fs.cat_file(self._path(key), start=offset, end=end)
 
     def size(self, key: str) -> int | None:
-        try:
-            info = self.fs.info(self._path(key))
-        except (FileNotFoundError, OSError):
-            return None
+        with self.errors(key):
+            try:
+                info = self.fs.info(self._path(key))
+            except OSError as e:
+                if _missing(e):
+                    return None
+                raise
         return None if info.get("type") == "directory" else int(info["size"])
 
     def list(self, prefix: str) -> list[str]:
         path = self._path(prefix)
         self.fs.invalidate_cache(path)
-        try:
-            entries = self.fs.ls(path, detail=False)
-        except (FileNotFoundError, OSError):
-            return []
+        with self.errors(prefix):
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except OSError as e:
+                if _missing(e):
+                    return []
+                raise
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path})
 
     def delete(self, key: str) -> None:
         path = self._path(key)
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
-        self.fs.invalidate_cache(path.rsplit("/", 1)[0])
+        with self.errors(key):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(path, recursive=True)
+            self.fs.invalidate_cache(path.rsplit("/", 1)[0])
+
+    def close(self) -> None:
+        """Drop the file system's cached listings under this root. The file system object
+        itself is shared through fsspec's instance cache with every store of the same
+        options, so its connections are left to it."""
+        self.fs.invalidate_cache(self.root)

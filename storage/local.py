@@ -15,8 +15,10 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 from .base import Buffer, Reservation, Storage
+from .registry import register_backend
 
 DIRTY = ".dirty-"
 _VOLATILE_FS = {"tmpfs", "ramfs"}
@@ -48,6 +50,18 @@ def _write_all(fd: int, buf: Buffer) -> None:
         view = view[n:]
 
 
+def _allocate(fd: int, size: int) -> None:
+    """Size the file and claim its blocks now: on a full file system this fails with ENOSPC,
+    where a sparse file would kill the process with SIGBUS when its map is written."""
+    os.ftruncate(fd, size)
+    if size:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: stay sparse
+                raise
+
+
 def _sync_dir(parent: str) -> None:
     dfd = os.open(parent, os.O_RDONLY)
     try:
@@ -67,7 +81,7 @@ class MappedReservation(Reservation):
         self.tmp = f"{self.path}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)
+            _allocate(fd, size)
             self._map = mmap.mmap(fd, size) if size else None
         except BaseException:
             os.close(fd)
@@ -85,16 +99,17 @@ class MappedReservation(Reservation):
         os.close(self.fd)
 
     def commit(self) -> None:
-        try:
+        with self.store.errors(self.key):
+            try:
+                if needs_fsync(self.parent):
+                    if self._map is not None:
+                        self._map.flush()
+                    os.fsync(self.fd)
+            finally:
+                self._release()
+            os.replace(self.tmp, self.path)
             if needs_fsync(self.parent):
-                if self._map is not None:
-                    self._map.flush()
-                os.fsync(self.fd)
-        finally:
-            self._release()
-        os.replace(self.tmp, self.path)
-        if needs_fsync(self.parent):
-            _sync_dir(self.parent)
+                _sync_dir(self.parent)
 
     def discard(self) -> None:
         self._release()
@@ -102,8 +117,11 @@ class MappedReservation(Reservation):
             os.unlink(self.tmp)
 
 
+@register_backend("", "file")
 class LocalStorage(Storage):
-    def __init__(self, root: str) -> None:
+    """Plain paths and file:// URLs (``storage_options`` has nothing to say here)."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         self.root = os.path.abspath(root.removeprefix("file://"))
         self.url = self.root
 
@@ -111,6 +129,10 @@ class LocalStorage(Storage):
         return os.path.join(self.root, *key.split("/"))
 
     def write(self, key: str, chunks: Iterable[Buffer]) -> int:
+        with self.errors(key):
+            return self._write(key, chunks)
+
+    def _write(self, key: str, chunks: Iterable[Buffer]) -> int:
         path = self._path(key)
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
@@ -136,42 +158,49 @@ class LocalStorage(Storage):
         return total
 
     def reserve(self, key: str, size: int) -> Reservation:
-        return MappedReservation(self, key, size)
+        with self.errors(key):
+            return MappedReservation(self, key, size)
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        with open(self._path(key), "rb") as f:
+        with self.errors(key), open(self._path(key), "rb") as f:
             f.seek(offset)
             return f.read() if length is None else f.read(length)
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         out = out.cast("B")
-        fd = os.open(self._path(key), os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(out):
-                n = os.preadv(fd, [out[done:]], offset + done)
-                if n == 0:
-                    raise OSError(errno.EIO, f"{self.describe(key)}: file ends {len(out) - done} bytes early")
-                done += n
-        finally:
-            os.close(fd)
+        done = 0
+        with self.errors(key):
+            fd = os.open(self._path(key), os.O_RDONLY)
+            try:
+                while done < len(out):
+                    n = os.preadv(fd, [out[done:]], offset + done)
+                    if n == 0:
+                        break
+                    done += n
+            finally:
+                os.close(fd)
+        if done < len(out):  # a damaged file, not a failing medium: no storage error kind
+            raise OSError(errno.EIO, f"{self.describe(key)}: file ends {len(out) - done} bytes early")
 
     def size(self, key: str) -> int | None:
-        try:
-            return os.stat(self._path(key)).st_size
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        with self.errors(key):
+            try:
+                return os.stat(self._path(key)).st_size
+            except (FileNotFoundError, NotADirectoryError):
+                return None
 
     def list(self, prefix: str) -> list[str]:
-        try:
-            return sorted(os.listdir(self._path(prefix)))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        with self.errors(prefix):
+            try:
+                return sorted(os.listdir(self._path(prefix)))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
 
     def delete(self, key: str) -> None:
         path = self._path(key)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        with self.errors(key):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)

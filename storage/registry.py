@@ -1,0 +1,59 @@
+"""Which backend serves a URL: a table from URL scheme to Storage class.
+
+Each backend module registers itself with ``@register_backend("scheme", ...)`` when it is
+imported (``storage/__init__.py`` imports the built-in ones), so adding a backend is one
+new file and one import, with no dispatch code to edit. A plain path has the scheme "";
+``ANY_SCHEME`` names the backend for every scheme no other backend claims (fsspec).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .base import Storage
+
+ANY_SCHEME = "*"
+_BACKENDS: dict[str, type[Storage]] = {}
+
+S = TypeVar("S", bound=type[Storage])
+
+
+def register_backend(*schemes: str) -> Callable[[S], S]:
+    """Class decorator: ``cls(url, storage_options)`` serves URLs of these schemes."""
+
+    def register(cls: S) -> S:
+        for scheme in schemes:
+            scheme = scheme.lower()
+            other = _BACKENDS.get(scheme)
+            if other is not None and other is not cls:
+                raise ValueError(f"URL scheme {scheme!r} already served by {other.__qualname__}")
+            _BACKENDS[scheme] = cls
+        return cls
+
+    return register
+
+
+def scheme_of(url: str) -> str:
+    """'gs' for 'gs://b/x', 'simplecache::gs' for a chained fsspec URL, '' for a plain path."""
+    return url.split("://", 1)[0].lower() if "://" in url else ""
+
+
+def backend_for(url: str) -> type[Storage]:
+    """The class registered for the URL's scheme, else the ``ANY_SCHEME`` one if it serves
+    that scheme; a ValueError naming the scheme otherwise (cheap: checks a URL up front)."""
+    scheme = scheme_of(url)
+    cls = _BACKENDS.get(scheme)
+    if cls is None:
+        cls = _BACKENDS.get(ANY_SCHEME)
+        if cls is None or not cls.serves(scheme):
+            raise ValueError(
+                f"no storage backend for URL scheme {scheme!r} ({url}): none is registered for it"
+                + (f" and {cls.__qualname__} does not serve it" if cls is not None else "")
+            )
+    return cls
+
+
+def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The store for one tier root, from the backend registered for its URL scheme."""
+    return backend_for(url)(url, storage_options)
