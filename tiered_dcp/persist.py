@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import logging
 import logging.handlers
@@ -30,6 +29,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks, record
+from tiered_dcp.storage.errors import PermanentStorageError, classify
 
 from .catalog import METADATA, StepCopy, TierView, commit_root, index_key, load_metadata, pin_key, step_dir
 from .cliques import clique
@@ -41,7 +41,6 @@ from .writer import commit_step
 log = logging.getLogger("tiered_dcp.writer")
 
 ATTEMPTS = 3  # tries per (step, tier) before the step is reported failed on that tier
-PERMANENT = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 OWNER_GRACE = 30.0  # seconds to wait for a commit once the trainer is gone
 MARKER_TIMEOUT = 600.0  # seconds to wait for a step to be committed on its source tier
 KEEP_RESULTS = 100  # outcomes remembered per tier (status shows failures among them)
@@ -161,7 +160,7 @@ class Persister:
             except Exception as e:
                 log.warning("step %d to tier %s, attempt %d: %r", job.step, dst.tier.path, attempt, e)
                 result.update(state="failed", error=f"{type(e).__name__}: {e}")
-                if isinstance(e, OSError) and e.errno in PERMANENT:
+                if classify(e) is PermanentStorageError:
                     break  # a full, read-only or forbidden tier: trying again changes nothing
                 if attempt < ATTEMPTS:
                     time.sleep(0.5 * 4 ** (attempt - 1))
