@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,18 +49,18 @@ class _Hole:
 
 
 class _Refusal(Exception):
-    """A leaf ``examine`` could not stage; the containers above it add their keys."""
+    """A leaf ``examine`` could not stage."""
 
     def __init__(self, value: Any, why: Exception) -> None:
-        self.value, self.why, self.keys = value, why, []
+        self.value, self.why = value, why
 
 
 def _flatten(obj: Any, ex: Examined) -> Any:
     """A template of ``obj`` with every leaf replaced by a ``_Hole``; leaves examined in order."""
     if isinstance(obj, Mapping):
-        return {k: _child(k, v, ex) for k, v in obj.items()}
+        return {k: _flatten(v, ex) for k, v in obj.items()}
     if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
-        items = [_child(i, v, ex) for i, v in enumerate(obj)]
+        items = [_flatten(v, ex) for v in obj]
         return items if isinstance(obj, list) else tuple(items)
     try:
         kind, pieces, layout = examine_leaf(obj)
@@ -70,18 +70,11 @@ def _flatten(obj: Any, ex: Examined) -> Any:
     values.append(obj)
     ex.kinds.append(kind)
     ex.pieces.append(pieces)
+    ex.flat_pieces += pieces
     ex.layouts.append(layout)
     if kind.refresh is not None:
         ex.refresh.append(len(values) - 1)
     return _Hole(len(values) - 1)
-
-
-def _child(key: Any, value: Any, ex: Examined) -> Any:
-    try:
-        return _flatten(value, ex)
-    except _Refusal as r:
-        r.keys.append(key)
-        raise
 
 
 def _fill(template: Any, values: list[Any]) -> Any:
@@ -96,16 +89,15 @@ def _fill(template: Any, values: list[Any]) -> Any:
     return template
 
 
-def _path(template: Any, index: int) -> str | None:
-    """The dotted key of leaf ``index`` in ``template`` (as DCP names it)."""
-    if isinstance(template, _Hole):
-        return "" if template.index == index else None
-    pairs = template.items() if isinstance(template, dict) else enumerate(template)
-    for k, v in pairs:
-        sub = _path(v, index)
-        if sub is not None:
-            return f"{k}.{sub}" if sub else str(k)
-    return None
+def _path(tree: Any, found: Callable[[Any], bool]) -> str | None:
+    """The dotted key (as DCP names it) of the first leaf of ``tree`` that is ``found``."""
+    if isinstance(tree, Mapping) or (isinstance(tree, list | tuple) and not hasattr(tree, "_fields")):
+        for k, v in tree.items() if isinstance(tree, Mapping) else enumerate(tree):
+            sub = _path(v, found)
+            if sub is not None:
+                return f"{k}.{sub}" if sub else str(k)
+        return None
+    return "" if found(tree) else None
 
 
 @dataclass
@@ -117,6 +109,7 @@ class Examined:
     values: list[Any] = field(default_factory=list)
     kinds: list[Kind] = field(default_factory=list)
     pieces: list[list[torch.Tensor]] = field(default_factory=list)
+    flat_pieces: list[torch.Tensor] = field(default_factory=list)  # every leaf's, in order
     layouts: list[tuple] = field(default_factory=list)
     refresh: list[int] = field(default_factory=list)  # the leaves with a per-save part
 
@@ -126,7 +119,16 @@ class Examined:
         return tuple(self.layouts)
 
     def refused(self, index: int, why: Exception) -> SnapshotError:
-        return refused(_path(self.template, index) or "?", self.values[index], why)
+        path = _path(self.template, lambda hole: hole.index == index)
+        return refused(path or "?", self.values[index], why)
+
+    def owner(self, piece: int) -> int:
+        """The leaf whose pieces include the ``piece``-th of ``flat_pieces``."""
+        for leaf, pieces in enumerate(self.pieces):
+            piece -= len(pieces)
+            if piece < 0:
+                return leaf
+        return len(self.pieces) - 1
 
 
 def examine(state_dict: Mapping[str, Any]) -> Examined:
@@ -135,7 +137,9 @@ def examine(state_dict: Mapping[str, Any]) -> Examined:
     try:
         ex.template = _flatten(state_dict, ex)
     except _Refusal as r:
-        raise refused(".".join(str(k) for k in reversed(r.keys)), r.value, r.why) from r.why
+        value = r.value
+        path = _path(state_dict, lambda leaf: leaf is value)
+        raise refused(path or "?", value, r.why) from r.why
     return ex
 
 
@@ -155,7 +159,7 @@ class _Slot:
 
     signature: tuple
     arena: torch.Tensor
-    targets: list[list[torch.Tensor]]  # per leaf: the arena views its pieces are copied into
+    flat_targets: list[torch.Tensor]  # the arena view of each piece, in ``Examined.flat_pieces`` order
     staged: list[Any]  # per leaf: the staged value built over those views (see ``snapshot``)
     pinned: bool
     busy: bool = False
@@ -169,7 +173,7 @@ class _Slot:
         if self.pinned:
             _unpin(self.arena.data_ptr())
             self.pinned = False
-        self.targets, self.staged = [], []
+        self.flat_targets, self.staged = [], []
         self.arena = torch.empty(0, dtype=torch.uint8)
 
 
@@ -185,7 +189,7 @@ def _allocate(ex: Examined) -> _Slot:
     on_cuda = any(p.device.type == "cuda" for pieces in ex.pieces for p in pieces)
     if on_cuda:
         _pin(arena.data_ptr(), arena.numel())
-    targets: list[list[torch.Tensor]] = []
+    targets: list[torch.Tensor] = []
     staged: list[Any] = []
     off = 0
     for value, kind, pieces in zip(ex.values, ex.kinds, ex.pieces, strict=True):
@@ -198,7 +202,7 @@ def _allocate(ex: Examined) -> _Slot:
                 torch.empty(0, dtype=p.dtype).set_(storage[off : off + n], 0, p.shape, _strides(p.shape))
             )
             off += _nbytes(p)
-        targets.append(views)
+        targets += views
         staged.append(kind.build(value, views))
     return _Slot(ex.signature, arena, targets, staged, on_cuda)
 
@@ -253,19 +257,22 @@ class StagingPool:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        nb = stream is not None
         i = 0
         try:
             with ctx:
-                for i, (pieces, views) in enumerate(zip(ex.pieces, slot.targets, strict=True)):  # noqa: B007
-                    for src, dst in zip(pieces, views, strict=True):
-                        dst.copy_(src, non_blocking=stream is not None)
+                for i, (src, dst) in enumerate(zip(ex.flat_pieces, slot.flat_targets, strict=True)):  # noqa: B007
+                    dst.copy_(src, non_blocking=nb)
             if stream is not None:
                 stream.synchronize()
-            values = list(slot.staged)
-            for i in ex.refresh:
-                values[i] = ex.kinds[i].refresh(ex.values[i], values[i])
         except Exception as e:
-            raise ex.refused(i, e) from e
+            raise ex.refused(ex.owner(i), e) from e
+        values = list(slot.staged)
+        for i in ex.refresh:
+            try:
+                values[i] = ex.kinds[i].refresh(ex.values[i], values[i])
+            except Exception as e:
+                raise ex.refused(i, e) from e
         return values
 
     def _acquire(self, ex: Examined) -> _Slot:
