@@ -107,10 +107,9 @@ def wait_for(
                 f"tier {config.tiers[t].path} (every={config.tiers[t].every}) never takes step {step}"
             )
     node, rank = here()
-    tier_views = [TierView(config, t, node, rank) for t in targets]
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        waiting = [v for v in tier_views if step not in v.complete()]
+    while True:  # fresh views each time: what they read (indexes) is cached per view
+        waiting = [v for v in (TierView(config, t, node, rank) for t in targets) if step not in v.complete()]
         if not waiting:
             return
         for w in writer_status(config):
