@@ -305,3 +305,18 @@ class WriterHandle:
                 self.rd.parent.rmdir()  # the job's directory, once no rank has one
             self._prepared = None
         return True
+
+
+_HANDLES: dict[Path, WriterHandle] = {}
+
+
+def writer_handle(config: TieredConfig, rank: int) -> WriterHandle:
+    """This process's handle on rank's writer process (one per job and rank)."""
+    handle = _HANDLES.setdefault(rundir(config, rank), WriterHandle(config, rank))
+    handle.config = config
+    return handle
+
+
+def handles() -> list[WriterHandle]:
+    """The handles this process holds (the writers it fed)."""
+    return list(_HANDLES.values())

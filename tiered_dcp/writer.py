@@ -16,7 +16,6 @@ import time
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -36,7 +35,7 @@ from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
 from .metadata import Records
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
-from .runtime import MAX_PENDING, Job, WriterHandle, rundir
+from .runtime import MAX_PENDING, Job, writer_handle
 from .staging import POOL
 from .tensors import as_cpu_contiguous, byte_view
 
@@ -326,13 +325,3 @@ def _staging_thread() -> ThreadPoolExecutor:
     if _STAGING_THREAD is None:
         _STAGING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-staging")
     return _STAGING_THREAD
-
-
-_HANDLES: dict[Path, WriterHandle] = {}
-
-
-def writer_handle(config: TieredConfig, rank: int) -> WriterHandle:
-    """This process's handle on rank's writer process (one per job and rank)."""
-    handle = _HANDLES.setdefault(rundir(config, rank), WriterHandle(config, rank))
-    handle.config = config
-    return handle
