@@ -77,12 +77,8 @@ def item_info(md: Metadata, index: MetadataIndex) -> ItemInfo | None:
 def legacy_index(md: Metadata, namespace: str, step: int, rank: int) -> PartIndex:
     """Format 1 and 2 steps without an index next to a part: the metadata's records of it."""
     directory = step_dir(namespace, step)
-    recs = [
-        (item_key(i), Record.from_dict(d, directory))
-        for i, d in md.storage_data.items()
-        if d.get("rank") == rank and "file" in d
-    ]
-    return PartIndex.of(rank, recs)
+    recs = ((item_key(i), Record.from_dict(d, directory)) for i, d in md.storage_data.items())
+    return PartIndex.of(rank, [(k, r) for k, r in recs if r.rank == rank])
 
 
 class _MetadataUnpickler(pickle.Unpickler):
