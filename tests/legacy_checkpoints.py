@@ -71,7 +71,11 @@ def _rank(rank: int, world: int, root: str, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import tiered_dcp
-    from tiered_dcp.catalog import FORMAT_VERSION
+
+    try:
+        from tiered_dcp.storage.format import FORMAT_VERSION
+    except ImportError:  # formats 1 and 2 kept it in catalog
+        from tiered_dcp.catalog import FORMAT_VERSION
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
