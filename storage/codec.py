@@ -3,8 +3,7 @@
 An item is stored as one contiguous byte range of its rank's part file, made of chunks of
 at most ``CHUNK_BYTES`` raw bytes. Each chunk carries the xxh3-64 of its *raw* bytes, so
 the check is end to end (it covers compression too) and the same hash can serve dedup.
-The record describing an item is a plain dict (see docs/format.md) so that checkpoints do
-not depend on the names of this package's classes.
+What an item's chunks are is its ``format.Record``.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import xxhash
 import zstandard
 
 from .base import Buffer, Storage
+from .format import ItemInfo, Record
 
 CHUNK_BYTES = 8 << 20
 ZSTD_LEVEL = 3
@@ -51,57 +51,48 @@ class Encoder:
 
 
 def make_record(
-    key: str,
+    file: str,
     offset: int,
     stored: list[Buffer],
     raw: list[memoryview],
     hashes: list[int],
     codec: str,
-    **extra: Any,
-) -> dict[str, Any]:
-    """The storage record of one item (kept in the step's metadata, per tier)."""
-    chunks = [[memoryview(s).nbytes, len(r), h] for s, r, h in zip(stored, raw, hashes, strict=True)]
-    return record(key, offset, chunks, codec, **extra)
+    **facts: Any,
+) -> Record:
+    """The record of one item just encoded: ``file`` is its part's key, ``facts`` its rank,
+    kind, dtype and shape."""
+    chunks = tuple((memoryview(s).nbytes, len(r), h) for s, r, h in zip(stored, raw, hashes, strict=True))
+    return Record(file, offset, codec, chunks, **facts)
 
 
-def record(key: str, offset: int, chunks: list[list[int]], codec: str, **extra: Any) -> dict[str, Any]:
-    """A record from its chunks' ``[stored_length, raw_length, xxh3]`` (see docs/format.md)."""
-    length = sum(c[0] for c in chunks)
-    return {"file": key, "offset": offset, "length": length, "codec": codec, "chunks": chunks, **extra}
-
-
-def raw_length(record: dict[str, Any]) -> int:
-    return sum(c[1] for c in record["chunks"])
-
-
-def verify_raw(record: dict[str, Any], raw: memoryview) -> None:
-    """Check every chunk of raw (uncompressed) bytes against the record."""
+def verify_raw(record: Record | ItemInfo, raw: memoryview) -> None:
+    """Check every chunk of raw (uncompressed) bytes against the record (or the item's info)."""
     pos = 0
-    for i, (_, n, h) in enumerate(record["chunks"]):
+    for i, (n, h) in enumerate(record.raw_chunks):
         if checksum(raw[pos : pos + n]) != h:
             raise ChecksumMismatch(f"chunk {i} (bytes {pos}..{pos + n} of the item)")
         pos += n
 
 
-def verify_stored(record: dict[str, Any], stored: memoryview) -> None:
+def verify_stored(record: Record, stored: memoryview) -> None:
     """Check an item's stored bytes (as a peer sent them) against its record."""
-    if len(stored) != record["length"]:
-        raise ChecksumMismatch(f"{len(stored)} bytes where the record says {record['length']}")
-    if record["codec"] == "raw":
+    if len(stored) != record.length:
+        raise ChecksumMismatch(f"{len(stored)} bytes where the record says {record.length}")
+    if record.codec == "raw":
         verify_raw(record, stored)
         return
     for _ in _decoded_chunks(record, stored):
         pass
 
 
-def iter_raw_chunks(store: Storage, key: str, record: dict[str, Any]) -> Iterator[bytes]:
+def iter_raw_chunks(store: Storage, record: Record) -> Iterator[bytes]:
     """An item's raw chunks read one at a time from ``store``, each verified."""
-    zd = zstandard.ZstdDecompressor() if record["codec"] == "zstd" else None
-    if record["codec"] not in ("raw", "zstd"):
-        raise ChecksumMismatch(f"unknown codec {record['codec']!r}")
-    pos = record["offset"]
-    for i, (s, n, h) in enumerate(record["chunks"]):
-        stored = store.read(key, pos, s) if s else b""
+    zd = zstandard.ZstdDecompressor() if record.codec == "zstd" else None
+    if record.codec not in ("raw", "zstd"):
+        raise ChecksumMismatch(f"unknown codec {record.codec!r}")
+    pos = record.offset
+    for i, (s, n, h) in enumerate(record.chunks):
+        stored = store.read(record.file, pos, s) if s else b""
         if len(stored) != s:
             raise ChecksumMismatch(f"chunk {i}: short read ({len(stored)} of {s} bytes)")
         pos += s
@@ -116,21 +107,21 @@ def iter_raw_chunks(store: Storage, key: str, record: dict[str, Any]) -> Iterato
         yield raw
 
 
-def read_item(store: Storage, key: str, record: dict[str, Any], out: memoryview) -> None:
+def read_item(store: Storage, record: Record, out: memoryview) -> None:
     """Read an item's stored bytes from ``store`` and decode them, verified, into ``out``."""
-    stored = bytearray(record["length"])
+    stored = bytearray(record.length)
     if stored:
-        store.read_into(key, record["offset"], memoryview(stored))
+        store.read_into(record.file, record.offset, memoryview(stored))
     decode_into(record, memoryview(stored), out)
 
 
-def _decoded_chunks(record: dict[str, Any], stored: memoryview) -> Iterator[bytes]:
+def _decoded_chunks(record: Record, stored: memoryview) -> Iterator[bytes]:
     """The raw chunks of an item's zstd-stored bytes, each checked against its checksum."""
-    if record["codec"] != "zstd":
-        raise ChecksumMismatch(f"unknown codec {record['codec']!r}")
+    if record.codec != "zstd":
+        raise ChecksumMismatch(f"unknown codec {record.codec!r}")
     zd = zstandard.ZstdDecompressor()
     pos = 0
-    for i, (s, n, h) in enumerate(record["chunks"]):
+    for i, (s, n, h) in enumerate(record.chunks):
         try:
             raw = zd.decompress(stored[pos : pos + s], max_output_size=n) if n else b""
         except zstandard.ZstdError as e:
@@ -141,9 +132,9 @@ def _decoded_chunks(record: dict[str, Any], stored: memoryview) -> Iterator[byte
         yield raw
 
 
-def decode_into(record: dict[str, Any], stored: memoryview, out: memoryview) -> None:
+def decode_into(record: Record, stored: memoryview, out: memoryview) -> None:
     """Decode the stored bytes of an item into ``out`` (its raw size), verifying chunks."""
-    if record["codec"] == "raw":
+    if record.codec == "raw":
         out[:] = stored
         verify_raw(record, out)
         return

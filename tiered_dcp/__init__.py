@@ -2,14 +2,37 @@
 
 dcp.save(state, storage_writer=TieredWriter(config, step=step))
 dcp.load(state, storage_reader=TieredReader(config))
+
+The public names load on first use (PEP 562), so that a process that needs only the
+torch-free parts (the writer process, ``tiered_dcp.storage``) never imports torch.
 """
 
-from .api import WriterInfo, export, latest_step, shutdown, status, wait_for, writer_status
-from .catalog import StepState
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import Tier, TieredConfig
 from .errors import CheckpointCorruptError, NoCheckpointError, SnapshotError, TieredCheckpointError
-from .reader import TieredReader
-from .writer import TieredWriter
+
+if TYPE_CHECKING:
+    from .api import WriterInfo, export, latest_step, shutdown, status, wait_for, writer_status
+    from .catalog import StepState
+    from .reader import TieredReader
+    from .writer import TieredWriter
+
+_LAZY = {
+    "StepState": ".catalog",
+    "TieredReader": ".reader",
+    "TieredWriter": ".writer",
+    "WriterInfo": ".api",
+    "export": ".api",
+    "latest_step": ".api",
+    "shutdown": ".api",
+    "status": ".api",
+    "wait_for": ".api",
+    "writer_status": ".api",
+}
 
 __all__ = [
     "CheckpointCorruptError",
@@ -30,3 +53,16 @@ __all__ = [
     "writer_status",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

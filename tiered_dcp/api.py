@@ -1,22 +1,19 @@
-"""Job-level helpers: the newest step, status, waiting for the writers, export."""
+"""Job-level helpers: the newest step, status, waiting for the writers, export.
+
+Torch is imported by ``export`` only, so ``tiered-dcp ls`` and a status poll start fast.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from . import runtime
 from .catalog import StepState, TierView, complete_steps, views
 from .config import TieredConfig, here
 from .errors import TieredCheckpointError
-from .reader import TieredReader
-from .staging import POOL
-from .writer import _HANDLES
 
 
 def latest_step(config: TieredConfig) -> int | None:
@@ -107,10 +104,9 @@ def wait_for(
                 f"tier {config.tiers[t].path} (every={config.tiers[t].every}) never takes step {step}"
             )
     node, rank = here()
-    tier_views = [TierView(config, t, node, rank) for t in targets]
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        waiting = [v for v in tier_views if step not in v.complete()]
+    while True:  # fresh views each time: what they read (indexes) is cached per view
+        waiting = [v for v in (TierView(config, t, node, rank) for t in targets) if step not in v.complete()]
         if not waiting:
             return
         for w in writer_status(config):
@@ -133,9 +129,11 @@ def shutdown(wait: bool = True, timeout: float | None = None) -> bool:
     remove their runtime directories unless a failure is recorded there. Without it, they
     still finish their queues in the background, then exit.
     """
-    POOL.close()
+    staging = sys.modules.get("tiered_dcp.staging")  # not imported: this process staged nothing
+    if staging is not None:
+        staging.POOL.close()
     ok = True
-    for handle in list(_HANDLES.values()):
+    for handle in runtime.handles():
         ok = handle.stop(wait, timeout) and ok
     return ok
 
@@ -145,6 +143,12 @@ def export(config: TieredConfig, step: int | None, dest: str | os.PathLike) -> s
 
     Runs in one process and holds the whole (unsharded) state in memory while it copies.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from .reader import TieredReader
+
     reader = TieredReader(config, step, no_dist=True)
     state: dict = {}
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)

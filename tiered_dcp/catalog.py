@@ -1,95 +1,39 @@
-"""What is on each tier: step directories, commit markers, completeness, retention.
+"""What is on each tier: committed steps, completeness, retention and status.
 
-On-storage layout of one tier root (see docs/format.md)::
-
-    <root>/<namespace>/step_<12-digit step>/
-        rank_<5-digit rank>.part   one per rank: its items' chunks back to back
-        rank_<5-digit rank>.index  that part's records on this tier (pickled)
-        metadata                   DCP Metadata (pickled), storage_data = per-item records
-        COMMITTED                  JSON marker, written last; readers trust nothing without it
-
-A shared tier has one root. On a node-local tier every root (one per node, or per rank
-with ``{rank}``) holds the parts of its own ranks plus the replicas of their clique
-peers' parts (``cliques``), and its own copy of the metadata and the marker: the same
-bytes on every node, so any node can rebuild the step's metadata.
+How a tier root is laid out is ``storage.format``'s business (docs/format.md); this
+module sees a tier through it. A shared tier has one root. On a node-local tier every
+root (one per node, or per rank with ``{rank}``) holds the parts of its own ranks plus
+the replicas of their clique peers' parts (``cliques``), and its own copy of the
+metadata and the marker: the same bytes on every node, so any node can rebuild the
+step's metadata. Torch-free: the writer process uses it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import pickle
-import time
-from dataclasses import asdict, dataclass, field
-
-from torch.distributed.checkpoint.metadata import Metadata
+from dataclasses import dataclass
 
 from tiered_dcp.storage import Storage, open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
+from tiered_dcp.storage.format import (
+    BadIndex,
+    IndexCache,
+    Marker,
+    PartIndex,
+    index_key,
+    marker_key,
+    metadata_key,
+    parse_step_dir,
+    part_key,
+    step_dir,
+)
+from tiered_dcp.storage.format import is_pin as _is_pin
 from tiered_dcp.storage.local import DIRTY
 
 from .cliques import clique
 from .config import Tier, TieredConfig
 
 log = logging.getLogger("tiered_dcp")
-
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
-MARKER = "COMMITTED"
-METADATA = "metadata"
-STEP_PREFIX = "step_"
-PIN_PREFIX = "pin."
-
-
-def step_dir(namespace: str, step: int) -> str:
-    return f"{namespace}/{STEP_PREFIX}{step:012d}"
-
-
-def part_name(rank: int) -> str:
-    return f"rank_{rank:05d}.part"
-
-
-def index_key(namespace: str, step: int, rank: int) -> str:
-    """The records of rank's part in the root holding it: written right after the part."""
-    return f"{step_dir(namespace, step)}/rank_{rank:05d}.index"
-
-
-def pin_key(namespace: str, step: int, rank: int, target: int) -> str:
-    """A pin: rank's writer still has to copy this step to tier ``target``; retention waits."""
-    return f"{step_dir(namespace, step)}/{PIN_PREFIX}rank_{rank:05d}.t{target:02d}"
-
-
-@dataclass
-class PartInfo:
-    rank: int
-    node: int
-    size: int
-
-
-@dataclass
-class Marker:
-    """The commit marker: what a complete copy of the step consists of."""
-
-    step: int
-    namespace: str
-    world_size: int
-    parts: list[PartInfo]
-    metadata_size: int
-    metadata_xxh3: int
-    created: float = field(default_factory=time.time)
-    replication: list[int] = field(default_factory=lambda: [1, 1])  # [factor, jump]
-    format: int = FORMAT_VERSION
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Marker:
-        d = json.loads(data)
-        if d.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"unsupported marker format {d.get('format')!r}")
-        d["parts"] = [PartInfo(**p) for p in d["parts"]]
-        return cls(**d)
 
 
 @dataclass
@@ -115,29 +59,29 @@ class StepState:
     error: str | None = None  # why a writer process could not write it (state "failed")
 
 
-def load_metadata(copy: StepCopy) -> Metadata:
-    """The step's metadata from this copy, checked against the marker's checksum.
+def read_metadata_blob(copy: StepCopy) -> bytes:
+    """The step's metadata bytes from this copy, checked against the marker's checksum.
 
     Raises OSError when it cannot be read and ChecksumMismatch when it is damaged.
     """
-    key = f"{step_dir(copy.marker.namespace, copy.step)}/{METADATA}"
+    key = metadata_key(copy.marker.namespace, copy.step)
     blob = copy.store.read(key)
-    if checksum(blob) != copy.marker.metadata_xxh3:
+    if len(blob) != copy.marker.metadata_size or checksum(blob) != copy.marker.metadata_xxh3:
         raise ChecksumMismatch(f"{copy.store.describe(key)}: checksum differs from the commit marker's")
-    try:
-        return pickle.loads(blob)
-    except (pickle.UnpicklingError, EOFError, AttributeError) as e:
-        raise ChecksumMismatch(f"{copy.store.describe(key)}: {e}") from e
+    return blob
 
 
 class TierView:
     """One tier as seen from a process on (node, rank)."""
 
-    def __init__(self, config: TieredConfig, index: int, node: int, rank: int) -> None:
+    def __init__(
+        self, config: TieredConfig, index: int, node: int, rank: int, indexes: IndexCache | None = None
+    ) -> None:
         self.config = config
         self.index = index
         self.tier: Tier = config.tiers[index]
         self.node, self.rank = node, rank
+        self.indexes = indexes if indexes is not None else IndexCache()  # scoped like the view
         self._stores: dict[str, Storage] = {}
 
     def store_for(self, node: int, rank: int) -> Storage:
@@ -156,14 +100,11 @@ class TierView:
         return list({s.url: s for s in roots}.values())
 
     def step_dirs(self, store: Storage) -> list[int]:
-        steps = []
-        for name in store.list(self.config.namespace):
-            if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
-                steps.append(int(name[len(STEP_PREFIX) :]))
-        return sorted(steps)
+        steps = (parse_step_dir(name) for name in store.list(self.config.namespace))
+        return sorted(s for s in steps if s is not None)
 
     def read_marker(self, store: Storage, step: int) -> Marker | None:
-        key = f"{step_dir(self.config.namespace, step)}/{MARKER}"
+        key = marker_key(self.config.namespace, step)
         try:
             data = store.read(key)
         except (FileNotFoundError, OSError):
@@ -183,20 +124,29 @@ class TierView:
         stores = [self.store_for(nodes[m], m) for m in members if m in nodes]
         return list({s.url: s for s in stores}.values())
 
+    def part_index(self, store: Storage, marker: Marker, rank: int) -> PartIndex | None:
+        """Rank's index in ``store`` (read once per view), None where it is missing or damaged."""
+        try:
+            return self.indexes.get(store, self.config.namespace, marker.step, rank)
+        except (BadIndex, OSError) as e:
+            log.debug("step %d: rank %d's index in %s unreadable: %s", marker.step, rank, store.url, e)
+            return None
+
     def part_present(self, store: Storage, marker: Marker, rank: int) -> bool:
-        """Whether ``store`` holds rank's part whole: the size its index (else the marker) says."""
-        key = self.part_key(marker.step, rank)
-        size = store.size(key)
+        """Whether ``store`` holds rank's part whole: the size its index (else the marker) says.
+
+        Formats 1 and 2 wrote no index next to some parts: the marker's size holds there.
+        """
+        size = store.size(part_key(self.config.namespace, marker.step, rank))
         if size is None:
             return False
-        try:
-            records = pickle.loads(store.read(index_key(self.config.namespace, marker.step, rank)))
-        except FileNotFoundError:
-            info = next((p for p in marker.parts if p.rank == rank), None)
-            return info is not None and size == info.size
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError):
-            return False
-        return size == sum(r["length"] for r in records.values())
+        index = self.part_index(store, marker, rank)
+        if index is not None:
+            return size == index.size
+        if marker.has_indexes or store.exists(index_key(self.config.namespace, marker.step, rank)):
+            return False  # no index, or a damaged one
+        info = marker.part(rank)
+        return info is not None and size == info.size
 
     def whole_here(self, marker: Marker) -> bool:
         """Whether this process's root still holds every part it should hold of the step."""
@@ -216,20 +166,17 @@ class TierView:
         stores = self.holders(marker, rank)
         return next((s for s in stores if self.part_present(s, marker, rank)), stores[0])
 
-    def part_key(self, step: int, rank: int) -> str:
-        return f"{step_dir(self.config.namespace, step)}/{part_name(rank)}"
-
     def missing(self, store: Storage, marker: Marker) -> list[str]:
         """What a committed copy lacks to be loadable from here (empty when complete)."""
         step = marker.step
         problems = []
-        md_key = f"{step_dir(self.config.namespace, step)}/{METADATA}"
+        md_key = metadata_key(self.config.namespace, step)
         if store.size(md_key) != marker.metadata_size:
             problems.append(f"{store.describe(md_key)} missing or wrong size")
         for p in marker.parts:
             stores = self.holders(marker, p.rank)
             if not any(self.part_present(s, marker, p.rank) for s in stores):
-                where = " or ".join(s.describe(self.part_key(step, p.rank)) for s in stores)
+                where = " or ".join(s.describe(part_key(self.config.namespace, step, p.rank)) for s in stores)
                 problems.append(f"{where} missing or wrong size")
         return problems
 
@@ -299,21 +246,23 @@ class TierView:
         for step in sorted(doomed):
             if self.pinned(store, step):
                 continue  # a writer process still copies it to a slower tier
-            store.delete(f"{step_dir(ns, step)}/{MARKER}")
+            store.delete(marker_key(ns, step))
             store.delete(step_dir(ns, step))
 
     def pinned(self, store: Storage, step: int) -> bool:
-        return any(n.startswith(PIN_PREFIX) for n in store.list(step_dir(self.config.namespace, step)))
+        return any(_is_pin(n) for n in store.list(step_dir(self.config.namespace, step)))
 
 
 def commit_root(store: Storage, namespace: str, step: int, blob: bytes, marker: Marker) -> None:
     """Commit one root's copy of ``step``: the metadata first, the marker last."""
-    store.write(f"{step_dir(namespace, step)}/{METADATA}", [blob])
-    store.write(f"{step_dir(namespace, step)}/{MARKER}", [marker.to_bytes()])
+    store.write(metadata_key(namespace, step), [blob])
+    store.write(marker_key(namespace, step), [marker.to_bytes()])
 
 
-def views(config: TieredConfig, node: int, rank: int) -> list[TierView]:
-    return [TierView(config, i, node, rank) for i in range(len(config.tiers))]
+def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None = None) -> list[TierView]:
+    """Every tier seen from (node, rank), sharing ``indexes`` (one operation's) if given."""
+    indexes = indexes if indexes is not None else IndexCache()
+    return [TierView(config, i, node, rank, indexes) for i in range(len(config.tiers))]
 
 
 def complete_steps(config: TieredConfig, node: int, rank: int) -> dict[int, list[StepCopy]]:

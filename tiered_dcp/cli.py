@@ -1,4 +1,7 @@
-"""The ``tiered-dcp`` command: ls, verify, export, demo."""
+"""The ``tiered-dcp`` command: ls, verify, export, demo.
+
+``ls`` imports no torch, so it answers at once; the others import it when they run.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from .api import export, status, writer_status
 from .catalog import views
 from .config import Tier, TieredConfig, here
 from .errors import TieredCheckpointError
-from .verify import verify_step
 
 
 def human(n: float) -> str:
@@ -84,6 +86,8 @@ def _pick_step(cfg: TieredConfig, step: int | None) -> int | None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify_step  # imports torch (to read the metadata): only here
+
     cfg = _config(args)
     step = _pick_step(cfg, args.step)
     if step is None:

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from tiered_dcp.storage.codec import ChecksumMismatch, raw_length, read_item, verify_raw
+from tiered_dcp.storage import Storage
+from tiered_dcp.storage.codec import ChecksumMismatch, read_item, verify_raw
+from tiered_dcp.storage.format import ItemInfo, Record, metadata_key
 
-from .catalog import METADATA, TierView, step_dir
+from .catalog import TierView
 from .transport import Group, as_bytes_tensor
 
 
@@ -50,7 +52,7 @@ def own_holdings(view: TierView) -> dict[int, Holding]:
         marker = view.read_marker(store, step)
         if marker is None:
             continue
-        md_ok = store.size(f"{step_dir(view.config.namespace, step)}/{METADATA}") == marker.metadata_size
+        md_ok = store.size(metadata_key(view.config.namespace, step)) == marker.metadata_size
         parts = {p.rank for p in marker.parts if view.part_present(store, marker, p.rank)}
         out[step] = Holding(marker.metadata_xxh3, marker.world_size, parts, md_ok)
     return out
@@ -91,10 +93,10 @@ class PeerRequest:
     length: int
 
 
-def read_raw(view: TierView, step: int, part: int, rec: dict) -> bytearray:
+def read_raw(store: Storage, rec: Record) -> bytearray:
     """An item's raw bytes from this rank's own root, verified (for a peer that asked)."""
-    out = bytearray(raw_length(rec))
-    read_item(view.own, view.part_key(step, part), rec, memoryview(out))
+    out = bytearray(rec.raw_length)
+    read_item(store, rec, memoryview(out))
     return out
 
 
@@ -130,9 +132,9 @@ def peer_round(
     return arrived
 
 
-def check_raw(record: dict, buf: torch.Tensor) -> None:
+def check_raw(info: ItemInfo, buf: torch.Tensor) -> None:
     """Verify bytes a peer sent against the metadata's chunk checksums."""
     view = memoryview(buf.numpy()).cast("B") if buf.numel() else memoryview(b"")
-    if len(view) != raw_length(record):
-        raise ChecksumMismatch(f"{len(view)} bytes where {raw_length(record)} were expected")
-    verify_raw(record, view)
+    if len(view) != info.raw_length:
+        raise ChecksumMismatch(f"{len(view)} bytes where {info.raw_length} were expected")
+    verify_raw(info, view)

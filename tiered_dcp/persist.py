@@ -26,17 +26,23 @@ import threading
 import time
 from pathlib import Path
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
-
-from tiered_dcp.storage.codec import Encoder, iter_raw_chunks, record
+from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
+from tiered_dcp.storage.format import (
+    PartIndex,
+    PartInfo,
+    index_key,
+    part_key,
+    pin_key,
+    read_index,
+    step_dir,
+    write_index,
+)
 
-from .catalog import METADATA, StepCopy, TierView, commit_root, index_key, load_metadata, pin_key, step_dir
+from .catalog import StepCopy, TierView, commit_root, read_metadata_blob
 from .cliques import clique
 from .config import TieredConfig
-from .replicate import write_index
 from .runtime import POLL, Job, job_name, pid_alive, queued, write_json
-from .writer import commit_step
 
 log = logging.getLogger("tiered_dcp.writer")
 
@@ -56,37 +62,38 @@ def _throttle() -> float | None:
     return float(mbps) * 1e6 if mbps else None
 
 
-def copy_part(
-    src: TierView, dst: TierView, step: int, rank: int, items: list[tuple[MetadataIndex, dict]]
-) -> dict:
-    """Stream rank's part of ``step`` from ``src`` to ``dst``; return its records there."""
+def copy_part(src: TierView, dst: TierView, step: int, index: PartIndex) -> PartIndex:
+    """Stream one part of ``step`` from ``src``'s own root to ``dst``'s; return its index there.
+
+    Every chunk is verified as it is read and re-encoded for the target's codec; an item
+    whose record points into another file lands in this part like the rest.
+    """
     enc = Encoder(dst.tier.compression)
-    key = src.part_key(step, rank)
-    out_key = dst.part_key(step, rank)
-    records: dict[MetadataIndex, dict] = {}
+    out_key = part_key(dst.config.namespace, step, index.rank)
+    records = {}
     rate = _throttle()
     started = time.monotonic()
 
     def chunks():
         offset, sent = 0, 0
-        for index, rec in items:
+        for key, rec in index.in_file_order():
             meta = []  # one chunk in memory at a time, however large the item
-            raw_chunks = iter_raw_chunks(src.own, key, rec)
-            for raw, (_, n, h) in zip(raw_chunks, rec["chunks"], strict=True):
+            for raw, (_, n, h) in zip(iter_raw_chunks(src.own, rec), rec.chunks, strict=True):
                 stored = enc.encode(memoryview(raw))
-                meta.append([memoryview(stored).nbytes, n, h])
+                meta.append((memoryview(stored).nbytes, n, h))
                 yield stored
                 sent += meta[-1][0]
                 if rate:
                     ahead = sent / rate - (time.monotonic() - started)
                     if ahead > 0:
                         time.sleep(ahead)
-            extra = {k: v for k, v in rec.items() if k not in ("file", "offset", "length", "codec", "chunks")}
-            records[index] = record(out_key.rsplit("/", 1)[1], offset, meta, enc.codec, **extra)
-            offset += records[index]["length"]
+            records[key] = dataclasses.replace(
+                rec, file=out_key, offset=offset, codec=enc.codec, chunks=tuple(meta)
+            )
+            offset += records[key].length
 
-    dst.own.write(out_key, chunks())
-    return records
+    size = dst.own.write(out_key, chunks())
+    return PartIndex(index.rank, size, records)
 
 
 def prune_results(rdir: Path, target: int, keep: int = KEEP_RESULTS) -> None:
@@ -136,7 +143,7 @@ class Persister:
                     "trainer gone" if not owner else "done",
                 )
                 return
-            time.sleep(POLL * 4)
+            time.sleep(POLL)  # a job queued now starts within 50 ms
 
     def tier_loop(self, target: int) -> None:
         while True:
@@ -210,8 +217,7 @@ class Persister:
 
     def persist(self, src: TierView, dst: TierView, job: Job) -> str:
         copy = self.wait_for_source(src, job)
-        metadata = load_metadata(copy)
-        ns = self.config.namespace
+        ns, step = self.config.namespace, job.step
         world = [p.node for p in sorted(copy.marker.parts, key=lambda p: p.rank)]
         ranks = [job.rank]
         if not dst.tier.is_shared:  # and the replicas this rank took on the source tier
@@ -219,23 +225,26 @@ class Persister:
             peers = clique(job.rank, len(world), *copy.marker.replication)
             ranks += [q for q in peers if q != job.rank and dst.tier.root(world[q], q) != mine]
         for rank in ranks:
-            items = sorted(
-                ((i, r) for i, r in metadata.storage_data.items() if r["rank"] == rank),
-                key=lambda ir: ir[1]["offset"],
-            )
-            records = copy_part(src, dst, job.step, rank, items)
-            write_index(dst, job.step, rank, records)
+            index = src.part_index(src.own, copy.marker, rank)
+            if index is None:
+                raise FileNotFoundError(
+                    f"step {step}: no readable index of rank {rank}'s part in {src.own.url}"
+                    + ("" if copy.marker.has_indexes else " (a format 1/2 step the writer cannot copy)")
+                )
+            write_index(dst.own, ns, step, copy_part(src, dst, step, index))
         if not dst.tier.is_shared:
             return self.commit_root_when_whole(src, dst, copy)
         # Commit when every rank's index is there: whichever writer sees that last commits.
-        merged: dict[MetadataIndex, dict] = {}
-        for rank in range(len(world)):
+        sizes = {}
+        for p in copy.marker.parts:
             try:
-                merged.update(pickle.loads(dst.own.read(index_key(ns, job.step, rank))))
+                sizes[p.rank] = read_index(dst.own, ns, step, p.rank).size
             except FileNotFoundError:
                 return "clean"
-        commit_step(dst, job.step, metadata, world, merged)
-        dst.apply_retention(job.step)
+        parts = [PartInfo(p.rank, p.node, sizes[p.rank]) for p in copy.marker.parts]
+        marker = dataclasses.replace(copy.marker, parts=parts, created=time.time())
+        commit_root(dst.own, ns, step, read_metadata_blob(copy), marker)
+        dst.apply_retention(step)
         return "committed"
 
     def commit_root_when_whole(self, src: TierView, dst: TierView, copy: StepCopy) -> str:
@@ -249,9 +258,8 @@ class Persister:
         held = [p.rank for p in copy.marker.parts if src.part_present(src.own, copy.marker, p.rank)]
         if not all(dst.own.exists(index_key(ns, step, rank)) for rank in held):
             return "clean"
-        blob = copy.store.read(f"{step_dir(ns, step)}/{METADATA}")
         marker = dataclasses.replace(copy.marker, created=time.time())
-        commit_root(dst.own, ns, step, blob, marker)
+        commit_root(dst.own, ns, step, read_metadata_blob(copy), marker)
         dst.apply_retention(step)
         return "committed"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
 from typing import Any
 
 import torch
@@ -23,20 +22,12 @@ from torch.futures import Future
 
 from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
 from tiered_dcp.storage import Storage
-from tiered_dcp.storage.codec import ChecksumMismatch, checksum, raw_length, read_item, verify_raw
+from tiered_dcp.storage.codec import ChecksumMismatch, checksum, read_item, verify_raw
+from tiered_dcp.storage.format import IndexCache, ItemInfo, PartIndex, Record, metadata_key, part_key
 
+from . import metadata as md_blob
 from . import transport
-from .catalog import (
-    METADATA,
-    StepCopy,
-    TierView,
-    complete_steps,
-    describe_search,
-    index_key,
-    load_metadata,
-    step_dir,
-    views,
-)
+from .catalog import StepCopy, TierView, complete_steps, describe_search, views
 from .cluster import (
     ClusterCopy,
     PeerRequest,
@@ -82,10 +73,10 @@ class TieredReader(StorageReader):
         rank, up = _dist_rank()
         self.rank, self.node = rank, node_of(rank)
         self._dist = up and not no_dist
-        self._views = {v.index: v for v in views(config, self.node, rank)}
+        self._views = {v.index: v for v in views(config, self.node, rank, IndexCache())}  # one per load
         self._metadata: dict[int, Metadata | None] = {}
         self._bad_metadata: dict[int, str] = {}
-        self._held: dict[tuple[str, int, int], dict | None] = {}  # (root, tier, part) -> records
+        self._held: dict[tuple[str, int, int], PartIndex | None] = {}  # (root, tier, part) -> index
         self._cluster: list[ClusterCopy] = []
         self._cluster_md: Metadata | None = None
         self._urls: dict[int, dict[int, str]] = {}  # tier -> rank -> its own root
@@ -184,7 +175,7 @@ class TieredReader(StorageReader):
             blob = None
             if src == self.rank:
                 try:
-                    blob = view.own.read(f"{step_dir(self.config.namespace, self.step)}/{METADATA}")
+                    blob = view.own.read(metadata_key(self.config.namespace, self.step))
                 except OSError as e:
                     log.warning("step %d: metadata unreadable on rank %d: %s", self.step, src, e)
                 if blob is not None and checksum(blob) != cc.ident:
@@ -195,7 +186,7 @@ class TieredReader(StorageReader):
             box = [blob]
             dist.broadcast_object_list(box, src=src)
             if box[0] is not None:
-                return pickle.loads(box[0])
+                return md_blob.loads(box[0])
         raise CheckpointCorruptError(f"step {self.step}: its metadata is damaged on every node holding it")
 
     @property
@@ -216,7 +207,7 @@ class TieredReader(StorageReader):
         if copy.tier_index not in self._metadata:
             md = None
             try:
-                md = load_metadata(copy)
+                md = md_blob.load_metadata(copy)
             except (OSError, ChecksumMismatch) as e:
                 self._bad_metadata[copy.tier_index] = str(e)
                 log.warning("step %d: metadata unusable (%s); trying the next tier", self.step, e)
@@ -246,63 +237,56 @@ class TieredReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _part_records(self, view: TierView, store: Storage, marker: Any, part: int) -> dict | None:
-        """Part's records in ``store`` (its index), or None when the root lacks it whole."""
+    def _part_index(
+        self, view: TierView, store: Storage, copy: StepCopy, part: int, md: Metadata
+    ) -> PartIndex | None:
+        """Part's records in ``store``, or None when the root lacks it whole."""
         key = (store.url, view.index, part)
         if key not in self._held:
-            records = None
-            if view.part_present(store, marker, part):
-                try:
-                    records = pickle.loads(store.read(index_key(self.config.namespace, self.step, part)))
-                except FileNotFoundError:
-                    records = {}  # written before indexes existed: the metadata's records hold
-                except (OSError, pickle.UnpicklingError, EOFError) as e:
-                    log.warning(
-                        "step %d: index of rank %d's part in %s unreadable: %s", self.step, part, store.url, e
-                    )
-            self._held[key] = records
+            index = None
+            if view.part_present(store, copy.marker, part):
+                index = view.part_index(store, copy.marker, part)
+                if index is None and not copy.marker.has_indexes:  # format 1/2: the metadata's records
+                    index = md_blob.legacy_index(md, self.config.namespace, self.step, part)
+            self._held[key] = index
         return self._held[key]
 
-    def _locate(self, copy: StepCopy, req: ReadItem) -> tuple[dict, Storage, str] | None:
+    def _locate(self, copy: StepCopy, req: ReadItem) -> tuple[Record, Storage] | None:
         md = self._load_metadata(copy)
-        if md is None or req.storage_index not in md.storage_data:
+        info = None if md is None else md_blob.item_info(md, req.storage_index)
+        if md is None or info is None:
             return None
-        rec = md.storage_data[req.storage_index]
-        part = rec["rank"]
         view: TierView = self._views[copy.tier_index]
-        key = view.part_key(self.step, part)
-        if view.tier.is_shared:
-            return rec, view.part_store(copy.marker, part), key
-        store = view.own if self._dist else view.part_store(copy.marker, part)
-        records = self._part_records(view, store, copy.marker, part)
-        if records is None:
-            return None
-        return records.get(req.storage_index, rec), store, key
+        reads_own_only = self._dist and not view.tier.is_shared  # peers serve what it lacks
+        store = view.own if reads_own_only else view.part_store(copy.marker, info.rank)
+        index = self._part_index(view, store, copy, info.rank, md)
+        rec = None if index is None else index.records.get(md_blob.item_key(req.storage_index))
+        return None if rec is None else (rec, store)
 
-    def _read_one(self, req: ReadItem, planner: LoadPlanner, rec: dict, store: Storage, key: str) -> None:
+    def _read_one(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            raw = bytearray(raw_length(rec))
-            read_item(store, key, rec, memoryview(raw))
+            raw = bytearray(rec.raw_length)
+            read_item(store, rec, memoryview(raw))
             planner.load_bytes(req, io.BytesIO(raw))
             return
         target = planner.resolve_tensor(req).detach()
-        dtype, shape = dtype_from_name(rec["dtype"]), rec["shape"]
+        dtype, shape = dtype_from_name(rec.dtype or ""), list(rec.shape or ())
         if (
-            rec["codec"] == "raw"
+            rec.codec == "raw"
             and whole_item_request(req, shape)
             and target.dtype == dtype
             and target.device.type == "cpu"
             and target.is_contiguous()
-            and list(target.shape) == list(shape)
+            and list(target.shape) == shape
         ):
             out = byte_view(target)
             if len(out):
-                store.read_into(key, rec["offset"], out)
+                store.read_into(rec.file, rec.offset, out)
             verify_raw(rec, out)
             planner.commit_tensor(req, target)
             return
         full = torch.empty(shape, dtype=dtype)
-        read_item(store, key, rec, byte_view(full))
+        read_item(store, rec, byte_view(full))
         self._place(req, planner, full, target)
 
     def _place(self, req: ReadItem, planner: LoadPlanner, full: torch.Tensor, target: torch.Tensor) -> None:
@@ -322,12 +306,12 @@ class TieredReader(StorageReader):
             located = self._locate(copy, req)
             if located is None:
                 continue
-            rec, store, key = located
+            rec, store = located
             try:
-                self._read_one(req, planner, rec, store, key)
+                self._read_one(req, planner, rec, store)
                 return True
             except (ChecksumMismatch, OSError) as e:
-                where = store.describe(key)
+                where = store.describe(rec.file)
                 self._failures.setdefault(id(req), []).append(f"{where}: {e}")
                 log.warning(
                     "step %d: item %r in %s is damaged (%s); trying another copy",
@@ -343,34 +327,36 @@ class TieredReader(StorageReader):
     def _next_peer(self, req: ReadItem, tried: set[tuple[int, int]]) -> tuple[int, PeerRequest] | None:
         """The next (tier, holder) not tried yet for ``req``, skipping roots this rank reads."""
         assert self._cluster_md is not None
-        rec = self._cluster_md.storage_data.get(req.storage_index)
-        if rec is None:
+        info = md_blob.item_info(self._cluster_md, req.storage_index)
+        if info is None:
             return None
         for cc in self._cluster:
             urls = self._urls[cc.tier_index]
-            holders = cc.holders.get(rec["rank"], [])
+            holders = cc.holders.get(info.rank, [])
             start = self.rank % len(holders) if holders else 0
             for holder in holders[start:] + holders[:start]:  # spread the requesters over the holders
                 if urls[holder] == urls[self.rank] or (cc.tier_index, holder) in tried:
                     continue
                 tried.add((cc.tier_index, holder))
-                return holder, PeerRequest(cc.tier_index, rec["rank"], req.storage_index, raw_length(rec))
+                return holder, PeerRequest(cc.tier_index, info.rank, req.storage_index, info.raw_length)
         return None
 
     def _serve(self, req: PeerRequest) -> bytearray | None:
         view = self._views[req.tier_index]
         try:
             own = self._own[req.tier_index]  # asked only of ranks whose own root holds the part
-            records = self._part_records(view, view.own, own.marker, req.part) or {}
-            rec = records.get(req.index) or self._load_metadata(own).storage_data[req.index]
-            return read_raw(view, self.step, req.part, rec)
+            md = self._load_metadata(own)
+            index = None if md is None else self._part_index(view, view.own, own, req.part, md)
+            if index is None:
+                raise KeyError("its part is not whole here")
+            return read_raw(view.own, index.records[md_blob.item_key(req.index)])
         except (ChecksumMismatch, OSError, KeyError) as e:
             log.warning(
                 "step %d: cannot serve item %r of rank %d's part from %s to a peer: %s",
                 self.step,
                 req.index.fqn,
                 req.part,
-                view.own.describe(view.part_key(self.step, req.part)),
+                view.own.describe(part_key(self.config.namespace, self.step, req.part)),
                 e,
             )
             return None
@@ -403,9 +389,10 @@ class TieredReader(StorageReader):
                 reqs = [r for holder in asked[group.me] for r in order[holder]]
                 done = set()
                 for (holder, _, buf), req in zip(arrived, reqs, strict=True):
-                    rec = self._cluster_md.storage_data[req.storage_index]
+                    info = md_blob.item_info(self._cluster_md, req.storage_index)
+                    assert info is not None  # asked for only when the metadata knows it
                     try:
-                        check_raw(rec, buf)
+                        check_raw(info, buf)
                     except ChecksumMismatch as e:
                         self._failures.setdefault(id(req), []).append(f"from rank {holder}: {e}")
                         log.warning(
@@ -416,7 +403,7 @@ class TieredReader(StorageReader):
                             e,
                         )
                         continue
-                    self._deliver(req, planner, rec, buf)
+                    self._deliver(req, planner, info, buf)
                     done.add(id(req))
                 pending = [r for r in pending if id(r) not in done]
         except PeerTimeout as e:
@@ -434,12 +421,12 @@ class TieredReader(StorageReader):
             if group is not None:
                 group.close()
 
-    def _deliver(self, req: ReadItem, planner: LoadPlanner, rec: dict, buf: torch.Tensor) -> None:
+    def _deliver(self, req: ReadItem, planner: LoadPlanner, info: ItemInfo, buf: torch.Tensor) -> None:
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
             return
         target = planner.resolve_tensor(req).detach()
-        full = buf.view(dtype_from_name(rec["dtype"])).reshape(rec["shape"])
+        full = buf.view(dtype_from_name(info.dtype or "")).reshape(info.shape or ())
         self._place(req, planner, full, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -10,25 +10,26 @@ holds the metadata, and a marker on any node means the step was complete everywh
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 
 from tiered_dcp.storage.base import Buffer, Reservation
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum, verify_stored
+from tiered_dcp.storage.format import Marker, PartInfo, part_key
+from tiered_dcp.storage.format import write_index as write_part_index
 
 from . import transport
-from .catalog import Marker, PartInfo, TierView, commit_root, index_key
+from .catalog import TierView, commit_root
 from .cliques import clique
 from .errors import TieredCheckpointError
+from .metadata import Records, build_blob, part_index
 from .transport import Group, PeerTimeout, as_bytes_tensor
 
-Records = dict[MetadataIndex, dict]
 _OWN_KEYS: list[str] = []  # store keys this process set in its previous save, deleted in the next
 
 
@@ -42,12 +43,13 @@ class SavedPart:
 
 
 def write_index(view: TierView, step: int, rank: int, records: Records) -> None:
-    view.own.write(index_key(view.config.namespace, step, rank), [pickle.dumps(records, protocol=5)])
+    """Rank's index next to its part (or replica) in this rank's own root."""
+    write_part_index(view.own, view.config.namespace, step, part_index(rank, records))
 
 
 def stored_chunk_sizes(records: Records) -> list[int]:
     """The stored length of every chunk of a part, in file order."""
-    return [c[0] for rec in sorted(records.values(), key=lambda r: r["offset"]) for c in rec["chunks"]]
+    return [c[0] for rec in sorted(records.values(), key=lambda r: r.offset) for c in rec.chunks]
 
 
 class Swap:
@@ -80,8 +82,8 @@ class Swap:
                 if q == part.rank or view.tier.root(world[q], q) == mine:
                     continue  # already in this root
                 sends += [(q, as_bytes_tensor(c)) for c in part.stored]
-                size = sum(r["length"] for r in records.values())
-                res = view.own.reserve(view.part_key(self.step, q), size)
+                size = sum(r.length for r in records.values())
+                res = view.own.reserve(part_key(view.config.namespace, self.step, q), size)
                 self.landed.append((q, records, res))
                 pos = 0
                 for n in stored_chunk_sizes(records):
@@ -101,7 +103,7 @@ class Swap:
             for q, records, res in self.landed:
                 for rec in records.values():
                     try:
-                        verify_stored(rec, res.view[rec["offset"] : rec["offset"] + rec["length"]])
+                        verify_stored(rec, res.view[rec.offset : rec.offset + rec.length])
                     except ChecksumMismatch as e:
                         raise TieredCheckpointError(
                             f"step {self.step}: the replica of rank {q}'s part arrived damaged: {e}"
@@ -127,11 +129,11 @@ class Swap:
 def build_commit(
     view: TierView, step: int, metadata: Metadata, world: list[int], records: Records
 ) -> tuple[bytes, Marker]:
-    """The metadata blob (every rank's records) and the marker naming it, for every root."""
-    blob = pickle.dumps(dataclasses.replace(metadata, storage_data=records), protocol=pickle.HIGHEST_PROTOCOL)
+    """The metadata blob (every rank's items) and the marker naming it, for every root."""
+    blob = build_blob(metadata, records)
     sizes = [0] * len(world)
     for rec in records.values():
-        sizes[rec["rank"]] += rec["length"]
+        sizes[rec.rank] += rec.length
     cfg = view.config
     marker = Marker(
         step,

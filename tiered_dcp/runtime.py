@@ -41,6 +41,7 @@ from .config import TieredConfig
 log = logging.getLogger("tiered_dcp")
 
 MAX_PENDING = 2  # steps per slower tier a rank's writer may have queued before a save waits
+WAIT_WARNING = 0.1  # seconds a save waits for its writer before that is logged (then once a minute)
 POLL = 0.05
 _LAUNCHED: dict[Path, subprocess.Popen] = {}  # writers this process started (reaped by a thread)
 
@@ -171,6 +172,7 @@ class WriterHandle:
         self.rd = rundir(config, rank)
         self._prepared: tuple | None = None
         self._seen: set[str] = set()  # outcome files already looked at
+        self._next_warning = 0.0  # when a save waiting for the writer is worth a warning again
 
     def ensure(self, owner_pid: int) -> None:
         """Make sure a writer serves this rank, starting one if none is running."""
@@ -226,17 +228,18 @@ class WriterHandle:
 
         Called before ``step`` is staged or written, so a writer that fell behind makes the
         next save wait and never delays the commit of a step already written. Returns the
-        seconds waited.
+        seconds waited. The wait is logged once it exceeds ``WAIT_WARNING``, then at most
+        once a minute: a slow tier slows every save, one line says so.
         """
         started = time.monotonic()
-        warn_at = started + 1
+        warn_at = max(started + WAIT_WARNING, self._next_warning)
         for target in targets:
             while len(queued(self.rd, target)) >= max_pending:
-                if time.monotonic() > warn_at:  # then once a minute, while it lasts
-                    warn_at = time.monotonic() + 60
+                if time.monotonic() > warn_at:
+                    warn_at = self._next_warning = time.monotonic() + 60
                     log.warning(
                         "rank %d: the writer is %d step(s) behind on tier %s; step %d has waited "
-                        "%.0f s for it (nothing is dropped; a slower tier cannot take steps faster "
+                        "%.1f s for it (nothing is dropped; a slower tier cannot take steps faster "
                         "than it writes; its log: %s)",
                         self.rank,
                         max_pending,
@@ -302,3 +305,18 @@ class WriterHandle:
                 self.rd.parent.rmdir()  # the job's directory, once no rank has one
             self._prepared = None
         return True
+
+
+_HANDLES: dict[Path, WriterHandle] = {}
+
+
+def writer_handle(config: TieredConfig, rank: int) -> WriterHandle:
+    """This process's handle on rank's writer process (one per job and rank)."""
+    handle = _HANDLES.setdefault(rundir(config, rank), WriterHandle(config, rank))
+    handle.config = config
+    return handle
+
+
+def handles() -> list[WriterHandle]:
+    """The handles this process holds (the writers it fed)."""
+    return list(_HANDLES.values())

@@ -16,7 +16,6 @@ import time
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -27,14 +26,16 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
+from tiered_dcp.storage.format import part_key, pin_key
 
 from . import preemption, transport
-from .catalog import TierView, commit_root, part_name, pin_key
+from .catalog import TierView, commit_root
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
+from .metadata import Records
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
-from .runtime import MAX_PENDING, Job, WriterHandle, rundir
+from .runtime import MAX_PENDING, Job, writer_handle
 from .staging import POOL, examine
 from .tensors import as_cpu_contiguous, byte_view
 
@@ -63,38 +64,38 @@ def resolve_items(plan: SavePlan, planner: SavePlanner) -> list[RawItem]:
         else:
             t = as_cpu_contiguous(data)
             owner, view = t, byte_view(t)
-            extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": list(t.shape)}
+            extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
         chunks = split(view)
         items.append(RawItem(item.index, chunks, [checksum(c) for c in chunks], extra, owner))
     return items
 
 
-def encode_part(view: TierView, rank: int, items: list[RawItem]) -> SavedPart:
+def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> SavedPart:
     """This rank's part for one tier, in memory: its records and stored chunks in file order.
 
     Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
     chunks are held until the part and its replicas are written.
     """
     enc = Encoder(view.tier.compression)
-    name = part_name(rank)
+    key = part_key(view.config.namespace, step, rank)
     part = SavedPart(rank, {}, [])
     offset = 0
     for it in items:
         stored = [enc.encode(c) for c in it.chunks]
-        rec = make_record(name, offset, stored, it.chunks, it.hashes, enc.codec, rank=rank, **it.extra)
+        rec = make_record(key, offset, stored, it.chunks, it.hashes, enc.codec, rank=rank, **it.extra)
         part.records[it.index] = rec
         part.stored += stored
-        offset += rec["length"]
+        offset += rec.length
     return part
 
 
 def write_part(view: TierView, step: int, part: SavedPart) -> None:
-    view.own.write(view.part_key(step, part.rank), part.stored)
+    """The part, then its index next to it."""
+    view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
+    write_index(view, step, part.rank, part.records)
 
 
-def commit_step(
-    view: TierView, step: int, metadata: Metadata, world: list[int], records: dict[MetadataIndex, dict]
-) -> None:
+def commit_step(view: TierView, step: int, metadata: Metadata, world: list[int], records: Records) -> None:
     """Commit ``step`` on a shared tier (one root): its metadata, then its marker."""
     blob, marker = build_commit(view, step, metadata, world, records)
     commit_root(view.own, view.config.namespace, step, blob, marker)
@@ -222,7 +223,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         slower = self.tier_indexes[1:]
         if len(self.config.tiers) > 1:
             handle = writer_handle(self.config, rank)
-            handle.ensure(self.owner_pid or os.getpid())  # started early: it imports torch
+            handle.ensure(self.owner_pid or os.getpid())  # started early, ready by the hand-off
             handle.report_failures()
             if slower:
                 owner = self.owner_pid or os.getpid()
@@ -241,7 +242,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         for target in slower:  # pins first: retention must not remove what a writer will copy
             first.own.write(pin_key(ns, self.step, self.rank, target), [b""])
         if first.tier.is_shared:  # one root: the coordinator commits it in finish()
-            part = encode_part(first, self.rank, items)
+            part = encode_part(first, self.step, self.rank, items)
             write_part(first, self.step, part)
             records = part.records
         else:
@@ -265,18 +266,17 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def _write_node_local(
         self, first: TierView, items: list[RawItem], world: list[int], planner: SavePlanner, name: str
-    ) -> dict[MetadataIndex, dict]:
+    ) -> Records:
         """Write the part and its replicas, then commit the step in every root (``replicate``)."""
-        records: dict[MetadataIndex, dict] = {}
+        records: Records = {}
         error: BaseException | None = None
         swap = None
         try:
-            part = encode_part(first, self.rank, items)
+            part = encode_part(first, self.step, self.rank, items)
             records = part.records
             if self.config.replication_factor > 1:  # the transfer runs while the part is written
                 swap = Swap(first, self.step, part, world, name).start()
             write_part(first, self.step, part)
-            write_index(first, self.step, self.rank, records)
             if swap is not None:
                 swap.finish()
             del part
@@ -326,13 +326,3 @@ def _staging_thread() -> ThreadPoolExecutor:
     if _STAGING_THREAD is None:
         _STAGING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-staging")
     return _STAGING_THREAD
-
-
-_HANDLES: dict[Path, WriterHandle] = {}
-
-
-def writer_handle(config: TieredConfig, rank: int) -> WriterHandle:
-    """This process's handle on rank's writer process (one per job and rank)."""
-    handle = _HANDLES.setdefault(rundir(config, rank), WriterHandle(config, rank))
-    handle.config = config
-    return handle

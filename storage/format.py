@@ -1,0 +1,363 @@
+"""The on-storage format: every name, the commit marker, item records and per-part indexes.
+
+This module is the only code that knows the layout (docs/format.md). It imports neither
+torch nor anything from ``tiered_dcp`` outside ``storage``, so the writer process can copy
+steps with it alone. One tier root holds::
+
+    <namespace>/step_<12-digit step>/
+        rank_<5-digit rank>.part      one per rank: its items' stored chunks back to back
+        rank_<5-digit rank>.index     that part's records *in this root* (JSON; format 2: pickled)
+        pin.rank_<r>.t<tier>          rank r's writer still has to copy the step to tier <tier>
+        metadata                      DCP's Metadata, pickled; the same bytes in every root
+        COMMITTED                     the marker (JSON), written last
+
+The DCP metadata holds what is true of an item on every tier (``ItemInfo``: its rank,
+kind, dtype, shape and raw chunk checksums); each root's index holds where the item's
+bytes are there (``Record``: file, offset, codec, stored chunk lengths). So the metadata
+and the marker are the same bytes on every tier, and copying a step to another tier is
+copying parts, writing their indexes and copying those two files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .base import Storage
+
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
+MARKER = "COMMITTED"
+METADATA = "metadata"
+STEP_PREFIX = "step_"
+PIN_PREFIX = "pin."
+
+# -- names -------------------------------------------------------------------------------
+
+
+def step_dir(namespace: str, step: int) -> str:
+    """The directory of one step, relative to the tier root."""
+    return f"{namespace}/{STEP_PREFIX}{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name (as listed under the namespace) stands for, else None."""
+    digits = name[len(STEP_PREFIX) :]
+    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
+
+
+def part_name(rank: int) -> str:
+    return f"rank_{rank:05d}.part"
+
+
+def part_key(namespace: str, step: int, rank: int) -> str:
+    """Rank's part file of ``step``: in every root that holds the part, under this key."""
+    return f"{step_dir(namespace, step)}/{part_name(rank)}"
+
+
+def index_key(namespace: str, step: int, rank: int) -> str:
+    """The records of rank's part in the root holding it: written right after the part."""
+    return f"{step_dir(namespace, step)}/rank_{rank:05d}.index"
+
+
+def pin_key(namespace: str, step: int, rank: int, target: int) -> str:
+    """A pin: rank's writer still has to copy this step to tier ``target``; retention waits."""
+    return f"{step_dir(namespace, step)}/{PIN_PREFIX}rank_{rank:05d}.t{target:02d}"
+
+
+def is_pin(name: str) -> bool:
+    return name.startswith(PIN_PREFIX)
+
+
+def metadata_key(namespace: str, step: int) -> str:
+    return f"{step_dir(namespace, step)}/{METADATA}"
+
+
+def marker_key(namespace: str, step: int) -> str:
+    return f"{step_dir(namespace, step)}/{MARKER}"
+
+
+# -- the commit marker ---------------------------------------------------------------------
+
+
+@dataclass
+class PartInfo:
+    rank: int
+    node: int
+    size: int  # the part's size where the step was first committed
+
+
+@dataclass
+class Marker:
+    """The commit marker: what a complete copy of the step consists of."""
+
+    step: int
+    namespace: str
+    world_size: int
+    parts: list[PartInfo]
+    metadata_size: int
+    metadata_xxh3: int
+    created: float = field(default_factory=time.time)
+    replication: list[int] = field(default_factory=lambda: [1, 1])  # [factor, jump]
+    format: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Marker:
+        d = json.loads(data)
+        if d.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"unsupported marker format {d.get('format')!r}")
+        d["parts"] = [PartInfo(**p) for p in d["parts"]]
+        return cls(**d)
+
+    @property
+    def has_indexes(self) -> bool:
+        """Whether every part has an index next to it (format 3); else the metadata's records
+        hold where a part has none (formats 1 and 2)."""
+        return self.format >= 3
+
+    def part(self, rank: int) -> PartInfo | None:
+        return next((p for p in self.parts if p.rank == rank), None)
+
+
+# -- items ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ItemKey:
+    """Which item: DCP's ``MetadataIndex`` without torch, compared as it is (``index`` is a
+    lookup hint, not part of the identity)."""
+
+    fqn: str
+    offset: tuple[int, ...] | None = None
+    index: int | None = field(default=None, compare=False, hash=False)
+
+    def to_json(self) -> list[Any]:
+        return [self.fqn, None if self.offset is None else list(self.offset), self.index]
+
+    @classmethod
+    def from_json(cls, v: list[Any]) -> ItemKey:
+        fqn, offset, index = v
+        return cls(fqn, None if offset is None else tuple(offset), index)
+
+
+Chunk = tuple[int, int, int]  # (stored length, raw length, xxh3-64 of the raw bytes)
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    """What is true of an item on every tier; the DCP metadata's ``storage_data`` holds it."""
+
+    rank: int  # whose part holds the item
+    kind: str  # "tensor" | "bytes"
+    raw_chunks: tuple[tuple[int, int], ...]  # (raw length, xxh3-64) per chunk
+    dtype: str | None = None  # tensors: "torch.float32"
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def raw_length(self) -> int:
+        return sum(n for n, _ in self.raw_chunks)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "rank": self.rank,
+            "kind": self.kind,
+            "chunks": [list(c) for c in self.raw_chunks],
+        }
+        if self.kind == "tensor":
+            d.update(dtype=self.dtype, shape=list(self.shape or ()))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ItemInfo:
+        """From format 3's dict, or from a format 1/2 record (chunks of three numbers)."""
+        chunks = tuple((c[-2], c[-1]) for c in d["chunks"])
+        shape = d.get("shape")
+        return cls(d["rank"], d["kind"], chunks, d.get("dtype"), None if shape is None else tuple(shape))
+
+
+@dataclass(frozen=True)
+class Record:
+    """Where one item's bytes are on one tier, and how to decode and check them.
+
+    ``file`` is the key of the file holding the bytes, relative to the tier root; it may
+    name another step's file (a record may point into data written before).
+    """
+
+    file: str
+    offset: int
+    codec: str  # "raw" | "zstd"
+    chunks: tuple[Chunk, ...]
+    rank: int = 0
+    kind: str = "bytes"
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def length(self) -> int:
+        """Stored bytes: the item is ``file[offset : offset + length]``."""
+        return sum(c[0] for c in self.chunks)
+
+    @property
+    def raw_length(self) -> int:
+        return sum(c[1] for c in self.chunks)
+
+    @property
+    def raw_chunks(self) -> tuple[tuple[int, int], ...]:
+        return tuple((n, h) for _, n, h in self.chunks)
+
+    def info(self) -> ItemInfo:
+        return ItemInfo(self.rank, self.kind, self.raw_chunks, self.dtype, self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "file": self.file,
+            "offset": self.offset,
+            "codec": self.codec,
+            "chunks": [list(c) for c in self.chunks],
+            "rank": self.rank,
+            "kind": self.kind,
+        }
+        if self.kind == "tensor":
+            d.update(dtype=self.dtype, shape=list(self.shape or ()))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], directory: str | None = None) -> Record:
+        """A record from its dict. Formats 1 and 2 name the file by its base name only:
+        ``directory`` (the step's directory) completes it."""
+        file = d["file"] if directory is None else f"{directory}/{d['file']}"
+        chunks = tuple((int(s), int(n), int(h)) for s, n, h in d["chunks"])
+        shape = d.get("shape")
+        return cls(
+            file,
+            int(d["offset"]),
+            d["codec"],
+            chunks,
+            int(d["rank"]),
+            d.get("kind", "bytes"),
+            d.get("dtype"),
+            None if shape is None else tuple(shape),
+        )
+
+
+# -- per-part indexes ----------------------------------------------------------------------
+
+
+class BadIndex(ValueError):
+    """An index file that cannot be parsed: the part is treated as absent from that root."""
+
+
+@dataclass(frozen=True)
+class PartIndex:
+    """One part's records in one root, and the length its part file has there."""
+
+    rank: int
+    size: int
+    records: dict[ItemKey, Record]
+
+    def to_bytes(self) -> bytes:
+        items = [{"key": k.to_json(), **r.to_dict()} for k, r in self.records.items()]
+        doc = {"format": FORMAT_VERSION, "rank": self.rank, "size": self.size, "items": items}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, directory: str, rank: int) -> PartIndex:
+        """Parse an index read from ``directory`` (the step's): JSON, or format 2's pickle."""
+        try:
+            if data[:1] == b"{":
+                doc = json.loads(data)
+                records = {ItemKey.from_json(d["key"]): Record.from_dict(d) for d in doc["items"]}
+                return cls(int(doc["rank"]), int(doc["size"]), records)
+            legacy = _LegacyUnpickler(io.BytesIO(data)).load()
+            records = {_legacy_key(k): Record.from_dict(r, directory) for k, r in legacy.items()}
+        except (ValueError, KeyError, TypeError, AttributeError, EOFError, pickle.UnpicklingError) as e:
+            raise BadIndex(f"{type(e).__name__}: {e}") from e
+        return cls(rank, sum(r.length for r in records.values()), records)
+
+    @classmethod
+    def of(cls, rank: int, records: Iterable[tuple[ItemKey, Record]]) -> PartIndex:
+        """The index of a part made of exactly these records, back to back."""
+        recs = dict(records)
+        return cls(rank, sum(r.length for r in recs.values()), recs)
+
+    def in_file_order(self) -> list[tuple[ItemKey, Record]]:
+        return sorted(self.records.items(), key=lambda kr: (kr[1].file, kr[1].offset))
+
+
+def write_index(store: Storage, namespace: str, step: int, index: PartIndex) -> None:
+    store.write(index_key(namespace, step, index.rank), [index.to_bytes()])
+
+
+def read_index(store: Storage, namespace: str, step: int, rank: int) -> PartIndex:
+    """Rank's index in ``store``. Raises FileNotFoundError when there is none, BadIndex when
+    it cannot be parsed, OSError when it cannot be read."""
+    data = store.read(index_key(namespace, step, rank))
+    return PartIndex.from_bytes(data, step_dir(namespace, step), rank)
+
+
+class IndexCache:
+    """Per-part indexes, each read once per operation (a load, a verify, a writer's job).
+
+    Scope one to one operation: a step saved again under the same number (after a crash)
+    has new indexes. An index not there yet is looked for again next time.
+    """
+
+    def __init__(self) -> None:
+        self._got: dict[tuple[str, str], PartIndex | BadIndex] = {}
+
+    def get(self, store: Storage, namespace: str, step: int, rank: int) -> PartIndex | None:
+        """Rank's index in ``store``, None where it has none; raises BadIndex, and OSError
+        when it cannot be read (not remembered: that may pass)."""
+        key = (store.url, index_key(namespace, step, rank))
+        if key not in self._got:
+            try:
+                self._got[key] = read_index(store, namespace, step, rank)
+            except FileNotFoundError:
+                return None
+            except BadIndex as e:
+                self._got[key] = e
+        got = self._got[key]
+        if isinstance(got, BadIndex):
+            raise got
+        return got
+
+
+# -- format 2's pickled indexes, read without torch ----------------------------------------
+
+
+class _LegacyIndex:
+    """Stands in for torch's MetadataIndex while a format 2 index is unpickled."""
+
+    fqn: str
+    offset: tuple[int, ...] | None
+    index: int | None
+
+
+class _LegacyUnpickler(pickle.Unpickler):
+    """Admits only what a format 2 index holds: MetadataIndex, torch.Size and plain data."""
+
+    _ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"): _LegacyIndex,
+        ("torch", "Size"): tuple,
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"{module}.{name} has no place in an index file") from None
+
+
+def _legacy_key(k: Any) -> ItemKey:
+    if not isinstance(k, _LegacyIndex):
+        raise TypeError(f"index key {k!r} is not a MetadataIndex")
+    offset = getattr(k, "offset", None)
+    return ItemKey(k.fqn, None if offset is None else tuple(offset), getattr(k, "index", None))

@@ -1,0 +1,105 @@
+"""The torch side of the format: the step's DCP ``Metadata`` blob, and DCP's item keys.
+
+A save pickles DCP's Metadata with ``storage_data`` mapping each ``MetadataIndex`` to its
+``ItemInfo`` as a plain dict (what is true of the item on every tier), so the blob is the
+same bytes on every tier and checkpoints do not depend on this package's class names.
+Reading it back admits only DCP's metadata classes and plain data (``_MetadataUnpickler``).
+Formats 1 and 2 kept each item's full record there instead; where such a step has no index
+next to a part, ``legacy_index`` rebuilds one from those records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from tiered_dcp.storage.codec import ChecksumMismatch
+from tiered_dcp.storage.format import ItemInfo, ItemKey, PartIndex, Record, metadata_key, step_dir
+
+from .catalog import StepCopy, read_metadata_blob
+
+Records = dict[MetadataIndex, Record]
+
+
+def item_key(index: MetadataIndex) -> ItemKey:
+    return ItemKey(index.fqn, None if index.offset is None else tuple(index.offset), index.index)
+
+
+def part_index(rank: int, records: Mapping[MetadataIndex, Record]) -> PartIndex:
+    """The index of rank's part as just written: these records, back to back."""
+    return PartIndex.of(rank, ((item_key(i), r) for i, r in records.items()))
+
+
+def build_blob(metadata: Metadata, records: Mapping[MetadataIndex, Record]) -> bytes:
+    """The pickled metadata of a save, with each item's tier-independent facts."""
+    storage_data = {i: r.info().to_dict() for i, r in records.items()}
+    return pickle.dumps(
+        dataclasses.replace(metadata, storage_data=storage_data), protocol=pickle.HIGHEST_PROTOCOL
+    )
+
+
+def loads(blob: bytes) -> Metadata:
+    """Unpickle a metadata blob, admitting only what DCP's metadata is made of."""
+    try:
+        md = _MetadataUnpickler(io.BytesIO(blob)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise ChecksumMismatch(f"metadata does not unpickle: {e}") from e
+    if not isinstance(md, Metadata):
+        raise ChecksumMismatch(f"metadata holds a {type(md).__name__}, not DCP's Metadata")
+    return md
+
+
+def load_metadata(copy: StepCopy) -> Metadata:
+    """The step's metadata from this copy, checked against the marker's checksum.
+
+    Raises OSError when it cannot be read and ChecksumMismatch when it is damaged.
+    """
+    blob = read_metadata_blob(copy)
+    try:
+        return loads(blob)
+    except ChecksumMismatch as e:
+        key = metadata_key(copy.marker.namespace, copy.step)
+        raise ChecksumMismatch(f"{copy.store.describe(key)}: {e}") from e
+
+
+def item_info(md: Metadata, index: MetadataIndex) -> ItemInfo | None:
+    """What the metadata says of an item, in any format; None when it does not know it."""
+    d = md.storage_data.get(index) if isinstance(md.storage_data, dict) else None
+    return None if d is None else ItemInfo.from_dict(d)
+
+
+def legacy_index(md: Metadata, namespace: str, step: int, rank: int) -> PartIndex:
+    """Format 1 and 2 steps without an index next to a part: the metadata's records of it."""
+    directory = step_dir(namespace, step)
+    recs = ((item_key(i), Record.from_dict(d, directory)) for i, d in md.storage_data.items())
+    return PartIndex.of(rank, [(k, r) for k, r in recs if r.rank == rank])
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, torch's dtypes, layouts and sizes, and plain data."""
+
+    _BUILTINS = ("tuple", "list", "dict", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice")
+    _PLAIN = {("builtins", n) for n in _BUILTINS} | {
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._PLAIN:
+            return super().find_class(module, name)
+        if module.startswith("torch.distributed.checkpoint."):
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # a class of DCP's (its metadata, enums); no functions
+                return found
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} has no place in a checkpoint's metadata")
