@@ -72,3 +72,10 @@ def test_demo_runs(tmp_path):
     assert "rank 1 SIGKILLed while saving step 7" in r.stdout
     assert "OK: the job resumed from step" in r.stdout
     assert os.path.isdir(tmp_path / "demo/bucket/demo/step_000000000010")
+    d = tmp_path / "demo"
+    for args in (  # every tier of both scenes verifies OK after the demo
+        ["-n", "demo", f"{d}/ram/{{node}}", f"{d}/ssd/{{node}}", f"{d}/bucket"],
+        ["-n", "demo-nodeloss", f"{d}/ram/nodeloss/{{node}}", f"{d}/nodeloss/bucket"],
+    ):
+        r = cli("verify", *args)
+        assert "DAMAGED" not in r.stdout and ": OK" in r.stdout, r.stdout

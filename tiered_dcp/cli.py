@@ -104,8 +104,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"step {step} tier {c.tier_index} {c.tier}: "
             f"{c.items} items, {human(c.bytes_read)} read: {verdict}"
         )
-        for p in c.problems:
+        for p in c.tier_problems:
             print(f"    {p}")
+        if len(c.roots) < 2 and c.ok:
+            continue  # one root, all good: the tier's line says it all
+        for r in c.roots:
+            if not r.present:
+                print(f"  root {r.url}: holds nothing of step {step} (wiped, or not reachable from here)")
+                continue
+            replicas = f", replicas of rank(s) {r.replicas}" if r.replicas else ""
+            held = sorted(set(r.parts) - set(r.replicas))
+            print(
+                f"  root {r.url}: part(s) of rank(s) {held}{replicas}; {r.items} items, "
+                f"{human(r.bytes_read)}, {'good' if r.ok else 'damaged'}"
+            )
+            for p in r.problems:
+                print(f"    {p}")
         bad += not c.ok
     return 1 if bad else 0
 

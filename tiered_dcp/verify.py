@@ -1,27 +1,61 @@
-"""Re-check every checksum of a step on every tier that holds it."""
+"""Re-check every byte of a step, copy by copy, as a load would read it.
+
+For each tier holding the step committed, every root this process can reach is checked:
+each part it holds (the rank's own and, on a replicated node-local tier, its clique peers'
+replicas) is read through that root's own index (``storage/format.py``) and the codec
+that loads use, and every item is checked against its chunk checksums and against the
+metadata. A root that holds nothing of the step (a wiped node, or a node this machine does
+not see) is reported, not counted as damage; a part no reachable root holds whole is.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import ChecksumMismatch, read_item
-from tiered_dcp.storage.format import IndexCache, ItemInfo, ItemKey, part_key
+from tiered_dcp.storage.format import IndexCache, ItemInfo, ItemKey, Marker, PartIndex, part_key, step_dir
 
-from .catalog import views
+from .catalog import StepCopy, TierView, views
 from .config import TieredConfig
 from .metadata import item_key, legacy_index, load_metadata
 
 
 @dataclass
+class RootCheck:
+    """One root of a tier: which part copies it holds and what reading them found."""
+
+    url: str
+    parts: list[int] = field(default_factory=list)  # ranks whose part was read here
+    replicas: list[int] = field(default_factory=list)  # of those, the ones held as replicas
+    items: int = 0
+    bytes_read: int = 0
+    problems: list[str] = field(default_factory=list)
+    present: bool = True  # False: the root holds nothing of the step (wiped, or not reachable)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
 class TierCheck:
-    """The outcome of verifying one step on one tier."""
+    """The outcome of verifying one step on one tier, over every root reached."""
 
     tier_index: int
     tier: str
     step: int
-    items: int = 0
-    bytes_read: int = 0
-    problems: list[str] = field(default_factory=list)
+    roots: list[RootCheck] = field(default_factory=list)
+    tier_problems: list[str] = field(default_factory=list)  # the metadata; parts held nowhere
+    items: int = 0  # the step's items read in at least one copy (each copy: ``RootCheck.items``)
+
+    @property
+    def problems(self) -> list[str]:
+        return self.tier_problems + [p for r in self.roots for p in r.problems]
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.roots)
 
     @property
     def ok(self) -> bool:
@@ -29,48 +63,106 @@ class TierCheck:
 
 
 def verify_step(config: TieredConfig, step: int, node: int = 0, rank: int = 0) -> list[TierCheck]:
-    """Read and check every chunk of ``step`` on each tier with a commit marker for it.
-
-    Every item of the metadata is read where its part is found whole (own root first), as
-    that root's index records it, and checked against the metadata's checksums as well.
-    """
+    """Read and check every copy of every part of ``step`` on each tier that committed it."""
     checks = []
     for view in views(config, node, rank, IndexCache()):
         copy = view.committed().get(step)
-        if copy is None:
-            continue
-        check = TierCheck(view.index, view.tier.path, step)
-        checks.append(check)
-        check.problems.extend(view.missing(copy.store, copy.marker))
-        try:
-            md = load_metadata(copy)
-        except (OSError, ChecksumMismatch) as e:
-            check.problems.append(f"metadata: {e}")
-            continue
-        by_part: dict[int, list[tuple[str, ItemKey, ItemInfo]]] = {}
-        for index, d in md.storage_data.items():
-            info = ItemInfo.from_dict(d)
-            by_part.setdefault(info.rank, []).append((index.fqn, item_key(index), info))
-        for part, items in sorted(by_part.items()):
-            store = view.part_store(copy.marker, part)
-            index = view.part_index(store, copy.marker, part)
-            if index is None and not copy.marker.has_indexes:  # format 1/2: the metadata's records
-                index = legacy_index(md, config.namespace, step, part)
-            if index is None:
-                key = part_key(config.namespace, step, part)
-                check.problems.append(f"{store.describe(key)}: no readable index next to it")
-                continue
-            found = [(fqn, info, index.records.get(key)) for fqn, key, info in items]
-            for fqn, info, rec in sorted(found, key=lambda f: (f[2].file, f[2].offset) if f[2] else ("", 0)):
-                if rec is None:
-                    check.problems.append(f"item {fqn!r} of rank {part}'s part: not in its index")
-                    continue
-                if rec.raw_chunks != info.raw_chunks:
-                    check.problems.append(f"item {fqn!r}: its index and the metadata disagree on its chunks")
-                try:
-                    read_item(store, rec, memoryview(bytearray(rec.raw_length)))
-                except (OSError, ChecksumMismatch) as e:
-                    check.problems.append(f"{store.describe(rec.file)}: item {fqn!r}: {e}")
-                check.items += 1
-                check.bytes_read += rec.length
+        if copy is not None:
+            checks.append(_verify_tier(view, copy))
     return checks
+
+
+def _verify_tier(view: TierView, copy: StepCopy) -> TierCheck:
+    marker, step = copy.marker, copy.step
+    check = TierCheck(view.index, view.tier.path, step)
+    try:
+        md = load_metadata(copy)
+    except (OSError, ChecksumMismatch) as e:
+        check.tier_problems.append(f"metadata: {e}")
+        return check
+    items: dict[int, list[tuple[str, ItemKey, ItemInfo]]] = {}
+    for index, d in md.storage_data.items():
+        info = ItemInfo.from_dict(d)
+        items.setdefault(info.rank, []).append((index.fqn, item_key(index), info))
+    roots: dict[str, RootCheck] = {}
+    whole: set[int] = set()
+    for p in marker.parts:
+        own = view.tier.root(p.node, p.rank)
+        for store in view.holders(marker, p.rank):
+            root = roots.setdefault(store.url, RootCheck(store.url, present=_holds_step(store, view, step)))
+            if not root.present:
+                continue
+            if _verify_copy(view, store, marker, p.rank, items.get(p.rank, []), root, md):
+                whole.add(p.rank)
+            if store.url != own:
+                root.replicas.append(p.rank)
+    for p in marker.parts:
+        if p.rank not in whole:
+            where = " or ".join(
+                s.describe(part_key(view.config.namespace, step, p.rank))
+                for s in view.holders(marker, p.rank)
+            )
+            check.tier_problems.append(f"rank {p.rank}'s part: no good copy in any root reached ({where})")
+    check.roots = list(roots.values())
+    check.items = sum(len(items.get(r, [])) for r in {p for root in check.roots for p in root.parts})
+    return check
+
+
+def _holds_step(store: Storage, view: TierView, step: int) -> bool:
+    try:
+        return bool(store.list(step_dir(view.config.namespace, step)))
+    except OSError:
+        return False
+
+
+def _verify_copy(
+    view: TierView,
+    store: Storage,
+    marker: Marker,
+    part: int,
+    items: list[tuple[str, ItemKey, ItemInfo]],
+    root: RootCheck,
+    md: object,
+) -> bool:
+    """Read every item of one copy of rank ``part``'s part in ``store``; True when all good."""
+    ns, step = view.config.namespace, marker.step
+    which = f"rank {part}'s part" + (
+        "" if store.url == view.tier.root(marker.part(part).node, part) else " (replica)"
+    )
+    key = part_key(ns, step, part)
+    root.parts.append(part)
+    if store.size(key) is None:
+        root.problems.append(f"{store.describe(key)}: {which} is missing")
+        return False
+    index: PartIndex | None = view.part_index(store, marker, part)
+    if index is None and not marker.has_indexes:  # format 1/2: the metadata's records
+        index = legacy_index(md, ns, step, part)
+    if index is None:
+        root.problems.append(f"{store.describe(key)}: {which} has no readable index next to it")
+        return False
+    good = True
+    if store.size(key) != index.size:
+        root.problems.append(
+            f"{store.describe(key)}: {which} is {store.size(key)} bytes, its index says {index.size}"
+        )
+        good = False
+    found = [(fqn, info, index.records.get(k)) for fqn, k, info in items]
+    for fqn, info, rec in sorted(found, key=lambda f: (f[2].file, f[2].offset) if f[2] else ("", 0)):
+        if rec is None:
+            root.problems.append(f"{store.describe(key)}: item {fqn!r} of {which} is not in its index")
+            good = False
+            continue
+        if rec.raw_chunks != info.raw_chunks:
+            root.problems.append(
+                f"{store.describe(rec.file)}: item {fqn!r} of {which}: "
+                "its index and the metadata disagree on its chunks"
+            )
+            good = False
+        try:
+            read_item(store, rec, memoryview(bytearray(rec.raw_length)))
+        except (OSError, ChecksumMismatch) as e:
+            root.problems.append(f"{store.describe(rec.file)}: item {fqn!r} of {which}: {e}")
+            good = False
+        root.items += 1
+        root.bytes_read += rec.length
+    return good
