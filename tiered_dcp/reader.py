@@ -105,7 +105,6 @@ class TieredReader(StorageReader):
         self._cluster = [copies[step] for _, copies in sorted(cluster.items()) if step in copies]
         self._copies: list[StepCopy] = found.get(step, [])
         if self._dist:
-            self._copies = [c for c in self._copies if self._views[c.tier_index].tier.is_shared]
             self._own = self._own_copies()
             self._explain(lost)
             if self._cluster:
@@ -116,16 +115,16 @@ class TieredReader(StorageReader):
     def _pool(self) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
         """Every rank's holdings, pooled: shared steps all agree on, node-local steps by union."""
         mine: dict[int, Any] = {}
-        shared = {v.index: v.complete() for v in self._views.values() if v.tier.is_shared}
+        shared = {v.index: v.complete() for v in self._views.values() if not v.placement.pooled}
         for v in self._views.values():
-            mine[v.index] = sorted(shared[v.index]) if v.tier.is_shared else (v.own.url, own_holdings(v))
+            mine[v.index] = (v.own.url, own_holdings(v)) if v.placement.pooled else sorted(shared[v.index])
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         found: dict[int, list[StepCopy]] = {}
         cluster: dict[int, dict[int, ClusterCopy]] = {}
         lost: dict[int, dict[int, list[int]]] = {}
         for v in self._views.values():
-            if v.tier.is_shared:
+            if not v.placement.pooled:
                 common = set.intersection(*(set(g[v.index]) for g in gathered))
                 for s, copy in shared[v.index].items():
                     if s in common:
@@ -202,7 +201,7 @@ class TieredReader(StorageReader):
         return False
 
     def _load_metadata(self, copy: StepCopy) -> Metadata | None:
-        if self._cluster_md is not None and not self._views[copy.tier_index].tier.is_shared:
+        if self._cluster_md is not None and copy.tier_index in {cc.tier_index for cc in self._cluster}:
             return self._cluster_md  # the same bytes on every node and node-local tier
         if copy.tier_index not in self._metadata:
             md = None
@@ -257,7 +256,7 @@ class TieredReader(StorageReader):
         if md is None or info is None:
             return None
         view: TierView = self._views[copy.tier_index]
-        reads_own_only = self._dist and not view.tier.is_shared  # peers serve what it lacks
+        reads_own_only = self._dist and view.placement.pooled  # peers serve what it lacks
         store = view.own if reads_own_only else view.part_store(copy.marker, info.rank)
         index = self._part_index(view, store, copy, info.rank, md)
         rec = None if index is None else index.records.get(md_blob.item_key(req.storage_index))

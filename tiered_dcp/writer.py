@@ -29,7 +29,7 @@ from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
 from tiered_dcp.storage.format import part_key, pin_key
 
 from . import preemption, transport
-from .catalog import TierView, commit_root
+from .catalog import TierView
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
@@ -93,12 +93,6 @@ def write_part(view: TierView, step: int, part: SavedPart) -> None:
     """The part, then its index next to it."""
     view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
     write_index(view, step, part.rank, part.records)
-
-
-def commit_step(view: TierView, step: int, metadata: Metadata, world: list[int], records: Records) -> None:
-    """Commit ``step`` on a shared tier (one root): its metadata, then its marker."""
-    blob, marker = build_commit(view, step, metadata, world, records)
-    commit_root(view.own, view.config.namespace, step, blob, marker)
 
 
 class TieredWriter(StorageWriter, AsyncStager):
@@ -241,7 +235,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
         for target in slower:  # pins first: retention must not remove what a writer will copy
             first.own.write(pin_key(ns, self.step, self.rank, target), [b""])
-        if first.tier.is_shared:  # one root: the coordinator commits it in finish()
+        if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
             part = encode_part(first, self.step, self.rank, items)
             write_part(first, self.step, part)
             records = part.records
@@ -302,12 +296,11 @@ class TieredWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit a shared first tier (node-local ones are committed in ``write_data``)."""
         first = self._first()
-        if not first.tier.is_shared:
+        if not first.placement.commits_in_finish:
             return
         world = self._world if self._world is not None else [self.node]
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        commit_step(first, self.step, metadata, world, records)
-        first.apply_retention(self.step)
+        first.commit(self.step, *build_commit(first, self.step, metadata, world, records))
 
 
 def _current_rank() -> int:
