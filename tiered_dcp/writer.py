@@ -9,7 +9,6 @@ which fills in the slower tiers taking it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tiered_dcp.planners.save import plan_global, tag_local_plan
 from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
 from tiered_dcp.storage.format import part_key, pin_key
 
@@ -198,16 +198,14 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return dataclasses.replace(plan, storage_data={"rank": self.rank, "node": self.node})
+        return tag_local_plan(plan, self.rank, self.node)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if any(p.storage_data is None for p in plans):  # DCP's plan cache: unchanged since last time
-            return plans
-        self._world = [p.storage_data["node"] for p in plans]
-        ranks = [p.storage_data["rank"] for p in plans]
-        if ranks != list(range(len(plans))):
-            raise ValueError(f"TieredWriter: unexpected rank order {ranks} in the global plan")
-        return [dataclasses.replace(p, storage_data={**p.storage_data, "world": self._world}) for p in plans]
+        """The save plan passes (``planners.save``: the world, then dedup's hook)."""
+        plans, world = plan_global(plans)
+        if world is not None:  # else DCP's plan cache: unchanged since last time
+            self._world = world
+        return plans
 
     def _first(self) -> TierView:
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
