@@ -1,1 +1,1 @@
-"""DCP planning helpers: read routing (which stored bytes serve each read)."""
+"""DCP planning: the load plan (``load``), the save plan passes (``save``), read routing (``routing``)."""

@@ -1,11 +1,9 @@
-"""What is on each tier: committed steps, completeness, retention and status.
+"""What is on each tier: committed steps, completeness, the commit, retention and status.
 
-How a tier root is laid out is ``storage.format``'s business (docs/format.md); this
-module sees a tier through it. A shared tier has one root. On a node-local tier every
-root (one per node, or per rank with ``{rank}``) holds the parts of its own ranks plus
-the replicas of their clique peers' parts (``cliques``), and its own copy of the
-metadata and the marker: the same bytes on every node, so any node can rebuild the
-step's metadata. Torch-free: the writer process uses it.
+How a tier root is laid out is ``storage.format``'s business (docs/format.md); where a
+tier keeps a step's parts, replicas, metadata and marker (one shared root, or a root per
+node holding its ranks' parts and their clique peers' replicas) is ``placement``'s. This
+module sees a tier through both. Torch-free: the writer process uses it.
 """
 
 from __future__ import annotations
@@ -30,8 +28,8 @@ from tiered_dcp.storage.format import (
 from tiered_dcp.storage.format import is_pin as _is_pin
 from tiered_dcp.storage.local import DIRTY
 
-from .cliques import clique
 from .config import Tier, TieredConfig
+from .placement import Placement, nodes_of, placement_for
 
 log = logging.getLogger("tiered_dcp")
 
@@ -80,6 +78,7 @@ class TierView:
         self.config = config
         self.index = index
         self.tier: Tier = config.tiers[index]
+        self.placement: Placement = placement_for(self.tier)
         self.node, self.rank = node, rank
         self.indexes = indexes if indexes is not None else IndexCache()  # scoped like the view
         self._stores: dict[str, Storage] = {}
@@ -95,8 +94,8 @@ class TierView:
         return self.store_for(self.node, self.rank)
 
     def scan_roots(self) -> list[Storage]:
-        """This process's root and the coordinator's usual root (node 0, rank 0)."""
-        roots = [self.own, self.store_for(0, 0)]
+        """The roots this process scans for committed steps (the placement's), own first."""
+        roots = [self.store_for(n, r) for n, r in self.placement.scan_roots(self.node, self.rank)]
         return list({s.url: s for s in roots}.values())
 
     def step_dirs(self, store: Storage) -> list[int]:
@@ -118,10 +117,9 @@ class TierView:
 
     def holders(self, marker: Marker, rank: int) -> list[Storage]:
         """The roots that hold (a copy of) rank's part: its own first, then its clique's."""
-        nodes = {p.rank: p.node for p in marker.parts}
-        factor, jump = marker.replication
-        members = [rank] + [m for m in clique(rank, marker.world_size, factor, jump) if m != rank]
-        stores = [self.store_for(nodes[m], m) for m in members if m in nodes]
+        nodes = nodes_of(marker)
+        ranks = self.placement.holders(rank, nodes, marker.replication)
+        stores = [self.store_for(nodes[h], h) for h in ranks]
         return list({s.url: s for s in stores}.values())
 
     def part_index(self, store: Storage, marker: Marker, rank: int) -> PartIndex | None:
@@ -150,16 +148,7 @@ class TierView:
 
     def whole_here(self, marker: Marker) -> bool:
         """Whether this process's root still holds every part it should hold of the step."""
-        own = self.own
-        return (
-            not self.missing(own, marker)
-            if self.tier.is_shared
-            else all(
-                self.part_present(own, marker, p.rank)
-                for p in marker.parts
-                if own.url in (s.url for s in self.holders(marker, p.rank))
-            )
-        )
+        return self.placement.whole(self, marker)
 
     def part_store(self, marker: Marker, rank: int) -> Storage:
         """The first root (own copy first) holding rank's part whole; the own root if none."""
@@ -252,11 +241,17 @@ class TierView:
     def pinned(self, store: Storage, step: int) -> bool:
         return any(_is_pin(n) for n in store.list(step_dir(self.config.namespace, step)))
 
+    def commit(self, step: int, blob: bytes, marker: Marker) -> None:
+        """Commit this process's root's copy of ``step`` and prune the root.
 
-def commit_root(store: Storage, namespace: str, step: int, blob: bytes, marker: Marker) -> None:
-    """Commit one root's copy of ``step``: the metadata first, the marker last."""
-    store.write(metadata_key(namespace, step), [blob])
-    store.write(marker_key(namespace, step), [marker.to_bytes()])
+        The one commit path (the save path, replication and the writer process all call
+        it): the metadata first, the marker last (the step's durability point in this
+        root), then this tier's retention.
+        """
+        ns = self.config.namespace
+        self.own.write(metadata_key(ns, step), [blob])
+        self.own.write(marker_key(ns, step), [marker.to_bytes()])
+        self.apply_retention(step)
 
 
 def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None = None) -> list[TierView]:

@@ -4,9 +4,9 @@ One per rank, started by the trainer on first use (``runtime.WriterHandle``) and
 every later save. For each queued (step, tier) it waits until the step is committed on the
 tier the save wrote (its source), streams this rank's part from there (every chunk
 verified, recompressed when the tiers differ), writes it under a dirty name, renames it
-clean and writes this rank's index next to it. Whichever rank's writer finds every rank's
-index present commits the step on that tier (metadata, then marker) and applies the
-tier's retention: no collective with the trainers, which may be busy or dead.
+clean and writes this rank's index next to it. Whichever rank's writer finds the target
+root holding everything it should (``placement``) commits the step there (``TierView.commit``:
+metadata, marker, retention): no collective with the trainers, which may be busy or dead.
 
 It outlives its trainer: once the trainer is gone it finishes what it was handed, then
 exits. Run as ``python -m tiered_dcp.persist RUNDIR``.
@@ -28,20 +28,11 @@ from pathlib import Path
 
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
-from tiered_dcp.storage.format import (
-    PartIndex,
-    PartInfo,
-    index_key,
-    part_key,
-    pin_key,
-    read_index,
-    step_dir,
-    write_index,
-)
+from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
 
-from .catalog import StepCopy, TierView, commit_root, read_metadata_blob
-from .cliques import clique
+from .catalog import StepCopy, TierView, read_metadata_blob
 from .config import TieredConfig
+from .placement import nodes_of
 from .runtime import POLL, Job, job_name, pid_alive, queued, write_json
 
 log = logging.getLogger("tiered_dcp.writer")
@@ -216,15 +207,12 @@ class Persister:
             time.sleep(POLL)
 
     def persist(self, src: TierView, dst: TierView, job: Job) -> str:
+        """Copy this rank's share of the step (its part and, on a node-local tier, the replicas
+        its root took) to ``dst``; commit ``dst``'s root when the placement says it is whole."""
         copy = self.wait_for_source(src, job)
         ns, step = self.config.namespace, job.step
-        world = [p.node for p in sorted(copy.marker.parts, key=lambda p: p.rank)]
-        ranks = [job.rank]
-        if not dst.tier.is_shared:  # and the replicas this rank took on the source tier
-            mine = dst.tier.root(job.node, job.rank)
-            peers = clique(job.rank, len(world), *copy.marker.replication)
-            ranks += [q for q in peers if q != job.rank and dst.tier.root(world[q], q) != mine]
-        for rank in ranks:
+        nodes = nodes_of(copy.marker)
+        for rank in dst.placement.parts_written_by(job.rank, nodes, copy.marker.replication):
             index = src.part_index(src.own, copy.marker, rank)
             if index is None:
                 raise FileNotFoundError(
@@ -232,35 +220,10 @@ class Persister:
                     + ("" if copy.marker.has_indexes else " (a format 1/2 step the writer cannot copy)")
                 )
             write_index(dst.own, ns, step, copy_part(src, dst, step, index))
-        if not dst.tier.is_shared:
-            return self.commit_root_when_whole(src, dst, copy)
-        # Commit when every rank's index is there: whichever writer sees that last commits.
-        sizes = {}
-        for p in copy.marker.parts:
-            try:
-                sizes[p.rank] = read_index(dst.own, ns, step, p.rank).size
-            except FileNotFoundError:
-                return "clean"
-        parts = [PartInfo(p.rank, p.node, sizes[p.rank]) for p in copy.marker.parts]
-        marker = dataclasses.replace(copy.marker, parts=parts, created=time.time())
-        commit_root(dst.own, ns, step, read_metadata_blob(copy), marker)
-        dst.apply_retention(step)
-        return "committed"
-
-    def commit_root_when_whole(self, src: TierView, dst: TierView, copy: StepCopy) -> str:
-        """Commit a node-local tier's root once it holds every part its source root holds.
-
-        The metadata and marker are the source's (the same bytes on every node); each part's
-        records on this tier are in its index. Whichever of the root's writers finishes
-        last commits it.
-        """
-        ns, step = self.config.namespace, copy.step
-        held = [p.rank for p in copy.marker.parts if src.part_present(src.own, copy.marker, p.rank)]
-        if not all(dst.own.exists(index_key(ns, step, rank)) for rank in held):
+        marker = dst.placement.copied_marker(src, dst, copy)  # None until the root's last writer
+        if marker is None:
             return "clean"
-        marker = dataclasses.replace(copy.marker, created=time.time())
-        commit_root(dst.own, ns, step, read_metadata_blob(copy), marker)
-        dst.apply_retention(step)
+        dst.commit(step, read_metadata_blob(copy), marker)
         return "committed"
 
 

@@ -2,8 +2,10 @@
 
 The step is chosen when the reader is constructed (so a missing step raises
 NoCheckpointError before ``dcp.load``), agreed by every rank when a process group is up.
-Every chunk is verified; an item whose copy is damaged is read from the next tier that
-holds the step, with a warning naming the bad file.
+Where each item is read from, in fallback order, is the load plan's (``planners.load``);
+this class pools what the ranks hold, executes that plan and stays DCP glue. Every chunk
+is verified; an item whose copy is damaged is read from its next source, with a warning
+naming the bad file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tiered_dcp.planners.load import ItemRoute, PooledTier, ReadSource, Sources, plan_routes
 from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum, read_item, verify_raw
@@ -105,27 +108,29 @@ class TieredReader(StorageReader):
         self._cluster = [copies[step] for _, copies in sorted(cluster.items()) if step in copies]
         self._copies: list[StepCopy] = found.get(step, [])
         if self._dist:
-            self._copies = [c for c in self._copies if self._views[c.tier_index].tier.is_shared]
             self._own = self._own_copies()
             self._explain(lost)
             if self._cluster:
                 self._cluster_md = self._share_metadata(self._cluster[0])
+        own = self._own if self._dist else {}
+        self._copy_at = {c.tier_index: c for c in self._copies} | own  # tier -> the copy read there
+        self._sources = self._plan_sources()
 
     # -- choosing the step -------------------------------------------------------------
 
     def _pool(self) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
         """Every rank's holdings, pooled: shared steps all agree on, node-local steps by union."""
         mine: dict[int, Any] = {}
-        shared = {v.index: v.complete() for v in self._views.values() if v.tier.is_shared}
+        shared = {v.index: v.complete() for v in self._views.values() if not v.placement.pooled}
         for v in self._views.values():
-            mine[v.index] = sorted(shared[v.index]) if v.tier.is_shared else (v.own.url, own_holdings(v))
+            mine[v.index] = (v.own.url, own_holdings(v)) if v.placement.pooled else sorted(shared[v.index])
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         found: dict[int, list[StepCopy]] = {}
         cluster: dict[int, dict[int, ClusterCopy]] = {}
         lost: dict[int, dict[int, list[int]]] = {}
         for v in self._views.values():
-            if v.tier.is_shared:
+            if not v.placement.pooled:
                 common = set.intersection(*(set(g[v.index]) for g in gathered))
                 for s, copy in shared[v.index].items():
                     if s in common:
@@ -136,6 +141,30 @@ class TieredReader(StorageReader):
         for s in found:
             found[s].sort(key=lambda c: c.tier_index)
         return found, cluster, lost
+
+    def _plan_sources(self) -> Sources:
+        """What the load planner needs to route items: the chosen step's copies, as seen here."""
+        if not self._dist:
+            kinds = {c.tier_index: self._views[c.tier_index].placement.pooled for c in self._copies}
+            return Sources(self.rank, alone={t: "own" if p else "shared" for t, p in kinds.items()})
+        return Sources(
+            self.rank,
+            pooled=tuple(
+                PooledTier(cc.tier_index, cc.holders, self._urls[cc.tier_index]) for cc in self._cluster
+            ),
+            own={t: c.store.url for t, c in self._own.items()},
+            shared={c.tier_index: c.store.url for c in self._copies},
+        )
+
+    def _routes(self, plan: LoadPlan) -> list[ItemRoute]:
+        """The load plan (``planners.load``): every item's sources in fallback order."""
+        md = self._cluster_md
+
+        def part(req: ReadItem) -> int | None:
+            info = None if md is None else md_blob.item_info(md, req.storage_index)
+            return None if info is None else info.rank
+
+        return plan_routes(self._sources, ((req.storage_index, part(req)) for req in plan.items))
 
     def _own_copies(self) -> dict[int, StepCopy]:
         """This rank's own root's copy of the chosen step on each node-local tier holding it."""
@@ -202,7 +231,7 @@ class TieredReader(StorageReader):
         return False
 
     def _load_metadata(self, copy: StepCopy) -> Metadata | None:
-        if self._cluster_md is not None and not self._views[copy.tier_index].tier.is_shared:
+        if self._cluster_md is not None and copy.tier_index in {cc.tier_index for cc in self._cluster}:
             return self._cluster_md  # the same bytes on every node and node-local tier
         if copy.tier_index not in self._metadata:
             md = None
@@ -251,14 +280,16 @@ class TieredReader(StorageReader):
             self._held[key] = index
         return self._held[key]
 
-    def _locate(self, copy: StepCopy, req: ReadItem) -> tuple[Record, Storage] | None:
+    def _locate(self, src: ReadSource, req: ReadItem) -> tuple[Record, Storage] | None:
+        copy = self._copy_at[src.tier]
         md = self._load_metadata(copy)
         info = None if md is None else md_blob.item_info(md, req.storage_index)
         if md is None or info is None:
             return None
         view: TierView = self._views[copy.tier_index]
-        reads_own_only = self._dist and not view.tier.is_shared  # peers serve what it lacks
-        store = view.own if reads_own_only else view.part_store(copy.marker, info.rank)
+        # own root named: only it (peers serve what it lacks); else the root holding the part
+        own_only = src.kind == "own" and src.root is not None
+        store = view.own if own_only else view.part_store(copy.marker, info.rank)
         index = self._part_index(view, store, copy, info.rank, md)
         rec = None if index is None else index.records.get(md_blob.item_key(req.storage_index))
         return None if rec is None else (rec, store)
@@ -300,10 +331,10 @@ class TieredReader(StorageReader):
         target.copy_(piece)
         planner.commit_tensor(req, target)
 
-    def _read_direct(self, req: ReadItem, planner: LoadPlanner, copies: list[StepCopy]) -> bool:
-        """Read ``req`` from the first of ``copies`` this process can reach that is good."""
-        for copy in copies:
-            located = self._locate(copy, req)
+    def _read_direct(self, req: ReadItem, planner: LoadPlanner, sources: tuple[ReadSource, ...]) -> bool:
+        """Read ``req`` from the first of its route's ``sources`` (none a peer) that is good."""
+        for src in sources:
+            located = self._locate(src, req)
             if located is None:
                 continue
             rec, store = located
@@ -430,18 +461,19 @@ class TieredReader(StorageReader):
         self._place(req, planner, full, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Execute the load plan: each item from its route's sources, in order.
+
+        Its own roots first; then every rank takes part in the peer exchange (collective, so
+        once for all items, whenever a node-local tier is pooled; it picks each item's
+        holders in the route's order itself) with what is still missing; then the rest.
+        """
         self._failures: dict[int, list[str]] = {}
-        own = (
-            [self._own[cc.tier_index] for cc in self._cluster if cc.tier_index in self._own]
-            if self._dist
-            else []
-        )
-        direct = own if self._dist else self._copies
-        pending = [req for req in plan.items if not self._read_direct(req, planner, direct)]
-        if self._dist and self._cluster:
+        routes = self._routes(plan)
+        split = {id(req): r.split_at_exchange() for req, r in zip(plan.items, routes, strict=True)}
+        pending = [req for req in plan.items if not self._read_direct(req, planner, split[id(req)][0])]
+        if self._cluster:
             pending = self._read_from_peers(pending, planner)
-        if self._dist:
-            pending = [req for req in pending if not self._read_direct(req, planner, self._copies)]
+        pending = [req for req in pending if not self._read_direct(req, planner, split[id(req)][1])]
         if pending:
             req = pending[0]
             detail = "; ".join(self._failures.get(id(req), [])) or "no tier or peer holds it"

@@ -24,7 +24,7 @@ from tiered_dcp.storage.format import Marker, PartInfo, part_key
 from tiered_dcp.storage.format import write_index as write_part_index
 
 from . import transport
-from .catalog import TierView, commit_root
+from .catalog import TierView
 from .cliques import clique
 from .errors import TieredCheckpointError
 from .metadata import Records, build_blob, part_index
@@ -65,22 +65,23 @@ class Swap:
         self.view, self.step, self.part = view, step, part
         self.members = clique(part.rank, len(world), cfg.replication_factor, cfg.replication_jump)
         self.world, self.name = world, name
+        replication = (cfg.replication_factor, cfg.replication_jump)
+        self.takes = view.placement.parts_written_by(part.rank, dict(enumerate(world)), replication)[1:]
         self.landed: list[tuple[int, Records, Reservation]] = []
         self.group: Group | None = None
         self.works: list[Any] = []
 
     def start(self) -> Swap:
-        view, part, world = self.view, self.part, self.world
+        view, part = self.view, self.part
         try:
             self.group = Group(
                 f"{self.name}/clique{self.members[0]}", self.members, part.rank, view.config.peer_timeout
             )
             infos = self.group.allgather(part.records)
-            mine = view.tier.root(world[part.rank], part.rank)
             sends, recvs = [], []
             for q, records in zip(self.members, infos, strict=True):
-                if q == part.rank or view.tier.root(world[q], q) == mine:
-                    continue  # already in this root
+                if q not in self.takes:
+                    continue  # this rank, or a member writing into this same root
                 sends += [(q, as_bytes_tensor(c)) for c in part.stored]
                 size = sum(r.length for r in records.values())
                 res = view.own.reserve(part_key(view.config.namespace, self.step, q), size)
@@ -164,15 +165,12 @@ def commit_everywhere(
     records; the coordinator waits for all of them and publishes the metadata and marker,
     or the failures; the lowest rank of each root writes them there and prunes the root.
     """
-    ns = view.config.namespace
-    roots = [view.tier.root(n, r) for r, n in enumerate(world)]
-    writes_root = roots.index(roots[rank]) == rank
+    writes_root = view.placement.commits_root(rank, dict(enumerate(world)))
     if not transport.dist_up() or len(world) == 1:
         if error is not None:
             raise error
         blob, marker = build_commit(view, step, metadata(), world, records)
-        commit_root(view.own, ns, step, blob, marker)
-        view.apply_retention(step)
+        view.commit(step, blob, marker)
         return
     store = transport.store()
     timeout = datetime.timedelta(seconds=view.config.peer_timeout)
@@ -219,5 +217,4 @@ def commit_everywhere(
     outcome: tuple[Any, ...] = pickle.loads(store.get(verdict))
     if outcome[0] != "ok":
         raise TieredCheckpointError(outcome[1])
-    commit_root(view.own, ns, step, outcome[1], Marker.from_bytes(outcome[2]))
-    view.apply_retention(step)
+    view.commit(step, outcome[1], Marker.from_bytes(outcome[2]))

@@ -9,7 +9,6 @@ which fills in the slower tiers taking it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -25,11 +24,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tiered_dcp.planners.save import plan_global, tag_local_plan
 from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
 from tiered_dcp.storage.format import part_key, pin_key
 
 from . import preemption, transport
-from .catalog import TierView, commit_root
+from .catalog import TierView
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
@@ -93,12 +93,6 @@ def write_part(view: TierView, step: int, part: SavedPart) -> None:
     """The part, then its index next to it."""
     view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
     write_index(view, step, part.rank, part.records)
-
-
-def commit_step(view: TierView, step: int, metadata: Metadata, world: list[int], records: Records) -> None:
-    """Commit ``step`` on a shared tier (one root): its metadata, then its marker."""
-    blob, marker = build_commit(view, step, metadata, world, records)
-    commit_root(view.own, view.config.namespace, step, blob, marker)
 
 
 class TieredWriter(StorageWriter, AsyncStager):
@@ -204,16 +198,14 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return dataclasses.replace(plan, storage_data={"rank": self.rank, "node": self.node})
+        return tag_local_plan(plan, self.rank, self.node)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if any(p.storage_data is None for p in plans):  # DCP's plan cache: unchanged since last time
-            return plans
-        self._world = [p.storage_data["node"] for p in plans]
-        ranks = [p.storage_data["rank"] for p in plans]
-        if ranks != list(range(len(plans))):
-            raise ValueError(f"TieredWriter: unexpected rank order {ranks} in the global plan")
-        return [dataclasses.replace(p, storage_data={**p.storage_data, "world": self._world}) for p in plans]
+        """The save plan passes (``planners.save``: the world, then dedup's hook)."""
+        plans, world = plan_global(plans)
+        if world is not None:  # else DCP's plan cache: unchanged since last time
+            self._world = world
+        return plans
 
     def _first(self) -> TierView:
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
@@ -241,7 +233,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
         for target in slower:  # pins first: retention must not remove what a writer will copy
             first.own.write(pin_key(ns, self.step, self.rank, target), [b""])
-        if first.tier.is_shared:  # one root: the coordinator commits it in finish()
+        if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
             part = encode_part(first, self.step, self.rank, items)
             write_part(first, self.step, part)
             records = part.records
@@ -302,12 +294,11 @@ class TieredWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit a shared first tier (node-local ones are committed in ``write_data``)."""
         first = self._first()
-        if not first.tier.is_shared:
+        if not first.placement.commits_in_finish:
             return
         world = self._world if self._world is not None else [self.node]
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        commit_step(first, self.step, metadata, world, records)
-        first.apply_retention(self.step)
+        first.commit(self.step, *build_commit(first, self.step, metadata, world, records))
 
 
 def _current_rank() -> int:
