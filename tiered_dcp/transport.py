@@ -2,11 +2,13 @@
 
 Replicas never travel over the group DCP's collectives use (the user's training group, or
 DCP's own in its PROCESS mode). Each save's clique exchange and each load's peer reads open
-a fresh ``ProcessGroupGloo`` on the job's rendezvous store, under a name every rank derives
-alike (namespace, purpose, a per-process sequence number). A fresh group costs about a
-millisecond, and a group broken by a timed-out peer is never reused.
+fresh ``ProcessGroupGloo``s on the job's rendezvous store, only between the ranks that
+exchange data, under names every rank derives alike (namespace, purpose, a per-process
+sequence number, the members). A fresh group costs about a millisecond, and a group broken
+by a timed-out peer is never reused.
 
-Small agreements (who is done, the commit's metadata) go through the store itself.
+Small agreements (who is done, the commit's metadata, who wants what from whom at load) go
+through the store itself.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.distributed import distributed_c10d
 from .errors import TieredCheckpointError
 
 _SEQ: dict[str, int] = {}
+OPENED: list[list[int]] = []  # the members of every group this process set out to open (tests read it)
 
 
 class PeerTimeout(TieredCheckpointError):
@@ -46,20 +49,34 @@ def store() -> dist.Store:
     return distributed_c10d._get_default_store()
 
 
-def _rendezvous_store(timeout: float) -> dist.Store:
+def raw_store() -> dist.Store:
+    """The job's store client below torch's prefixes: the key space our groups rendezvous in."""
+    under = store()
+    while isinstance(under, dist.PrefixStore):
+        under = under.underlying_store
+    return under
+
+
+def rendezvous_store(timeout: float) -> dist.Store:
     """A store client of our own whose waits end after ``timeout`` (the job's are 30 min).
 
     Setting a timeout on the job's store client would change it for torch's own use too.
     """
-    base = store()
-    under = base
-    while isinstance(under, dist.PrefixStore):
-        under = under.underlying_store
+    under = raw_store()
     if isinstance(under, dist.TCPStore):
         return dist.TCPStore(
             under.host, under.port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
         )
-    return base
+    return under
+
+
+def group_keys(name: str, member: int) -> list[str]:
+    """The store keys gloo's rendezvous leaves for member index ``member`` of group ``name``.
+
+    ``ProcessGroupGloo`` prefixes its one device's rendezvous with "0" and gloo keys each
+    member's address by its index; nothing deletes them, so whoever opens a group does.
+    """
+    return [f"{name}/0/{member}"]
 
 
 def as_bytes_tensor(buf: memoryview | bytes | bytearray) -> torch.Tensor:
@@ -73,13 +90,20 @@ def as_bytes_tensor(buf: memoryview | bytes | bytearray) -> torch.Tensor:
 
 
 class Group:
-    """A gloo group over ``members`` (global ranks) for one operation, with a deadline per call."""
+    """A gloo group over ``members`` (global ranks) for one operation, with a deadline per call.
 
-    def __init__(self, name: str, members: Sequence[int], rank: int, timeout: float) -> None:
+    It rendezvouses under ``name`` in ``store`` (default: a fresh client whose waits end
+    after ``timeout``; share one between the groups of one operation).
+    """
+
+    def __init__(
+        self, name: str, members: Sequence[int], rank: int, timeout: float, store: dist.Store | None = None
+    ) -> None:
         self.members = list(members)
         self.me = self.members.index(rank)
         self.timeout = timeout
-        prefix = dist.PrefixStore(name, _rendezvous_store(timeout))
+        OPENED.append(self.members)
+        prefix = dist.PrefixStore(name, store if store is not None else rendezvous_store(timeout))
         try:
             self.pg = dist.ProcessGroupGloo(
                 prefix, self.me, len(self.members), datetime.timedelta(seconds=timeout)
