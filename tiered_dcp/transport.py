@@ -135,12 +135,6 @@ class Group:
         self._wait([self.pg.allgather([out], [mine])], "allgather")
         return [pickle.loads(out[i][: int(sizes[i])].numpy().tobytes()) for i in range(n)]
 
-    def exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> None:
-        """Post every send and receive (peers as global ranks), then wait for all of them."""
-        self.wait(self.post(sends, recvs))
-
     def post(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
     ) -> list[Any]:
