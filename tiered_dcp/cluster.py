@@ -188,14 +188,13 @@ class PeerExchange:
         partners = set(wanted) | {requester for requester, _ in asked}
         if not partners:
             return []
-        client = transport.rendezvous_store(self.timeout)
         groups: dict[int, Group] = {}
         try:
             for pair in sorted(tuple(sorted((self.rank, p))) for p in partners):
                 group_name = f"{name}/pair{pair[0]}-{pair[1]}"
                 _OWN_KEYS.extend(transport.group_keys(group_name, pair.index(self.rank)))
                 peer = pair[1] if pair[0] == self.rank else pair[0]
-                groups[peer] = Group(group_name, pair, self.rank, self.timeout, client)
+                groups[peer] = Group(group_name, pair, self.rank, self.timeout)
             arrived, posted = [], []
             for holder, reqs in wanted.items():
                 bufs = [torch.empty(req.length, dtype=torch.uint8) for req in reqs]

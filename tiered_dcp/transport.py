@@ -14,6 +14,7 @@ through the store itself.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import time
 import warnings
@@ -27,6 +28,7 @@ from torch.distributed import distributed_c10d
 from .errors import TieredCheckpointError
 
 _SEQ: dict[str, int] = {}
+_CLIENTS: dict[tuple[int, str, int, float], dist.Store] = {}
 OPENED: list[list[int]] = []  # the members of every group this process set out to open (tests read it)
 
 
@@ -61,13 +63,19 @@ def rendezvous_store(timeout: float) -> dist.Store:
     """A store client of our own whose waits end after ``timeout`` (the job's are 30 min).
 
     Setting a timeout on the job's store client would change it for torch's own use too.
+    One client per process, store and timeout, kept: connecting to the store can stall
+    for 5 s when connections open in quick succession (measured here: one in ~25), and
+    every rank opening one at the same moment for each load's groups would hit that.
     """
     under = raw_store()
-    if isinstance(under, dist.TCPStore):
-        return dist.TCPStore(
+    if not isinstance(under, dist.TCPStore):
+        return under
+    key = (os.getpid(), under.host, under.port, timeout)
+    if key not in _CLIENTS:
+        _CLIENTS[key] = dist.TCPStore(
             under.host, under.port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
         )
-    return under
+    return _CLIENTS[key]
 
 
 def group_keys(name: str, member: int) -> list[str]:
@@ -90,20 +98,14 @@ def as_bytes_tensor(buf: memoryview | bytes | bytearray) -> torch.Tensor:
 
 
 class Group:
-    """A gloo group over ``members`` (global ranks) for one operation, with a deadline per call.
+    """A gloo group over ``members`` (global ranks) for one operation, with a deadline per call."""
 
-    It rendezvouses under ``name`` in ``store`` (default: a fresh client whose waits end
-    after ``timeout``; share one between the groups of one operation).
-    """
-
-    def __init__(
-        self, name: str, members: Sequence[int], rank: int, timeout: float, store: dist.Store | None = None
-    ) -> None:
+    def __init__(self, name: str, members: Sequence[int], rank: int, timeout: float) -> None:
         self.members = list(members)
         self.me = self.members.index(rank)
         self.timeout = timeout
         OPENED.append(self.members)
-        prefix = dist.PrefixStore(name, store if store is not None else rendezvous_store(timeout))
+        prefix = dist.PrefixStore(name, rendezvous_store(timeout))
         try:
             self.pg = dist.ProcessGroupGloo(
                 prefix, self.me, len(self.members), datetime.timedelta(seconds=timeout)
