@@ -18,6 +18,7 @@ import os
 import pickle
 import time
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from .errors import TieredCheckpointError
 
 _SEQ: dict[str, int] = {}
 _CLIENTS: dict[tuple[int, str, int, float], dist.Store] = {}
-OPENED: list[list[int]] = []  # the members of every group this process set out to open (tests read it)
+OPENED: deque[list[int]] = deque(maxlen=1000)  # members of the last groups this process opened (tests)
 
 
 class PeerTimeout(TieredCheckpointError):
