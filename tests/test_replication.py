@@ -2,7 +2,8 @@
 
 Nodes are simulated by ``{node}`` paths (LOCAL_WORLD_SIZE=2: ranks 0-1 on node 0, ranks 2-3
 on node 1). With replication_factor=2, replication_jump=2 the cliques are {0, 2} and
-{1, 3}, so every node holds every part: its own ranks' and their peers' replicas.
+{1, 3}, so every node holds every part: its own ranks' and their peers' replicas. One
+test runs 6 ranks as 3 nodes (replication_factor=3), for a holder on a third node.
 """
 
 import logging
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +253,81 @@ def _async_save_then_lose_a_node(rank, world, root, mode):
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_async_saves_replicate_too(tmp_path, mode):
     assert run_ranks(_async_save_then_lose_a_node, WORLD, str(tmp_path), mode, env=NODES) == [3] * WORLD
+
+
+def _load_counting(rank, world, root, loads):
+    """``loads`` loads; after each, the step, the groups this rank opened, the store's key count."""
+    import torch.distributed as dist
+
+    from tiered_dcp import transport
+
+    out = []
+    for _ in range(loads):
+        transport.OPENED.clear()
+        step = _load(rank, world, root)[0]
+        dist.barrier()  # every rank is done: nobody writes or deletes keys while we count
+        out.append((step, list(transport.OPENED), transport.store().num_keys()))
+        dist.barrier()
+    return out
+
+
+def test_intact_load_opens_no_peer_group_and_leaves_no_keys_growing(root):
+    results = run_ranks(_load_counting, WORLD, str(root), 3, env=NODES)
+    for loads in results:
+        assert [(step, groups) for step, groups, _ in loads] == [(5, [])] * 3
+    counts = {keys for loads in results for _, _, keys in loads}
+    assert len(counts) == 1, counts  # the same key count after every load: nothing left per load
+
+
+def test_after_node_loss_only_exchanging_ranks_open_groups_of_two(root):
+    # node 1 (ranks 2, 3) lost: rank 2 asks rank 0 and rank 3 asks rank 1 (both on node 0,
+    # requesters spread over the holders); nobody else opens anything
+    wipe(root, 1)
+    results = run_ranks(_load_counting, WORLD, str(root), 3, env=NODES)
+    pairs = {0: [[0, 2]], 1: [[1, 3]], 2: [[0, 2]], 3: [[1, 3]]}
+    for rank, loads in enumerate(results):
+        assert [(step, groups) for step, groups, _ in loads] == [(5, pairs[rank])] * 3, (rank, loads)
+    counts = {keys for loads in results for _, _, keys in loads}
+    assert len(counts) == 1, counts  # each load deletes the previous one's keys, gloo's included
+
+
+def _save_load_three_nodes(rank, world, root):
+    """Save step 1 with cliques {0, 2, 4} and {1, 3, 5}; lose node 2 and damage node 0's
+    copy of rank 4's part; load, and say which groups this rank opened."""
+    import torch.distributed as dist
+
+    from tiered_dcp import transport
+
+    cfg = TieredConfig(
+        "job", [Tier(f"{root}/ram/{{node}}", keep=1)], replication_factor=3, replication_jump=2
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    dcp.save(state(1, mesh), storage_writer=TieredWriter(cfg, step=1))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{root}/ram/2")
+        bad = Path(root) / "ram/0/job/step_000000000001/rank_00004.part"
+        data = bytearray(bad.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        bad.write_bytes(data)
+    dist.barrier()
+    captured = Captured()
+    transport.OPENED.clear()
+    reader = TieredReader(cfg)
+    target = empty_state(mesh)
+    dcp.load(target, storage_reader=reader)
+    check(target, 1)
+    return reader.step, list(transport.OPENED), captured.lines
+
+
+def test_damaged_answer_moves_to_the_next_holder_over_groups_of_two(tmp_path):
+    # rank 4 (node 2, lost) asks holder 0 first; node 0's copy is damaged, so ranks 0 and 1
+    # (one root) answer zeros in rounds 0 and 1, and rank 2 (node 1) serves it in round 2
+    results = run_ranks(_save_load_three_nodes, 6, str(tmp_path), env=NODES)
+    assert [r[0] for r in results] == [1] * 6
+    step, groups, lines = results[4]
+    assert groups[:3] == [[0, 4], [1, 4], [2, 4]], groups
+    assert any("from rank 0 arrived damaged" in line for line in lines), lines
+    assert any("from rank 1 arrived damaged" in line for line in lines), lines
+    for _, groups, _ in results:
+        assert all(len(g) == 2 for g in groups), groups

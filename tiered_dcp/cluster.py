@@ -5,11 +5,16 @@ node's disks) and tells the others which parts of which steps it holds. A step i
 complete *in the cluster* when the union of those holdings covers every part of one
 save (same metadata checksum) and someone still has its metadata. Items a rank's own root
 lacks (its node was wiped or replaced, or its copy is damaged) are read from a peer that
-holds them, over a gloo group of the load's own, round by round until none is missing.
+holds them (``PeerExchange``), round by round until none is missing: the wish lists go
+through the job's store, the bytes over gloo groups of two, opened only between a rank
+and a holder it asks.
 """
 
 from __future__ import annotations
 
+import datetime
+import io
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,8 +25,12 @@ from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import ChecksumMismatch, read_item, verify_raw
 from tiered_dcp.storage.format import ItemInfo, Record, metadata_key
 
+from . import transport
 from .catalog import TierView
-from .transport import Group, as_bytes_tensor
+from .transport import Group, PeerTimeout, as_bytes_tensor
+
+_WANTS = 1 << 32  # a rank that wants something adds 1 + _WANTS to a round's counter, others 1
+_OWN_KEYS: list[str] = []  # store keys this process wrote in its previous load, deleted in its next
 
 
 @dataclass
@@ -100,36 +109,113 @@ def read_raw(store: Storage, rec: Record) -> bytearray:
     return out
 
 
-def anyone_wants(asked: list[dict[int, list[PeerRequest]]]) -> bool:
-    return any(reqs for wanted in asked for reqs in wanted.values())
+class PeerExchange:
+    """One load's peer reads, round by round, with no step that grows with the world.
 
+    Per round, a rank appends its wish list for each holder it asks to that holder's key
+    and adds itself to the round's counter; the rank whose add completes the world sets the
+    round's verdict (how many ranks want anything), for which the others wait. That is
+    O(1) store operations per rank plus one per holder asked, and nobody reads keys of
+    ranks it has nothing to do with. When nobody wants anything (an intact load, or the
+    last round) the exchange ends on every rank, no group opened. Otherwise each rank opens
+    a 2-member gloo group with every rank it asks or is asked by, in one global order of
+    pairs (so no two ranks wait on each other), and the bytes move over those.
 
-def peer_round(
-    group: Group,
-    asked: list[dict[int, list[PeerRequest]]],
-    serve: Callable[[PeerRequest], bytearray | None],
-) -> list[tuple[int, PeerRequest, torch.Tensor]]:
-    """Serve what others asked of this rank and receive what it asked for (unverified).
-
-    ``asked[i]`` is member i's wish list by holder. An item a holder cannot read is sent
-    as zeros, so that it fails the requester's check. Raises PeerTimeout.
+    Every rank deletes the keys it wrote (the gloo groups' included) at its next load's
+    exchange: the reader's constructor is a collective, so by then every rank has left this
+    one. A job thus keeps at most one load's keys.
     """
-    me = group.members[group.me]
-    sends = []
-    for requester, theirs in enumerate(asked):
-        for req in theirs.get(me, []):
-            data = serve(req)
-            if data is None or len(data) != req.length:
-                data = bytearray(req.length)
-            sends.append((group.members[requester], as_bytes_tensor(data)))
-    arrived, recvs = [], []
-    for holder, reqs in asked[group.me].items():
-        for req in reqs:
-            buf = torch.empty(req.length, dtype=torch.uint8)
-            arrived.append((holder, req, buf))
-            recvs.append((holder, buf))
-    group.exchange(sends, recvs)
-    return arrived
+
+    def __init__(self, name: str, rank: int, world: int, timeout: float) -> None:
+        self.name, self.rank, self.world, self.timeout = name, rank, world, timeout
+        self.rounds = 0
+        self.store = transport.raw_store()
+        for key in _OWN_KEYS:
+            self.store.delete_key(key)
+        _OWN_KEYS.clear()
+
+    def round(
+        self, wanted: dict[int, list[PeerRequest]], serve: Callable[[PeerRequest], bytearray | None]
+    ) -> list[tuple[int, PeerRequest, torch.Tensor]] | None:
+        """Ask for ``wanted`` (holder -> requests), serve what others ask of this rank.
+
+        Returns what arrived for ``wanted``, unverified, in its order (holder, request,
+        bytes), or None when no rank wants anything: the exchange is over on every rank.
+        An item a holder cannot read arrives as zeros, so that it fails the check.
+        Raises PeerTimeout.
+        """
+        name = f"{self.name}/round{self.rounds}"
+        self.rounds += 1
+        if not self._anyone_wants(name, wanted):
+            return None
+        return self._move(name, wanted, self._asked_of_me(name), serve)
+
+    def _anyone_wants(self, name: str, wanted: dict[int, list[PeerRequest]]) -> bool:
+        for holder, reqs in wanted.items():
+            key = f"{name}/ask/{holder}"
+            _OWN_KEYS.append(key)
+            self.store.append(key, pickle.dumps((self.rank, reqs), protocol=pickle.HIGHEST_PROTOCOL))
+        counter, verdict = f"{name}/arrived", f"{name}/wanting"
+        _OWN_KEYS.append(counter)
+        arrived = self.store.add(counter, 1 + (_WANTS if wanted else 0))
+        if arrived % _WANTS == self.world:  # the last to arrive: every wish list is in
+            _OWN_KEYS.append(verdict)
+            self.store.set(verdict, str(arrived // _WANTS))
+        try:
+            self.store.wait([verdict], datetime.timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise PeerTimeout(
+                f"not every rank reached {name} of the peer reads within {self.timeout:.0f} s: {e}"
+            ) from e
+        return int(self.store.get(verdict)) > 0
+
+    def _asked_of_me(self, name: str) -> list[tuple[int, list[PeerRequest]]]:
+        """(requester, requests) for every rank that asked this one in round ``name``."""
+        key = f"{name}/ask/{self.rank}"
+        if not self.store.check([key]):
+            return []
+        blob = io.BytesIO(self.store.get(key))  # one pickle per requester, appended
+        asked = []
+        while blob.tell() < len(blob.getbuffer()):
+            asked.append(pickle.load(blob))
+        return asked
+
+    def _move(
+        self,
+        name: str,
+        wanted: dict[int, list[PeerRequest]],
+        asked: list[tuple[int, list[PeerRequest]]],
+        serve: Callable[[PeerRequest], bytearray | None],
+    ) -> list[tuple[int, PeerRequest, torch.Tensor]]:
+        partners = set(wanted) | {requester for requester, _ in asked}
+        if not partners:
+            return []
+        groups: dict[int, Group] = {}
+        try:
+            for pair in sorted(tuple(sorted((self.rank, p))) for p in partners):
+                group_name = f"{name}/pair{pair[0]}-{pair[1]}"
+                _OWN_KEYS.extend(transport.group_keys(group_name, pair.index(self.rank)))
+                peer = pair[1] if pair[0] == self.rank else pair[0]
+                groups[peer] = Group(group_name, pair, self.rank, self.timeout)
+            arrived, posted = [], []
+            for holder, reqs in wanted.items():
+                bufs = [torch.empty(req.length, dtype=torch.uint8) for req in reqs]
+                arrived += [(holder, req, buf) for req, buf in zip(reqs, bufs, strict=True)]
+                posted.append((groups[holder], groups[holder].post([], [(holder, b) for b in bufs])))
+            for requester, reqs in asked:
+                sends = []
+                for req in reqs:
+                    data = serve(req)
+                    if data is None or len(data) != req.length:
+                        data = bytearray(req.length)
+                    sends.append((requester, as_bytes_tensor(data)))
+                posted.append((groups[requester], groups[requester].post(sends, [])))
+            for group, works in posted:
+                group.wait(works)
+            return arrived
+        finally:
+            for group in groups.values():
+                group.close()
 
 
 def check_raw(info: ItemInfo, buf: torch.Tensor) -> None:

@@ -33,18 +33,17 @@ from . import transport
 from .catalog import StepCopy, TierView, complete_steps, describe_search, views
 from .cluster import (
     ClusterCopy,
+    PeerExchange,
     PeerRequest,
-    anyone_wants,
     check_raw,
     cluster_copies,
     own_holdings,
-    peer_round,
     read_raw,
 )
 from .config import TieredConfig, node_of
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .tensors import byte_view, dtype_from_name
-from .transport import Group, PeerTimeout
+from .transport import PeerTimeout
 
 log = logging.getLogger("tiered_dcp")
 
@@ -395,15 +394,15 @@ class TieredReader(StorageReader):
     def _read_from_peers(self, pending: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
         """Fetch items from peers that hold them, round by round; return those still missing.
 
-        Every rank takes part (it may have to serve) until no rank wants anything. A peer
+        Every rank takes part (it may have to serve) until no rank wants anything; an
+        intact load ends after one round of store operations, no group opened. A peer
         that does not answer within ``peer_timeout`` ends the exchange for this rank: what
         is left is read from a shared tier holding the step.
         """
         assert self._cluster_md is not None
         tried: dict[int, set[tuple[int, int]]] = {id(r): set() for r in pending}
-        group = None
+        exchange = PeerExchange(self._group_name, self.rank, dist.get_world_size(), self.config.peer_timeout)
         try:
-            group = Group(self._group_name, range(dist.get_world_size()), self.rank, self.config.peer_timeout)
             while True:
                 wanted: dict[int, list[PeerRequest]] = {}
                 order: dict[int, list[ReadItem]] = {}
@@ -413,11 +412,10 @@ class TieredReader(StorageReader):
                         holder, peer_req = found
                         wanted.setdefault(holder, []).append(peer_req)
                         order.setdefault(holder, []).append(req)
-                asked = group.allgather(wanted)
-                if not anyone_wants(asked):
+                arrived = exchange.round(wanted, self._serve)
+                if arrived is None:
                     return pending
-                arrived = peer_round(group, asked, self._serve)
-                reqs = [r for holder in asked[group.me] for r in order[holder]]
+                reqs = [r for holder in wanted for r in order[holder]]
                 done = set()
                 for (holder, _, buf), req in zip(arrived, reqs, strict=True):
                     info = md_blob.item_info(self._cluster_md, req.storage_index)
@@ -448,9 +446,6 @@ class TieredReader(StorageReader):
                     len(pending),
                 )
             return pending
-        finally:
-            if group is not None:
-                group.close()
 
     def _deliver(self, req: ReadItem, planner: LoadPlanner, info: ItemInfo, buf: torch.Tensor) -> None:
         if req.type == LoadItemType.BYTE_IO:

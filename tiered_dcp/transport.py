@@ -2,19 +2,23 @@
 
 Replicas never travel over the group DCP's collectives use (the user's training group, or
 DCP's own in its PROCESS mode). Each save's clique exchange and each load's peer reads open
-a fresh ``ProcessGroupGloo`` on the job's rendezvous store, under a name every rank derives
-alike (namespace, purpose, a per-process sequence number). A fresh group costs about a
-millisecond, and a group broken by a timed-out peer is never reused.
+fresh ``ProcessGroupGloo``s on the job's rendezvous store, only between the ranks that
+exchange data, under names every rank derives alike (namespace, purpose, a per-process
+sequence number, the members). A fresh group costs about a millisecond, and a group broken
+by a timed-out peer is never reused.
 
-Small agreements (who is done, the commit's metadata) go through the store itself.
+Small agreements (who is done, the commit's metadata, who wants what from whom at load) go
+through the store itself.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import time
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +29,8 @@ from torch.distributed import distributed_c10d
 from .errors import TieredCheckpointError
 
 _SEQ: dict[str, int] = {}
+_CLIENTS: dict[tuple[int, str, int, float], dist.Store] = {}
+OPENED: deque[list[int]] = deque(maxlen=1000)  # members of the last groups this process opened (tests)
 
 
 class PeerTimeout(TieredCheckpointError):
@@ -46,20 +52,40 @@ def store() -> dist.Store:
     return distributed_c10d._get_default_store()
 
 
-def _rendezvous_store(timeout: float) -> dist.Store:
+def raw_store() -> dist.Store:
+    """The job's store client below torch's prefixes: the key space our groups rendezvous in."""
+    under = store()
+    while isinstance(under, dist.PrefixStore):
+        under = under.underlying_store
+    return under
+
+
+def rendezvous_store(timeout: float) -> dist.Store:
     """A store client of our own whose waits end after ``timeout`` (the job's are 30 min).
 
     Setting a timeout on the job's store client would change it for torch's own use too.
+    One client per process, store and timeout, kept: connecting to the store can stall
+    for 5 s when connections open in quick succession (measured here: one in ~25), and
+    every rank opening one at the same moment for each load's groups would hit that.
     """
-    base = store()
-    under = base
-    while isinstance(under, dist.PrefixStore):
-        under = under.underlying_store
-    if isinstance(under, dist.TCPStore):
-        return dist.TCPStore(
+    under = raw_store()
+    if not isinstance(under, dist.TCPStore):
+        return under
+    key = (os.getpid(), under.host, under.port, timeout)
+    if key not in _CLIENTS:
+        _CLIENTS[key] = dist.TCPStore(
             under.host, under.port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
         )
-    return base
+    return _CLIENTS[key]
+
+
+def group_keys(name: str, member: int) -> list[str]:
+    """The store keys gloo's rendezvous leaves for member index ``member`` of group ``name``.
+
+    ``ProcessGroupGloo`` prefixes its one device's rendezvous with "0" and gloo keys each
+    member's address by its index; nothing deletes them, so whoever opens a group does.
+    """
+    return [f"{name}/0/{member}"]
 
 
 def as_bytes_tensor(buf: memoryview | bytes | bytearray) -> torch.Tensor:
@@ -79,7 +105,8 @@ class Group:
         self.members = list(members)
         self.me = self.members.index(rank)
         self.timeout = timeout
-        prefix = dist.PrefixStore(name, _rendezvous_store(timeout))
+        OPENED.append(self.members)
+        prefix = dist.PrefixStore(name, rendezvous_store(timeout))
         try:
             self.pg = dist.ProcessGroupGloo(
                 prefix, self.me, len(self.members), datetime.timedelta(seconds=timeout)
@@ -110,12 +137,6 @@ class Group:
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
         self._wait([self.pg.allgather([out], [mine])], "allgather")
         return [pickle.loads(out[i][: int(sizes[i])].numpy().tobytes()) for i in range(n)]
-
-    def exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> None:
-        """Post every send and receive (peers as global ranks), then wait for all of them."""
-        self.wait(self.post(sends, recvs))
 
     def post(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
