@@ -279,6 +279,28 @@ def test_intact_load_opens_no_peer_group_and_leaves_no_keys_growing(root):
     assert len(counts) == 1, counts  # the same key count after every load: nothing left per load
 
 
+def _save_counting(rank, world, root, steps):
+    """Save ``steps``; after each, the store's key count (every rank done saving)."""
+    import torch.distributed as dist
+
+    from tiered_dcp import transport
+
+    out = []
+    for step in steps:
+        _save(rank, world, root, [step])
+        dist.barrier()
+        out.append(transport.store().num_keys())
+        dist.barrier()
+    return out
+
+
+def test_saves_leave_no_keys_growing_in_the_store(tmp_path):
+    # each save deletes the previous one's agreement keys and its clique group's rendezvous keys
+    results = run_ranks(_save_counting, WORLD, str(tmp_path), [1, 2, 3, 4], env=NODES)
+    counts = {keys for saves in results for keys in saves[1:]}
+    assert len(counts) == 1, results
+
+
 def test_after_node_loss_only_exchanging_ranks_open_groups_of_two(root):
     # node 1 (ranks 2, 3) lost: rank 2 asks rank 0 and rank 3 asks rank 1 (both on node 0,
     # requesters spread over the holders); nobody else opens anything

@@ -31,6 +31,7 @@ from .metadata import Records, build_blob, part_index
 from .transport import Group, PeerTimeout, as_bytes_tensor
 
 _OWN_KEYS: list[str] = []  # store keys this process set in its previous save, deleted in the next
+_GROUP_KEYS: list[str] = []  # the rendezvous keys its previous save's clique group left (raw store)
 
 
 @dataclass
@@ -73,10 +74,14 @@ class Swap:
 
     def start(self) -> Swap:
         view, part = self.view, self.part
+        raw = transport.raw_store()
+        for key in _GROUP_KEYS:  # the previous save ended on every rank: its group is gone
+            raw.delete_key(key)
+        _GROUP_KEYS.clear()
+        name = f"{self.name}/clique{self.members[0]}"
+        _GROUP_KEYS.extend(transport.group_keys(name, self.members.index(part.rank)))
         try:
-            self.group = Group(
-                f"{self.name}/clique{self.members[0]}", self.members, part.rank, view.config.peer_timeout
-            )
+            self.group = Group(name, self.members, part.rank, view.config.peer_timeout)
             infos = self.group.allgather(part.records)
             sends, recvs = [], []
             for q, records in zip(self.members, infos, strict=True):
