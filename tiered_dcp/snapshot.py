@@ -49,7 +49,7 @@ class Kind:
 
     name: str
     pieces: Callable[[Any], list[torch.Tensor]]
-    layout: Callable[[Any, list[torch.Tensor]], tuple]
+    layout: Callable[[Any], tuple]  # static facts beyond the pieces' dtype, shape and device
     build: Callable[[Any, list[torch.Tensor]], Any]
     refresh: Callable[[Any, Any], Any] | None = None  # None: the built value is reused as it is
 
@@ -59,14 +59,14 @@ class Kind:
 PLAIN = Kind(
     "tensor",  # ``examine`` lays plain tensors out itself, on the fast path
     pieces=lambda v: [v],
-    layout=lambda v, pieces: (),
+    layout=lambda v: (),
     build=lambda v, views: views[0],
 )
 
 DTENSOR = Kind(
     "DTensor",
     pieces=lambda v: [v._local_tensor],
-    layout=lambda v, pieces: (v._spec,),
+    layout=lambda v: (v._spec,),
     build=lambda v, views: DTensor(views[0], v._spec, requires_grad=False),
 )
 
@@ -165,7 +165,7 @@ def _shards(value: Any) -> list[torch.Tensor]:
 SHARDED = Kind(
     "sharded",
     pieces=_shards,
-    layout=lambda v, pieces: (type(v), tuple(_items(v)), tuple(v.size()), v.dtype),
+    layout=lambda v: (type(v), tuple(_items(v)), tuple(v.size()), v.dtype),
     build=lambda v, views: SnapshotTensor(_items(v), views, v.size(), v.dtype, type(v).__name__),
 )
 
@@ -194,7 +194,7 @@ def _refresh_subclass(v: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
 SUBCLASS = Kind(
     "tensor subclass",
     pieces=lambda v: [v],
-    layout=lambda v, pieces: (type(v),),
+    layout=lambda v: (type(v),),
     build=_build_subclass,
     refresh=_refresh_subclass,
 )
@@ -205,7 +205,7 @@ SUBCLASS = Kind(
 PYTHON = Kind(
     "python",
     pieces=lambda v: [],
-    layout=lambda v, pieces: (),
+    layout=lambda v: (),
     build=lambda v, views: None,
     refresh=lambda v, staged: copy.deepcopy(v),
 )
@@ -226,7 +226,7 @@ def examine(value: Any) -> tuple[Kind, list[torch.Tensor], tuple]:
     else:
         kind = PYTHON
     pieces = kind.pieces(value)
-    return kind, pieces, (kind.name, *kind.layout(value, pieces), *(_piece_layout(p) for p in pieces))
+    return kind, pieces, (kind.name, *kind.layout(value), *(_piece_layout(p) for p in pieces))
 
 
 def refused(path: str, value: Any, why: BaseException) -> SnapshotError:
