@@ -235,6 +235,8 @@ def test_schedule_and_retention_with_a_bucket_tier(gcs_bucket, tmp_path):
     assert reader.tiers == [1]  # RAM no longer holds it: read from the bucket
     assert_state_equal(got, value_kinds(4))
     assert latest_step(TieredConfig("run", [cfg.tiers[1]])) == 6
+    (check,) = verify_step(cfg, 4)  # the zstd copy the writer process made, read back from the bucket
+    assert check.tier_index == 1 and check.ok and check.items > 0
 
 
 def test_flaky_bucket_ends_with_every_step_committed(gcs_bucket, tmp_path, fault_proxy):
