@@ -166,25 +166,19 @@ class GCSStorage(Storage):
             tries += 1
             try:
                 return await self._watched(attempt)
-            except Exception as e:  # sorted below: retried, translated, or raised as it is
-                kind = classify(e) if not isinstance(e, (_HTTPStatus, _BadAnswer)) else None
-                if isinstance(e, _HTTPStatus):
-                    if e.status == 404:
-                        raise await self._not_found(what, e, missing_ok) from e
-                    kind = TransientStorageError if transient_http(e.status) else PermanentStorageError
-                    if kind is PermanentStorageError:
-                        raise self._refused(what, e) from e
-                elif isinstance(e, _BadAnswer):
-                    raise OSError(errno.EIO, f"{what}: {e}") from e
-                if kind is not TransientStorageError:
-                    if kind is None:
-                        raise
-                    raise kind(getattr(e, "errno", None) or errno.EIO, _describe(e), what) from e
+            except Exception as e:
+                err = await self._failure(what, e, missing_ok)
+                if err is e:
+                    raise
+                if err is not None:
+                    raise err from e
                 delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (tries - 1)) * random.uniform(0.5, 1.0)
                 spent = loop.time() - start
                 if spent + delay > self.opts.retry_timeout:
                     raise TransientStorageError(
-                        errno.ETIMEDOUT if isinstance(e, TimeoutError) else errno.EIO,
+                        errno.ETIMEDOUT
+                        if isinstance(e, TimeoutError)
+                        else getattr(e, "errno", None) or errno.EIO,
                         f"{_describe(e)}; gave up after {tries} attempt(s) in {spent:.1f}s "
                         f"(retry_timeout={self.opts.retry_timeout:g}s)",
                         what,
@@ -210,6 +204,22 @@ class GCSStorage(Storage):
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+
+    async def _failure(self, what: str, e: Exception, missing_ok: bool) -> BaseException | None:
+        """The error to raise for ``e`` (``e`` itself when it has no known kind), or None
+        when it is transient: worth another attempt."""
+        if isinstance(e, _HTTPStatus):
+            if e.status == 404:
+                return await self._not_found(what, e, missing_ok)
+            return None if transient_http(e.status) else self._refused(what, e)
+        if isinstance(e, _BadAnswer):
+            return OSError(errno.EIO, f"{what}: {e}")
+        kind = classify(e)  # connections refused, reset or dropped, timeouts: transient
+        if kind is None:
+            return e
+        if kind is TransientStorageError:
+            return None
+        return kind(getattr(e, "errno", None) or errno.EIO, _describe(e), what)
 
     async def _not_found(self, what: str, e: _HTTPStatus, missing_ok: bool) -> OSError:
         """What a 404 means: a missing object, a missing bucket, or (say, a compose source
@@ -247,7 +257,7 @@ class GCSStorage(Storage):
                     return False
                 if e.status != 403:
                     return None
-            except Exception:  # noqa: BLE001  (unreachable now: the caller's error stands)
+            except Exception:  # noqa: BLE001  (no answer now: the caller's own error stands)
                 return None
             self._bucket_seen = True
         return True

@@ -178,9 +178,10 @@ def test_dead_endpoint_is_transient_within_the_bound(gcs_bucket):
         s.bind(("127.0.0.1", 0))
         store = store_on(gcs_bucket, f"http://127.0.0.1:{s.getsockname()[1]}", **QUICK_FAILURE)
         started = time.monotonic()
-        with pytest.raises(TransientStorageError, match="gave up after [2-9] attempt"):
+        with pytest.raises(TransientStorageError, match="gave up after [2-9] attempt") as e:
             store.write("k", [b"x"])
         assert time.monotonic() - started < 5
+        assert e.value.errno == errno.ECONNREFUSED
 
 
 # ---- tiers on gs:// -------------------------------------------------------------------------
