@@ -552,19 +552,20 @@ class _PieceUpload:
         for f in self.futures:
             f.result()
         self.store._run(self.store._compose(self.pieces, self.name, self.scratch))
-        self._remove_pieces()
+        self._remove_pieces(bound=None)
 
     def abort(self) -> None:
+        """Cancel the pieces in flight and delete those uploaded, for ``idle_timeout`` at
+        most: the bucket may be what failed."""
         for f in self.futures:
             f.cancel()
-        concurrent.futures.wait(self.futures)
-        self._remove_pieces()
+        self._remove_pieces(bound=self.store.opts.idle_timeout)
 
-    def _remove_pieces(self) -> None:
+    def _remove_pieces(self, bound: float | None) -> None:
         """Best effort: pieces left behind lie under the step's directory, which retention
         removes, so a failure here only logs."""
         try:
-            self.store._run(self.store._delete_tree(self.scratch))
+            self.store._run(asyncio.wait_for(self.store._delete_tree(self.scratch), bound))
         except Exception as e:  # noqa: BLE001
             log.warning("%s: could not remove the upload's pieces: %s", self.store._where(self.scratch), e)
 
