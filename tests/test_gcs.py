@@ -103,12 +103,12 @@ def test_large_object_is_uploaded_in_parallel_pieces_and_composed(gcs_bucket, fa
     assert store.size("step/rank_0.part") == len(data)
     assert store.read("step/rank_0.part") == data
     # a ranged read is split into concurrent ranged GETs, each landing in its own slice
-    out = bytearray(3 * MiB)
-    fault_proxy.peak = 0
-    big = os.urandom(4 * MiB)
+    out = bytearray(8 * MiB)
+    big = os.urandom(9 * MiB)
     store.write("big", [big])
+    fault_proxy.peak = 0
     store.read_into("big", 1000, memoryview(out))
-    assert out == big[1000 : 1000 + 3 * MiB] and fault_proxy.peak >= 2
+    assert out == big[1000 : 1000 + 8 * MiB] and fault_proxy.peak >= 2
 
 
 def test_failed_upload_leaves_no_object(gcs_bucket):
