@@ -306,19 +306,15 @@ class GCSStorage(Storage):
                 if r.status == 416 and (sink is not None or tail):
                     return 0 if sink is not None else b""  # the range starts at or after the end
                 raise _HTTPStatus(r.status, _message(await r.read()))
-            if tail is not None:
-                if r.status != 206 and tail:
+            if sink is None:
+                if tail and r.status != 206:
                     raise _BadAnswer(f"the server ignored the range (HTTP {r.status})")
                 raw = bytearray()
                 async for data_chunk in r.content.iter_any():
                     raw += data_chunk
                     progress.tick()
-                return bytes(raw)
-            if sink is None:
-                raw = bytearray()
-                async for data_chunk in r.content.iter_any():
-                    raw += data_chunk
-                    progress.tick()
+                if tail is not None:
+                    return bytes(raw)
                 return json.loads(raw) if raw else None
             offset, view = sink
             if r.status != 206 and offset != 0:
@@ -347,7 +343,7 @@ class GCSStorage(Storage):
         while len(sources) > MAX_COMPOSE:
             groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
             names = [f"{scratch}/c{level}-{j:04d}" for j in range(len(groups))]
-            await asyncio.gather(*(self._compose_one(g, n) for g, n in zip(groups, names, strict=True)))
+            await _all(self._compose_one(g, n) for g, n in zip(groups, names, strict=True))
             sources, level = names, level + 1
         await self._compose_one(sources, dest)
 
@@ -410,7 +406,7 @@ class GCSStorage(Storage):
         n = len(out)
         step = max(MIN_RANGE, -(-n // self.opts.max_concurrency))
         bounds = [(i, min(n, i + step)) for i in range(0, n, step)]
-        got = await asyncio.gather(*(self._get_range(name, offset + a, out[a:b]) for a, b in bounds))
+        got = await _all(self._get_range(name, offset + a, out[a:b]) for a, b in bounds)
         for (a, b), g in zip(bounds, got, strict=True):
             if g < b - a:  # the object ends inside this range: nothing after it counts
                 return a + g
@@ -510,7 +506,7 @@ class GCSStorage(Storage):
             async with gate:
                 await self._delete_object(n)
 
-        await asyncio.gather(*(one(n) for n in names))
+        await _all(one(n) for n in names)
 
     def delete(self, key: str) -> None:
         with self.errors(key):
@@ -568,6 +564,19 @@ class _PieceUpload:
             self.store._run(asyncio.wait_for(self.store._delete_tree(self.scratch), bound))
         except Exception as e:  # noqa: BLE001
             log.warning("%s: could not remove the upload's pieces: %s", self.store._where(self.scratch), e)
+
+
+async def _all(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Await every one; when one fails, cancel the others and wait for them before raising,
+    so that none goes on writing into a buffer its caller has given up on."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _pieces(chunks: Iterable[Buffer], size: int) -> Iterator[list[memoryview]]:

@@ -111,6 +111,18 @@ def test_large_object_is_uploaded_in_parallel_pieces_and_composed(gcs_bucket, fa
     assert out == big[1000 : 1000 + 8 * MiB] and fault_proxy.peak >= 2
 
 
+def test_failed_ranged_read_leaves_no_range_writing(gcs_bucket, fault_proxy):
+    store = store_on(gcs_bucket, fault_proxy.url, max_concurrency=8)
+    store.write("big", [os.urandom(8 * MiB)])
+    out = bytearray(8 * MiB)
+    fault_proxy.inject(("403", 2))  # one of the 8 ranged GETs is refused, the others pass
+    with pytest.raises(PermanentStorageError):
+        store.read_into("big", 0, memoryview(out))
+    seen = bytes(out)
+    time.sleep(0.5)
+    assert bytes(out) == seen  # the other ranges were stopped before read_into raised
+
+
 def test_failed_upload_leaves_no_object(gcs_bucket):
     store = store_on(gcs_bucket, part_size=64 * KiB)
 
