@@ -149,7 +149,7 @@ class FaultProxy:
 
     Every request gets a connection of its own upstream (it is forwarded with
     ``Connection: close``), so faults apply per request. ``inject(("503", 3), ("drop", 5))``
-    makes every 3rd request from then on answer 503 and every 5th (of the others) lose its
+    makes every 3rd request from then on answer 503, and every 5th that is not a 3rd lose its
     connection without an answer. Faults: an HTTP status (``"503"``, ``"429"``, ``"403"``...),
     ``"drop"``, or ``"stall"`` (the request is read and never answered; the connection is
     held until the proxy stops): ``inject(("stall", 1))`` is a bucket that accepts
