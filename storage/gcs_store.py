@@ -517,13 +517,20 @@ class GCSStorage(Storage):
 
 
 class _PieceUpload:
-    """The pieces of one object in flight, then their compose into it (``GCSStorage.write``)."""
+    """The pieces of one object in flight, then their compose into it (``GCSStorage.write``).
+
+    Pieces are uploaded by tasks on gcsfs's loop; only that loop starts, cancels or counts
+    them, so ``abort`` can stop them all and know they are over before the pieces are
+    deleted (a piece landing after the deletion would be left behind).
+    """
 
     def __init__(self, store: GCSStorage, name: str) -> None:
         self.store, self.name = store, name
         self.scratch = f"{name}.compose-{uuid.uuid4().hex[:12]}"
         self.pieces: list[str] = []
         self.futures: list[concurrent.futures.Future] = []
+        self._tasks: set[asyncio.Task] = set()  # touched on the loop only
+        self._aborted = False  # set on the loop only
 
     def add(self, body: list[memoryview]) -> None:
         """Start uploading the next piece once a slot is free: ``max_concurrency`` pieces in
@@ -540,9 +547,23 @@ class _PieceUpload:
             concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         piece = f"{self.scratch}/{len(self.pieces):05d}"
         self.pieces.append(piece)
-        self.futures.append(
-            asyncio.run_coroutine_threadsafe(self.store._upload(piece, body), self.store.fs.loop)
-        )
+        self.futures.append(asyncio.run_coroutine_threadsafe(self._piece(piece, body), self.store.fs.loop))
+
+    async def _piece(self, piece: str, body: list[memoryview]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._aborted:
+            return
+        self._tasks.add(task)
+        try:
+            await self.store._upload(piece, body)
+        finally:
+            self._tasks.discard(task)
+
+    async def _cancel(self) -> None:
+        self._aborted = True  # pieces not started yet return at once
+        for task in self._tasks:
+            task.cancel()
 
     def finish(self) -> None:
         for f in self.futures:
@@ -551,11 +572,12 @@ class _PieceUpload:
         self._remove_pieces(bound=None)
 
     def abort(self) -> None:
-        """Cancel the pieces in flight and delete those uploaded, for ``idle_timeout`` at
-        most: the bucket may be what failed."""
-        for f in self.futures:
-            f.cancel()
-        self._remove_pieces(bound=self.store.opts.idle_timeout)
+        """Stop the pieces in flight, wait until they are over, and delete those uploaded,
+        for about ``idle_timeout`` at most: the bucket may be what failed."""
+        bound = self.store.opts.idle_timeout
+        self.store._run(self._cancel())
+        concurrent.futures.wait(self.futures, timeout=bound)
+        self._remove_pieces(bound=bound)
 
     def _remove_pieces(self, bound: float | None) -> None:
         """Best effort: pieces left behind lie under the step's directory, which retention

@@ -123,15 +123,17 @@ def test_failed_ranged_read_leaves_no_range_writing(gcs_bucket, fault_proxy):
     assert bytes(out) == seen  # the other ranges were stopped before read_into raised
 
 
-def test_failed_upload_leaves_no_object(gcs_bucket):
-    store = store_on(gcs_bucket, part_size=64 * KiB)
+def test_failed_upload_leaves_no_object(gcs_bucket, fault_proxy):
+    store = store_on(gcs_bucket, fault_proxy.url, part_size=64 * KiB, max_concurrency=4)
 
     def chunks():
-        yield os.urandom(300 * KiB)  # several pieces already on their way
+        yield os.urandom(1 * MiB)  # pieces on their way (through the proxy: not instantly)
         raise RuntimeError("the source went away")
 
     with pytest.raises(RuntimeError, match="source went away"):
         store.write("d/part", chunks())
+    assert fault_proxy.counts["pass"] >= 4  # pieces were being uploaded
+    time.sleep(0.3)  # a piece still in flight would land now
     assert store.size("d/part") is None and store.list("d") == []
 
 
