@@ -7,12 +7,14 @@ from .errors import PermanentStorageError, StorageError, TransientStorageError, 
 
 # Importing a backend module registers it (registry.py): one import per built-in backend.
 from .fsspec_store import FsspecStorage
+from .gcs_store import GCSStorage
 from .local import LocalStorage
 from .registry import ANY_SCHEME, backend_for, open_storage, register_backend
 
 __all__ = [
     "ANY_SCHEME",
     "FsspecStorage",
+    "GCSStorage",
     "LocalStorage",
     "PermanentStorageError",
     "Storage",

@@ -3,9 +3,17 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 
-import pytest
-import torch
+# gcsfs >= 2026.3 probes every bucket over gRPC unless this is off when it is imported:
+# against the emulator every call would stall. Set before anything imports gcsfs; rank
+# subprocesses and writer processes inherit it.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from gcs_emulator import Emulator, FaultProxy  # noqa: E402
 
 # Writer-process runtime dirs of this test session: private, removed when it ends.
 # Rank subprocesses import this module too: they inherit the session's directory.
@@ -51,6 +59,46 @@ def _quiet_dcp(caplog):
     caplog.set_level(logging.WARNING, logger="tiered_dcp")
     yield
     shutdown(wait=False)  # this test's writers exit once their queues are empty
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory):
+    """One fake-gcs-server (memory backend) for the session; its log beside the session's
+    temporary directories."""
+    with Emulator(tmp_path_factory.getbasetemp() / "fake-gcs-server.log") as emulator:
+        yield emulator
+
+
+@dataclass(frozen=True)
+class GCSBucket:
+    """A fresh bucket on the emulator: ``url`` (gs://name) and the ``storage_options`` a
+    tier on it needs (``via``: the same options through another endpoint, a FaultProxy)."""
+
+    url: str
+    storage_options: dict
+    emulator: Emulator
+
+    def via(self, endpoint: str) -> dict:
+        return self.emulator.storage_options(endpoint)
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator):
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    gcs_emulator.create_bucket(name)
+    bucket = GCSBucket(f"gs://{name}", gcs_emulator.storage_options(), gcs_emulator)
+    yield bucket
+    from tiered_dcp.storage import open_storage
+
+    with open_storage(bucket.url, bucket.storage_options) as store:
+        store.delete("")  # the emulator keeps everything in memory for the whole session
+
+
+@pytest.fixture
+def fault_proxy(gcs_emulator):
+    """A FaultProxy in front of the session's emulator (passing every request until told)."""
+    with FaultProxy(gcs_emulator.url, lifetime=300) as proxy:
+        yield proxy
 
 
 def value_kinds(i: int) -> dict:

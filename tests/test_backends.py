@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from gcsfs.retry import HttpError
 from tiered_dcp.storage import (
     FsspecStorage,
+    GCSStorage,
     LocalStorage,
     PermanentStorageError,
     StorageError,
@@ -279,7 +280,8 @@ class _TestBackend(LocalStorage):
         ("relative/dir", LocalStorage),
         ("file:///some/dir", LocalStorage),
         ("memory://bucket/x", FsspecStorage),
-        ("gs://bucket/x", FsspecStorage),
+        ("gs://bucket/x", GCSStorage),
+        ("gcs://bucket/x", GCSStorage),
         ("simplecache::gs://bucket/x", FsspecStorage),
         ("tdcptest:///x", _TestBackend),
         ("TDCPTEST:///x", _TestBackend),

@@ -1,0 +1,425 @@
+"""The gs:// backend and the tiers on it, against a real fake-gcs-server (tests/gcs_emulator.py).
+
+Faults come from a FaultProxy in front of the emulator: HTTP error answers, dropped
+connections, a bucket that accepts connections and never answers; a dead endpoint is a
+loopback port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_state_equal, settle, value_kinds, zeros_like_state
+from dist_utils import run_ranks
+from gcs_emulator import FaultProxy
+from tiered_dcp.storage import (
+    GCSStorage,
+    PermanentStorageError,
+    StorageError,
+    TransientStorageError,
+    backend_for,
+    open_storage,
+)
+
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, export, latest_step, status, wait_for
+from tiered_dcp.verify import verify_step
+
+KiB, MiB = 1 << 10, 1 << 20
+# small pieces, so that the test states (a 12 MiB item) are uploaded as composed pieces
+SMALL_PIECES = {"part_size": 1 * MiB, "max_concurrency": 4}
+QUICK_FAILURE = {"idle_timeout": 1.0, "retry_timeout": 2.0}
+
+
+def chunked(data: bytes, size: int) -> list[memoryview]:
+    view = memoryview(data)
+    return [view[i : i + size] for i in range(0, len(data), size)]
+
+
+def store_on(bucket, endpoint: str | None = None, root: str = "root", **options) -> GCSStorage:
+    so = bucket.via(endpoint) if endpoint else bucket.storage_options
+    store = open_storage(f"{bucket.url}/{root}", {**so, **options})
+    assert isinstance(store, GCSStorage)
+    return store
+
+
+# ---- the backend ----------------------------------------------------------------------------
+
+
+def test_gs_and_gcs_urls_open_the_gcs_backend():
+    assert backend_for("gs://b/x") is GCSStorage and backend_for("gcs://b/x") is GCSStorage
+
+
+def test_store_interface_on_the_emulator(gcs_bucket):
+    store = store_on(gcs_bucket)
+    assert store.list("a") == [] and store.size("a/b/x") is None
+    assert store.write("a/b/x", [b"hello ", memoryview(b"world")]) == 11
+    assert store.size("a/b/x") == 11 and store.read("a/b/x") == b"hello world"
+    assert store.read("a/b/x", 6) == b"world" and store.read("a/b/x", 2, 3) == b"llo"
+    assert store.read("a/b/x", 11) == b"" and store.read("a/b/x", 8, 100) == b"rld"
+    out = bytearray(5)
+    store.read_into("a/b/x", 6, memoryview(out))
+    assert out == b"world"
+    with pytest.raises(OSError, match="ends 2 bytes early") as e:
+        store.read_into("a/b/x", 8, memoryview(bytearray(5)))
+    assert not isinstance(e.value, StorageError)  # a short object is damage, not a failing bucket
+    store.write("a/b/empty", [b""])
+    store.write("a/b/with space", [])
+    assert store.size("a/b/empty") == 0 and store.read("a/b/empty") == b""
+    assert store.list("a/b") == ["empty", "with space", "x"] and store.list("a") == ["b"]
+    store.write("a/b/x", [b"new"])  # overwrite
+    assert store.read("a/b/x") == b"new"
+    store.delete("a/b/x")
+    assert store.list("a/b") == ["empty", "with space"]
+    store.delete("a")
+    assert store.list("") == [] and store.size("a/b/empty") is None
+    store.delete("never-there")
+
+
+def test_missing_keys_are_file_not_found(gcs_bucket):
+    store = store_on(gcs_bucket)
+    for call in (
+        lambda: store.read("no/such"),
+        lambda: store.read_into("no/such", 0, memoryview(bytearray(4))),
+    ):
+        with pytest.raises(FileNotFoundError) as e:
+            call()
+        assert not isinstance(e.value, StorageError) and "no/such" in str(e.value)
+    assert store.size("no/such") is None and store.list("no") == []
+
+
+def test_large_object_is_uploaded_in_parallel_pieces_and_composed(gcs_bucket, fault_proxy):
+    # 70 pieces: more than one compose request can name (32), so the compose is two levels
+    data = os.urandom(70 * 64 * KiB + 123)
+    store = store_on(gcs_bucket, fault_proxy.url, part_size=64 * KiB, max_concurrency=6)
+    assert store.write("step/rank_0.part", chunked(data, 100_000)) == len(data)
+    assert fault_proxy.peak >= 2, "pieces were not uploaded concurrently"
+    assert store.list("step") == ["rank_0.part"]  # the pieces are gone: only the object is left
+    assert store.size("step/rank_0.part") == len(data)
+    assert store.read("step/rank_0.part") == data
+    # a ranged read is split into concurrent ranged GETs, each landing in its own slice
+    out = bytearray(8 * MiB)
+    big = os.urandom(9 * MiB)
+    store.write("big", [big])
+    fault_proxy.peak = 0
+    store.read_into("big", 1000, memoryview(out))
+    assert out == big[1000 : 1000 + 8 * MiB] and fault_proxy.peak >= 2
+
+
+def test_failed_ranged_read_leaves_no_range_writing(gcs_bucket, fault_proxy):
+    store = store_on(gcs_bucket, fault_proxy.url, max_concurrency=8)
+    store.write("big", [os.urandom(8 * MiB)])
+    out = bytearray(8 * MiB)
+    fault_proxy.inject(("403", 2))  # one of the 8 ranged GETs is refused, the others pass
+    with pytest.raises(PermanentStorageError):
+        store.read_into("big", 0, memoryview(out))
+    seen = bytes(out)
+    time.sleep(0.5)
+    assert bytes(out) == seen  # the other ranges were stopped before read_into raised
+
+
+def test_failed_upload_leaves_no_object(gcs_bucket, fault_proxy):
+    store = store_on(gcs_bucket, fault_proxy.url, part_size=64 * KiB, max_concurrency=4)
+
+    def chunks():
+        yield os.urandom(1 * MiB)  # pieces on their way (through the proxy: not instantly)
+        raise RuntimeError("the source went away")
+
+    with pytest.raises(RuntimeError, match="source went away"):
+        store.write("d/part", chunks())
+    assert fault_proxy.counts["pass"] >= 4  # pieces were being uploaded
+    time.sleep(0.3)  # a piece the server was still storing when the write gave up lands now
+    assert store.size("d/part") is None  # never a partial object under the key
+    # the write's pieces were deleted; one the server stored after that deletion (a race no
+    # client can close) lies only under the scratch prefix, which deleting the step removes
+    leftovers = store.list("d")
+    assert all(n.startswith("part.compose-") for n in leftovers), leftovers
+    store.delete("d")
+    assert store.list("d") == []
+
+
+def test_missing_bucket_fails_at_once_and_says_so(gcs_emulator):
+    store = open_storage("gs://no-such-bucket/root", gcs_emulator.storage_options())
+    calls = {
+        "write": lambda: store.write("k", [b"x"]),
+        "read": lambda: store.read("k"),
+        "size": lambda: store.size("k"),
+        "list": lambda: store.list(""),
+    }
+    for name, call in calls.items():
+        started = time.monotonic()
+        with pytest.raises(PermanentStorageError, match="bucket 'no-such-bucket' does not exist") as e:
+            call()
+        assert time.monotonic() - started < 2, name
+        assert e.value.errno == errno.ENOENT and "gs://no-such-bucket/root" in str(e.value)
+
+
+def test_forbidden_is_permanent_and_not_retried(gcs_bucket, fault_proxy):
+    store = store_on(gcs_bucket, fault_proxy.url)
+    fault_proxy.inject(("403", 1))
+    with pytest.raises(PermanentStorageError, match="access denied .*HTTP 403.*credentials") as e:
+        store.write("k", [b"x"])
+    assert e.value.errno == errno.EACCES
+    assert fault_proxy.counts == {"403": 1}  # one request: no retry
+
+
+@pytest.mark.parametrize("fault", ["503", "429", "drop"])
+def test_transient_failures_are_retried(gcs_bucket, fault_proxy, fault):
+    store = store_on(gcs_bucket, fault_proxy.url, part_size=64 * KiB, max_concurrency=4)
+    data = os.urandom(10 * 64 * KiB)
+    fault_proxy.inject((fault, 3))
+    store.write("p", chunked(data, 50_000))
+    assert store.read("p") == data and store.size("p") == len(data) and store.list("") == ["p"]
+    store.delete("p")
+    assert store.size("p") is None
+    assert fault_proxy.counts[fault] >= 5, fault_proxy.counts
+
+
+def test_stalled_bucket_times_out_within_the_bound(gcs_bucket, fault_proxy):
+    store = store_on(gcs_bucket, fault_proxy.url, **QUICK_FAILURE)
+    store.write("k", [b"x"])
+    fault_proxy.inject(("stall", 1))  # connections accepted, never answered
+    for call in (lambda: store.write("k", [b"y" * 300_000]), lambda: store.read("k"), lambda: store.list("")):
+        started = time.monotonic()
+        with pytest.raises(TransientStorageError, match="idle_timeout.*gave up after") as e:
+            call()
+        assert time.monotonic() - started < 6  # idle 1 s per attempt, no retry after 2 s
+        assert e.value.errno == errno.ETIMEDOUT
+    assert fault_proxy.counts["stall"] >= 6
+
+
+def test_dead_endpoint_is_transient_within_the_bound(gcs_bucket):
+    with socket.socket() as s:  # bound, not listening: every connection is refused
+        s.bind(("127.0.0.1", 0))
+        store = store_on(gcs_bucket, f"http://127.0.0.1:{s.getsockname()[1]}", **QUICK_FAILURE)
+        started = time.monotonic()
+        with pytest.raises(TransientStorageError, match="gave up after [2-9] attempt") as e:
+            store.write("k", [b"x"])
+        assert time.monotonic() - started < 5
+        assert e.value.errno == errno.ECONNREFUSED
+
+
+# ---- tiers on gs:// -------------------------------------------------------------------------
+
+
+def save(cfg, step, sd=None):
+    dcp.save(sd if sd is not None else value_kinds(step), storage_writer=TieredWriter(cfg, step=step))
+
+
+def load(cfg, step=None):
+    target = zeros_like_state(value_kinds(0))
+    reader = TieredReader(cfg, step=step)
+    dcp.load(target, storage_reader=reader)
+    return reader, target
+
+
+def gs_tier(bucket, root="ckpt", options=None, **kw) -> Tier:
+    return Tier(f"{bucket.url}/{root}", storage_options={**bucket.storage_options, **(options or {})}, **kw)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_roundtrip_every_value_kind(gcs_bucket, compression):
+    cfg = TieredConfig("run", [gs_tier(gcs_bucket, options=SMALL_PIECES, compression=compression)])
+    save(cfg, 3)
+    reader, got = load(cfg)
+    assert (reader.step, reader.tiers) == (3, [0])
+    assert_state_equal(got, value_kinds(3))
+    store = store_on(gcs_bucket, root="ckpt")
+    names = store.list("run/step_000000000003")
+    assert names == ["COMMITTED", "metadata", "rank_00000.part"]  # no upload pieces left behind
+    assert store.size("run/step_000000000003/rank_00000.part") > 12 * MiB or compression == "zstd"
+
+
+def test_schedule_and_retention_with_a_bucket_tier(gcs_bucket, tmp_path):
+    cfg = TieredConfig(
+        "run",
+        [
+            Tier(str(tmp_path / "ram" / "{node}"), every=1, keep=2),
+            gs_tier(gcs_bucket, options=SMALL_PIECES, every=2, keep=2, compression="zstd"),
+        ],
+    )
+    for step in range(7):
+        save(cfg, step)
+    settle(cfg)  # the writer process copied the even steps into the bucket
+    held = {}
+    for row in status(cfg):
+        assert row.state == "committed"
+        held.setdefault(row.tier_index, []).append(row.step)
+    assert held == {0: [5, 6], 1: [4, 6]}
+    assert store_on(gcs_bucket, root="ckpt").list("run") == ["step_000000000004", "step_000000000006"]
+    reader, got = load(cfg, step=4)
+    assert reader.tiers == [1]  # RAM no longer holds it: read from the bucket
+    assert_state_equal(got, value_kinds(4))
+    assert latest_step(TieredConfig("run", [cfg.tiers[1]])) == 6
+    (check,) = verify_step(cfg, 4)  # the zstd copy the writer process made, read back from the bucket
+    assert check.tier_index == 1 and check.ok and check.items > 0
+
+
+def test_flaky_bucket_ends_with_every_step_committed(gcs_bucket, tmp_path, fault_proxy):
+    flaky = {**gcs_bucket.via(fault_proxy.url), **SMALL_PIECES}
+    cfg = TieredConfig(
+        "run",
+        [
+            Tier(str(tmp_path / "ram" / "{node}"), keep=1),
+            Tier(f"{gcs_bucket.url}/ckpt", storage_options=flaky, compression="zstd"),
+        ],
+    )
+    fault_proxy.inject(("503", 4), ("drop", 5))
+    for step in range(1, 4):
+        save(cfg, step)
+    settle(cfg)
+    assert fault_proxy.counts.get("503", 0) >= 3 and fault_proxy.counts.get("drop", 0) >= 3
+    bucket_only = TieredConfig("run", [gs_tier(gcs_bucket)])  # straight to the emulator
+    assert [(r.step, r.state) for r in status(bucket_only)] == [(s, "committed") for s in (1, 2, 3)]
+    for step in (1, 2, 3):
+        _, got = load(bucket_only, step=step)
+        assert_state_equal(got, value_kinds(step))
+
+
+def test_export_and_verify_from_the_bucket(gcs_bucket, tmp_path):
+    raw = TieredConfig("run", [gs_tier(gcs_bucket, options=SMALL_PIECES)])
+    save(raw, 2)
+    dest = export(raw, 2, tmp_path / "exported")
+    got = zeros_like_state(value_kinds(0))
+    dcp.load(got, storage_reader=dcp.FileSystemReader(dest))
+    assert_state_equal(got, value_kinds(2))
+    (check,) = verify_step(raw, 2)
+    assert check.ok and check.items > 0 and check.bytes_read > 12 * MiB
+    # flip one byte of the stored part in the bucket: verify names the damaged item
+    store = store_on(gcs_bucket, root="ckpt")
+    key = "run/step_000000000002/rank_00000.part"
+    data = bytearray(store.read(key))
+    data[int(len(data) * 0.9)] ^= 0x5A
+    store.write(key, [data])
+    (check,) = verify_step(raw, 2)
+    assert not check.ok and any("nested.big" in p and key in p for p in check.problems), check.problems
+
+
+def test_zstd_bucket_verifies_when_it_is_the_only_tier(gcs_bucket):
+    cfg = TieredConfig("run", [gs_tier(gcs_bucket, compression="zstd")])
+    save(cfg, 1)
+    (check,) = verify_step(cfg, 1)
+    assert check.ok and check.items > 0
+
+
+# ---- several ranks --------------------------------------------------------------------------
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(64 * 40, dtype=torch.float32).reshape(64, 40) + 1000 * step
+
+
+def _sharded(step: int, mesh) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return {"w": distribute_tensor(full(step), mesh, [Shard(0)]), "step": step}
+
+
+def _rank_config(root: str, url: str, options: dict) -> TieredConfig:
+    return TieredConfig(
+        "job",
+        [
+            Tier(f"{root}/ram/{{node}}", every=1, keep=2),
+            Tier(url, every=2, keep=2, storage_options=options, compression="zstd"),
+        ],
+    )
+
+
+def _load_sharded(cfg: TieredConfig) -> tuple[int, list[int], torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    target = {"w": distribute_tensor(torch.zeros(64, 40), mesh, [Shard(0)]), "step": -1}
+    reader = TieredReader(cfg)
+    dcp.load(target, storage_reader=reader)
+    assert target["step"] == reader.step
+    return reader.step, reader.tiers, target["w"].full_tensor()
+
+
+def _two_ranks(rank, world, root, url, options):
+    import shutil
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    # the bucket as the fastest tier: the coordinator commits the shared step there
+    direct = TieredConfig("direct", [Tier(url, storage_options=options)])
+    dcp.save(_sharded(1, mesh), storage_writer=TieredWriter(direct, step=1))
+    step, tiers, w = _load_sharded(direct)
+    assert (step, tiers) == (1, [0]) and torch.equal(w, full(1))
+    # the bucket behind a node-local tier: the ranks' writer processes fill it, the last commits
+    cfg = _rank_config(root, url, options)
+    for step in range(1, 5):
+        dcp.save(_sharded(step, mesh), storage_writer=TieredWriter(cfg, step=step))
+    wait_for(cfg, 4, tier=1, timeout=60)
+    intact = _load_sharded(cfg)
+    assert intact[:2] == (4, [0, 1]) and torch.equal(intact[2], full(4))  # RAM first, then the bucket
+    # node 1 is lost with its RAM tier: step 4 is loaded, by both ranks, from the bucket
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{root}/ram/1")
+    dist.barrier()
+    after = _load_sharded(cfg)
+    assert torch.equal(after[2], full(4))
+    return after[:2]
+
+
+def test_two_ranks_commit_shared_steps_and_fall_back_to_the_bucket_after_node_loss(gcs_bucket, tmp_path):
+    url = f"{gcs_bucket.url}/ckpt"
+    options = {**gcs_bucket.storage_options, **SMALL_PIECES}
+    results = run_ranks(_two_ranks, 2, str(tmp_path), url, options, env={"LOCAL_WORLD_SIZE": 1})
+    assert results == [(4, [1]), (4, [1])]
+    store = store_on(gcs_bucket, root="ckpt")
+    assert store.list("direct") == ["step_000000000001"]
+    assert store.list("job") == ["step_000000000002", "step_000000000004"]
+    assert store.list("job/step_000000000004") == [
+        "COMMITTED",
+        "metadata",
+        "rank_00000.index",
+        "rank_00000.part",
+        "rank_00001.index",
+        "rank_00001.part",
+    ]
+
+
+def test_cli_verify_reads_the_bucket(gcs_bucket):
+    import subprocess
+    import sys
+
+    cfg = TieredConfig("run", [gs_tier(gcs_bucket)])
+    save(cfg, 5)
+    options = [f"--option={k}={v}" for k, v in gcs_bucket.storage_options.items()]
+    r = subprocess.run(
+        [sys.executable, "-m", "tiered_dcp.cli", "verify", "-n", "run", *options, f"{gcs_bucket.url}/ckpt"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.count(": OK") == 1, r.stdout + r.stderr
+
+
+def test_fault_proxy_stops_by_itself(gcs_emulator):
+    proxy = FaultProxy(gcs_emulator.url, lifetime=0.5)
+    proxy.inject(("stall", 1))
+    time.sleep(1.0)
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])), 1):
+        pass
+
+
+def test_backend_options_are_taken_out_of_storage_options_and_checked():
+    from tiered_dcp.storage.gcs_store import GCSOptions
+
+    opts, rest = GCSOptions.split({"part_size": "65536", "idle_timeout": "2.5", "token": "anon"})
+    assert (opts.part_size, opts.idle_timeout, opts.max_concurrency) == (65536, 2.5, 8)
+    assert rest == {"token": "anon"}  # everything else goes to gcsfs
+    with pytest.raises(ValueError, match="part_size='x' is not a number"):
+        GCSOptions.split({"part_size": "x"})
+    with pytest.raises(ValueError, match="must be >= 1"):
+        GCSOptions.split({"max_concurrency": 0})
