@@ -231,7 +231,8 @@ def test_roundtrip_every_value_kind(gcs_bucket, compression):
     assert_state_equal(got, value_kinds(3))
     store = store_on(gcs_bucket, root="ckpt")
     names = store.list("run/step_000000000003")
-    assert names == ["COMMITTED", "metadata", "rank_00000.part"]  # no upload pieces left behind
+    # no upload pieces left behind; format 3 keeps each part's JSON index next to it
+    assert names == ["COMMITTED", "metadata", "rank_00000.index", "rank_00000.part"]
     assert store.size("run/step_000000000003/rank_00000.part") > 12 * MiB or compression == "zstd"
 
 
