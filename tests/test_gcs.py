@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, settle, value_kinds, zeros_like_state
 from dist_utils import run_ranks
 from gcs_emulator import FaultProxy
+from test_save_load import load, save
 from tiered_dcp.storage import (
     GCSStorage,
     PermanentStorageError,
@@ -205,17 +206,6 @@ def test_dead_endpoint_is_transient_within_the_bound(gcs_bucket):
 
 
 # ---- tiers on gs:// -------------------------------------------------------------------------
-
-
-def save(cfg, step, sd=None):
-    dcp.save(sd if sd is not None else value_kinds(step), storage_writer=TieredWriter(cfg, step=step))
-
-
-def load(cfg, step=None):
-    target = zeros_like_state(value_kinds(0))
-    reader = TieredReader(cfg, step=step)
-    dcp.load(target, storage_reader=reader)
-    return reader, target
 
 
 def gs_tier(bucket, root="ckpt", options=None, **kw) -> Tier:
