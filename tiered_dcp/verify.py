@@ -89,7 +89,9 @@ def _verify_tier(view: TierView, copy: StepCopy) -> TierCheck:
     for p in marker.parts:
         own = view.tier.root(p.node, p.rank)
         for store in view.holders(marker, p.rank):
-            root = roots.setdefault(store.url, RootCheck(store.url, present=_holds_step(store, view, step)))
+            root = roots.get(store.url)
+            if root is None:  # one listing per root, not one per part it holds
+                root = roots[store.url] = RootCheck(store.url, present=_holds_step(store, view, step))
             if not root.present:
                 continue
             if _verify_copy(view, store, marker, p.rank, items.get(p.rank, []), root, md):
@@ -131,7 +133,8 @@ def _verify_copy(
     )
     key = part_key(ns, step, part)
     root.parts.append(part)
-    if store.size(key) is None:
+    size = store.size(key)
+    if size is None:
         root.problems.append(f"{store.describe(key)}: {which} is missing")
         return False
     index: PartIndex | None = view.part_index(store, marker, part)
@@ -141,10 +144,8 @@ def _verify_copy(
         root.problems.append(f"{store.describe(key)}: {which} has no readable index next to it")
         return False
     good = True
-    if store.size(key) != index.size:
-        root.problems.append(
-            f"{store.describe(key)}: {which} is {store.size(key)} bytes, its index says {index.size}"
-        )
+    if size != index.size:
+        root.problems.append(f"{store.describe(key)}: {which} is {size} bytes, its index says {index.size}")
         good = False
     found = [(fqn, info, index.records.get(k)) for fqn, k, info in items]
     for fqn, info, rec in sorted(found, key=lambda f: (f[2].file, f[2].offset) if f[2] else ("", 0)):
