@@ -78,6 +78,12 @@ class Storage(ABC):
         """A ``size``-byte buffer to fill, then commit under ``key``; backends may map the file."""
         return Reservation(self, key, size)
 
+    def activity(self) -> float | None:
+        """``time.monotonic()`` when bytes last moved between this process and the store, for
+        backends whose calls can run long without returning (a remote store); None: unknown.
+        The writer process tells a slow tier (bytes moving) from a stalled one by it."""
+        return None
+
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 

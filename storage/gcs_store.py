@@ -34,6 +34,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -100,13 +101,17 @@ class _BadAnswer(Exception):
 
 
 class _Progress:
-    """When a request last moved a byte (or started)."""
+    """When a request last moved a byte (or started); bytes moved are told to its store too
+    (``activity``), an error answer only to the request's own watchdog."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, store: GCSStorage) -> None:
         self.last = now
+        self.store = store
 
-    def tick(self) -> None:
+    def tick(self, moved: bool = True) -> None:
         self.last = asyncio.get_running_loop().time()
+        if moved:
+            self.store.last_activity = self.last
 
 
 Attempt = Callable[[_Progress], Awaitable[T]]
@@ -129,6 +134,10 @@ class GCSStorage(Storage):
         if not self.bucket:
             raise ValueError(f"{url}: no bucket in the URL")
         self._bucket_seen = False  # the bucket answered once: a later 404 is a missing object
+        self.last_activity = 0.0  # time.monotonic() when a request of this store last moved a byte
+
+    def activity(self) -> float | None:
+        return self.last_activity or None
 
     # ---- names and the sync/async bridge
 
@@ -189,7 +198,7 @@ class GCSStorage(Storage):
     async def _watched(self, attempt: Attempt[T]) -> T:
         """Run one attempt; abandon it once it has made no progress for ``idle_timeout``."""
         loop = asyncio.get_running_loop()
-        progress = _Progress(loop.time())
+        progress = _Progress(loop.time(), self)
         task = asyncio.ensure_future(attempt(progress))
         try:
             while True:
@@ -301,7 +310,7 @@ class GCSStorage(Storage):
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.opts.idle_timeout),
             read_bufsize=READ_BUFFER,
         ) as r:
-            progress.tick()
+            progress.tick(moved=r.status < 400)
             if r.status >= 400:
                 if r.status == 416 and (sink is not None or tail):
                     return 0 if sink is not None else b""  # the range starts at or after the end
@@ -640,4 +649,7 @@ def _message(raw: bytes) -> str:
 
 def _describe(e: BaseException) -> str:
     text = str(e)
+    code = getattr(e, "errno", None)
+    if isinstance(code, int) and code > 0 and os.strerror(code) not in text:
+        text = f"{os.strerror(code)}: {text}"  # aiohttp's "Cannot connect to host" hides a refusal
     return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -18,8 +18,7 @@ from .errors import TieredCheckpointError
 
 def latest_step(config: TieredConfig) -> int | None:
     """The newest step complete on some tier, as seen from this process (no collectives)."""
-    node, rank = here()
-    steps = complete_steps(config, node, rank)
+    steps = complete_steps(views(config, *here()))
     return max(steps) if steps else None
 
 
@@ -33,6 +32,8 @@ class WriterInfo:
     queue: list[tuple[int, int]] = field(default_factory=list)  # (step, tier) waiting, oldest first
     failed: list[tuple[int, int, str]] = field(default_factory=list)  # (step, tier, why)
     log: str = ""
+    skipped: list[tuple[int, int, str]] = field(default_factory=list)  # (step, tier, why): tier unhealthy
+    unhealthy: dict[int, dict] = field(default_factory=dict)  # tier -> {state, since, error}
 
 
 def writer_status(config: TieredConfig) -> list[WriterInfo]:
@@ -40,11 +41,16 @@ def writer_status(config: TieredConfig) -> list[WriterInfo]:
     out = []
     jd = runtime.job_dir(config)
     for rd in sorted(jd.glob("rank_*")) if jd.is_dir() else []:
-        failed = [
-            (step, tier, res.get("error", ""))
-            for (step, tier), res in runtime.results(rd).items()
-            if res.get("state") == "failed"
-        ]
+        outcomes = runtime.results(rd).items()
+        failed, skipped = (
+            [
+                (step, tier, res.get("error", ""))
+                for (step, tier), res in outcomes
+                if res.get("state") == state
+            ]
+            for state in ("failed", "skipped")
+        )
+        health = (runtime.tier_health(rd, t) for t in range(len(config.tiers)))
         out.append(
             WriterInfo(
                 rank=int(rd.name.removeprefix("rank_")),
@@ -53,26 +59,33 @@ def writer_status(config: TieredConfig) -> list[WriterInfo]:
                 queue=[(j.step, j.target) for j in runtime.queued(rd)],
                 failed=failed,
                 log=str(rd / "writer.log"),
+                skipped=skipped,
+                unhealthy={h["tier"]: h for h in health if h["state"] != runtime.HEALTHY},
             )
         )
     return out
 
 
 def status(config: TieredConfig) -> list[StepState]:
-    """Every step on every tier: queued, writing, clean, committed, incomplete or failed.
+    """Every step on every tier: queued, writing, clean, committed, incomplete, failed or skipped.
 
-    ``queued`` and ``failed`` come from the writer processes of this node's ranks.
+    ``queued``, ``failed`` and ``skipped`` (a newer step took its place in the queue of a tier
+    that was down) come from the writer processes of this node's ranks. A shared tier that
+    does not answer within ``tier_timeout`` shows no rows (a warning says so).
     """
     node, rank = here()
     rows = {(r.tier_index, r.step): r for v in views(config, node, rank) for r in v.states()}
     for w in writer_status(config):
         for step, tier in w.queue:
             rows.setdefault((tier, step), StepState(tier, config.tiers[tier].path, step, "queued", 0, None))
-        for step, tier, why in w.failed:
-            row = rows.get((tier, step))
-            if row is None or row.state != "committed":
-                size = row.size_bytes if row else 0
-                rows[(tier, step)] = StepState(tier, config.tiers[tier].path, step, "failed", size, None, why)
+        for state, outcomes in (("failed", w.failed), ("skipped", w.skipped)):
+            for step, tier, why in outcomes:
+                row = rows.get((tier, step))
+                if row is None or row.state != "committed":
+                    size = row.size_bytes if row else 0
+                    rows[(tier, step)] = StepState(
+                        tier, config.tiers[tier].path, step, state, size, None, why
+                    )
     return [rows[k] for k in sorted(rows)]
 
 

@@ -9,7 +9,10 @@ module sees a tier through both. Torch-free: the writer process uses it.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tiered_dcp.storage import Storage, open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
@@ -33,6 +36,32 @@ from .placement import Placement, nodes_of, placement_for
 
 log = logging.getLogger("tiered_dcp")
 
+T = TypeVar("T")
+
+
+def bounded(fn: Callable[[], T], timeout: float) -> T:
+    """``fn()``, or ``TimeoutError`` once it has run ``timeout`` seconds.
+
+    It runs in a daemon thread, which is left behind on a timeout (the backend's own
+    timeouts end it later) and never keeps the process from exiting.
+    """
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="tiered-dcp-query").start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"no answer within {timeout:g} s (tier_timeout)")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
 
 @dataclass
 class StepCopy:
@@ -51,10 +80,10 @@ class StepState:
     tier_index: int
     tier: str
     step: int
-    state: str  # queued | writing | clean (parts, no marker yet) | committed | incomplete | failed
+    state: str  # queued | writing | clean (parts, no marker yet) | committed | incomplete | failed | skipped
     size_bytes: int
     created: float | None
-    error: str | None = None  # why a writer process could not write it (state "failed")
+    error: str | None = None  # why a writer process did not write it (states failed, skipped)
 
 
 def read_metadata_blob(copy: StepCopy) -> bytes:
@@ -82,6 +111,30 @@ class TierView:
         self.node, self.rank = node, rank
         self.indexes = indexes if indexes is not None else IndexCache()  # scoped like the view
         self._stores: dict[str, Storage] = {}
+        self.unreachable: str | None = None  # why a shared tier is skipped by this view's queries
+
+    def answer(self, fn: Callable[[], T], empty: T) -> T:
+        """``fn()``; on a shared tier, ``empty`` when it does not answer within ``tier_timeout``.
+
+        Loads and queries go on without a bucket that is down or stalled: the first failure
+        is logged and remembered, and the view asks that tier nothing more. Node-local tiers
+        are this machine's own files: their errors are raised.
+        """
+        if not self.tier.is_shared:
+            return fn()
+        if self.unreachable is None:
+            try:
+                return bounded(fn, self.config.tier_timeout)
+            except (TimeoutError, OSError) as e:
+                self.unreachable = f"{type(e).__name__}: {e}"
+                log.warning(
+                    "tier %d (%s) did not answer: %s; skipping it (a step only it holds cannot be "
+                    "found until it answers)",
+                    self.index,
+                    self.tier.path,
+                    self.unreachable,
+                )
+        return empty
 
     def store_for(self, node: int, rank: int) -> Storage:
         url = self.tier.root(node, rank)
@@ -171,6 +224,9 @@ class TierView:
 
     def committed(self) -> dict[int, StepCopy]:
         """Every step with a commit marker visible from here (complete or not)."""
+        return self.answer(self._committed, {})
+
+    def _committed(self) -> dict[int, StepCopy]:
         found: dict[int, StepCopy] = {}
         for store in self.scan_roots():
             for step in self.step_dirs(store):
@@ -183,11 +239,17 @@ class TierView:
 
     def complete(self) -> dict[int, StepCopy]:
         """Committed steps whose every part and metadata can be read from here."""
-        return {s: c for s, c in self.committed().items() if not self.missing(c.store, c.marker)}
+        return self.answer(
+            lambda: {s: c for s, c in self._committed().items() if not self.missing(c.store, c.marker)}, {}
+        )
 
     def states(self) -> list[StepState]:
+        """One row per step this tier holds anything of (none when a shared tier is down)."""
+        return self.answer(self._states, [])
+
+    def _states(self) -> list[StepState]:
         rows: dict[int, StepState] = {}
-        committed = self.committed()
+        committed = self._committed()
         for step, c in committed.items():
             missing = self.missing(c.store, c.marker)
             size = sum(p.size for p in c.marker.parts) + c.marker.metadata_size
@@ -260,22 +322,28 @@ def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None
     return [TierView(config, i, node, rank, indexes) for i in range(len(config.tiers))]
 
 
-def complete_steps(config: TieredConfig, node: int, rank: int) -> dict[int, list[StepCopy]]:
-    """step -> its complete copies (as seen from here), fastest tier first."""
+def complete_steps(tier_views: Iterable[TierView]) -> dict[int, list[StepCopy]]:
+    """step -> its complete copies (as seen through ``tier_views``), fastest tier first."""
     out: dict[int, list[StepCopy]] = {}
-    for view in views(config, node, rank):
+    for view in tier_views:
         for step, copy in view.complete().items():
             out.setdefault(step, []).append(copy)
     return out
 
 
-def describe_search(config: TieredConfig, node: int, rank: int) -> str:
+def describe_search(tier_views: Iterable[TierView]) -> str:
     """One line per tier: where it was searched and what it holds, for error messages."""
     lines = []
-    for view in views(config, node, rank):
+    for view in tier_views:
         committed = view.committed()
-        complete = sorted(s for s, c in committed.items() if not view.missing(c.store, c.marker))
-        roots = ", ".join(f"{s.url}/{config.namespace}" for s in view.scan_roots())
+        complete = sorted(view.complete())
+        roots = ", ".join(f"{s.url}/{view.config.namespace}" for s in view.scan_roots())
+        if view.unreachable is not None:
+            lines.append(
+                f"  tier {view.index} [{roots}]: NOT SEARCHED, it did not answer ({view.unreachable}); "
+                "a step only it holds cannot be loaded until it does"
+            )
+            continue
         broken = sorted(set(committed) - set(complete))
         extra = f"; committed but incomplete: {broken}" if broken else ""
         lines.append(f"  tier {view.index} [{roots}]: complete steps {complete or 'none'}{extra}")

@@ -73,8 +73,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         state = f"running (pid {w.pid})" if w.running else "not running"
         queue = ", ".join(f"step {s} -> tier {t}" for s, t in w.queue) or "nothing"
         print(f"  rank {w.rank}: {state}; queued: {queue}")
+        for t, h in sorted(w.unhealthy.items()):
+            since = time.strftime("%H:%M:%S", time.localtime(h.get("since") or 0))
+            print(f"    tier {t} {h['state'].upper()} since {since}: {h.get('error')} (saves skip waiting)")
         for s, t, why in w.failed:
             print(f"    FAILED step {s} -> tier {t}: {why}")
+        for s, t, why in w.skipped:
+            print(f"    SKIPPED step {s} -> tier {t}: {why}")
     return 0
 
 

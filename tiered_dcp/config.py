@@ -111,6 +111,12 @@ class TieredConfig:
     ``replication_factor``/``replication_jump`` lay out the cliques whose members hold
     copies of each other's parts on node-local tiers (``cliques``). ``peer_timeout`` bounds
     every wait on another rank (a replica transfer, a peer read) in seconds.
+    ``tier_timeout``: seconds a tier may go without answering before it counts as down: a
+    load or query skips a shared tier that has not answered in that time (with a warning),
+    and a writer process whose writes to a tier make no progress for that long marks the
+    tier unhealthy, so saves stop waiting for it. ``writer_drain_timeout``: seconds a writer
+    process goes on writing after its trainer is gone; then it records what it could not
+    persist and exits.
     """
 
     namespace: str
@@ -119,6 +125,8 @@ class TieredConfig:
     replication_jump: int = 1
     dedup: bool = False
     peer_timeout: float = 120.0
+    tier_timeout: float = 10.0
+    writer_drain_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -143,14 +151,10 @@ class TieredConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TieredConfig: {name}={value!r} must be an integer >= 1")
-        if (
-            isinstance(self.peer_timeout, bool)
-            or not isinstance(self.peer_timeout, int | float)
-            or not self.peer_timeout > 0
-        ):
-            raise ValueError(
-                f"TieredConfig: peer_timeout={self.peer_timeout!r} must be a number of seconds > 0"
-            )
+        for name in ("peer_timeout", "tier_timeout", "writer_drain_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"TieredConfig: {name}={value!r} must be a number of seconds > 0")
         if not isinstance(self.dedup, bool):
             raise ValueError(f"TieredConfig: dedup={self.dedup!r} must be True or False")
 

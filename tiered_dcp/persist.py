@@ -8,8 +8,16 @@ clean and writes this rank's index next to it. Whichever rank's writer finds the
 root holding everything it should (``placement``) commits the step there (``TierView.commit``:
 metadata, marker, retention): no collective with the trainers, which may be busy or dead.
 
-It outlives its trainer: once the trainer is gone it finishes what it was handed, then
-exits. Run as ``python -m tiered_dcp.persist RUNDIR``.
+Each slower tier has a health the writer judges and publishes (``runtime.tier_health``):
+*failing* after a write to it failed, *stalled* while a write makes no progress for
+``tier_timeout``, *healthy* again once a write succeeds. Saves wait for a healthy tier that
+is merely slow; for one that is not, they go on, and the queue for it keeps only the newest
+step (the others are recorded as skipped), so that step is the next to reach it once it
+answers again.
+
+It outlives its trainer: once the trainer is gone it goes on with what it was handed for
+``writer_drain_timeout`` seconds at most, then records what it could not write and exits.
+Run as ``python -m tiered_dcp.persist RUNDIR``.
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ import pickle
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
 from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
@@ -33,7 +43,7 @@ from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, wr
 from .catalog import StepCopy, TierView, read_metadata_blob
 from .config import TieredConfig
 from .placement import nodes_of
-from .runtime import POLL, Job, job_name, pid_alive, queued, write_json
+from .runtime import HEALTHY, POLL, Job, health_name, job_name, pid_alive, queued, write_json
 
 log = logging.getLogger("tiered_dcp.writer")
 
@@ -53,11 +63,18 @@ def _throttle() -> float | None:
     return float(mbps) * 1e6 if mbps else None
 
 
-def copy_part(src: TierView, dst: TierView, step: int, index: PartIndex) -> PartIndex:
+def _no_progress() -> None:
+    return None
+
+
+def copy_part(
+    src: TierView, dst: TierView, step: int, index: PartIndex, progress: Callable[[], None] = _no_progress
+) -> PartIndex:
     """Stream one part of ``step`` from ``src``'s own root to ``dst``'s; return its index there.
 
     Every chunk is verified as it is read and re-encoded for the target's codec; an item
-    whose record points into another file lands in this part like the rest.
+    whose record points into another file lands in this part like the rest. ``progress``
+    is called whenever a chunk is handed to the target.
     """
     enc = Encoder(dst.tier.compression)
     out_key = part_key(dst.config.namespace, step, index.rank)
@@ -73,11 +90,12 @@ def copy_part(src: TierView, dst: TierView, step: int, index: PartIndex) -> Part
                 stored = enc.encode(memoryview(raw))
                 meta.append((memoryview(stored).nbytes, n, h))
                 yield stored
+                progress()
                 sent += meta[-1][0]
-                if rate:
-                    ahead = sent / rate - (time.monotonic() - started)
-                    if ahead > 0:
-                        time.sleep(ahead)
+                if rate:  # a slow tier, but a healthy one: it shows progress while it waits
+                    while (ahead := sent / rate - (time.monotonic() - started)) > 0:
+                        time.sleep(min(ahead, 1.0))
+                        progress()
             records[key] = dataclasses.replace(
                 rec, file=out_key, offset=offset, codec=enc.codec, chunks=tuple(meta)
             )
@@ -94,6 +112,22 @@ def prune_results(rdir: Path, target: int, keep: int = KEEP_RESULTS) -> None:
         old.unlink(missing_ok=True)
 
 
+@dataclasses.dataclass
+class Health:
+    """The writer's view of one slower tier (published as ``health/t<tier>.json``)."""
+
+    state: str = HEALTHY  # healthy | stalled | failing
+    since: float = dataclasses.field(default_factory=time.time)
+    error: str | None = None
+    writing: int | None = None  # the step a write to the tier is under way for
+    progress: float = 0.0  # time.monotonic() of that write's last progress
+    store: Storage | None = None  # the tier's store being written (it may see progress too)
+
+    def last_progress(self) -> float:
+        seen = self.store.activity() if self.store is not None else None
+        return max(self.progress, seen or 0.0)
+
+
 class Persister:
     """The writer process's main loop: one worker thread per slower tier with work queued."""
 
@@ -102,6 +136,11 @@ class Persister:
         self.config: TieredConfig = pickle.loads((rd / "config.pkl").read_bytes())
         self.threads: dict[int, threading.Thread] = {}
         self.owner_gone_since: float | None = None
+        self.lock = threading.Lock()  # the queue: a tier thread taking a job vs the trimmer
+        self.active: dict[int, Job] = {}  # tier -> the job its thread works on
+        self.health: dict[int, Health] = {}
+        for old in (rd / "health").glob("*.json"):  # a former writer's verdicts: judged anew
+            old.unlink(missing_ok=True)
 
     def owner_alive(self) -> bool:
         try:
@@ -117,6 +156,7 @@ class Persister:
     def run(self) -> None:
         idle_since = time.monotonic()
         while True:
+            self.watch()
             jobs = queued(self.rd)
             for target in sorted({j.target for j in jobs}):
                 t = self.threads.get(target)
@@ -125,6 +165,10 @@ class Persister:
                     self.threads[target] = t
                     t.start()
             owner = self.owner_alive()
+            gone = None if self.owner_gone_since is None else time.monotonic() - self.owner_gone_since
+            if gone is not None and gone > self.config.writer_drain_timeout and jobs:
+                self.give_up(gone)
+                return
             if jobs or any(t.is_alive() for t in self.threads.values()):
                 idle_since = time.monotonic()
             elif not owner or (self.rd / "stop").exists() or time.monotonic() - idle_since > IDLE_EXIT:
@@ -138,19 +182,82 @@ class Persister:
 
     def tier_loop(self, target: int) -> None:
         while True:
-            jobs = queued(self.rd, target)
-            if not jobs:
-                return
+            with self.lock:
+                jobs = queued(self.rd, target)
+                if not jobs:
+                    self.active.pop(target, None)
+                    return
+                self.active[target] = jobs[0]
             self.process(jobs[0])
+
+    # -- tier health ----------------------------------------------------------------------
+
+    def judge(self, target: int, state: str, error: str | None = None) -> None:
+        """Record (and publish, on a change) the health of ``target``."""
+        h = self.health.setdefault(target, Health())
+        if h.state == state and h.error == error:
+            return
+        if h.state != state:
+            h.since = time.time()
+            level = logging.INFO if state == HEALTHY else logging.WARNING
+            log.log(
+                level, "tier %s is %s%s", self.config.tiers[target].path, state, f": {error}" if error else ""
+            )
+        h.state, h.error = state, error
+        record = {"tier": target, "state": state, "since": h.since, "error": error}
+        (self.rd / "health").mkdir(exist_ok=True)
+        write_json(self.rd / "health" / health_name(target), record)
+
+    def writing(self, target: int, step: int | None, store: Storage | None = None) -> None:
+        """A write to ``target`` starts (for ``step``) or ends (None)."""
+        h = self.health.setdefault(target, Health())
+        h.writing, h.store, h.progress = step, store, time.monotonic()
+
+    def progressed(self, target: int) -> None:
+        self.health[target].progress = time.monotonic()
+
+    def watch(self) -> None:
+        """Mark stalled the tiers whose write made no progress for ``tier_timeout``, and keep
+        only the newest waiting step queued for every tier that is not healthy."""
+        bound = self.config.tier_timeout
+        for target, h in list(self.health.items()):
+            idle = time.monotonic() - h.last_progress()
+            if h.writing is not None and h.state == HEALTHY and idle > bound:
+                self.judge(target, "stalled", f"writing step {h.writing} made no progress for {idle:.0f} s")
+            if h.state != HEALTHY:
+                self.trim(target)
+
+    def trim(self, target: int) -> None:
+        """Skip every step waiting for ``target`` but the newest (the one under way stays)."""
+        with self.lock:
+            active = self.active.get(target)
+            waiting = [j for j in queued(self.rd, target) if active is None or j.step != active.step]
+            for job in waiting[:-1]:
+                h = self.health[target]
+                why = f"skipped: tier {h.state} ({h.error}); step {waiting[-1].step} is queued in its place"
+                self.finish(job, {"state": "skipped", "error": why, "seconds": 0.0})
+
+    def give_up(self, gone: float) -> None:
+        """The trainer is gone and the drain time is over: record every unwritten step."""
+        why = (
+            f"not written: the writer gave up {gone:.0f} s after its trainer exited "
+            f"(writer_drain_timeout={self.config.writer_drain_timeout:g} s)"
+        )
+        with self.lock:
+            jobs = queued(self.rd)
+            for job in jobs:
+                self.finish(job, {"state": "failed", "error": why, "seconds": 0.0})
+        log.error("%s; %d step(s) not persisted: %s", why, len(jobs), [(j.step, j.target) for j in jobs])
 
     def process(self, job: Job) -> None:
         started = time.monotonic()
         src = TierView(self.config, job.source, job.node, job.rank)
         dst = TierView(self.config, job.target, job.node, job.rank)
-        result = {"step": job.step, "target": job.target, "rank": job.rank}
+        result: dict = {}
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 result["state"] = self.persist(src, dst, job)
+                self.judge(job.target, HEALTHY)
                 break
             except Abandoned as e:
                 result.update(state="failed", error=f"abandoned: {e}")
@@ -158,12 +265,14 @@ class Persister:
             except Exception as e:
                 log.warning("step %d to tier %s, attempt %d: %r", job.step, dst.tier.path, attempt, e)
                 result.update(state="failed", error=f"{type(e).__name__}: {e}")
+                self.judge(job.target, "failing", result["error"])
                 if classify(e) is PermanentStorageError:
                     break  # a full, read-only or forbidden tier: trying again changes nothing
                 if attempt < ATTEMPTS:
                     time.sleep(0.5 * 4 ** (attempt - 1))
+            finally:
+                self.writing(job.target, None)
         result["seconds"] = round(time.monotonic() - started, 3)
-        result["finished"] = time.time()
         if result["state"] == "failed":
             log.error("step %d NOT written to tier %s: %s", job.step, dst.tier.path, result["error"])
         else:
@@ -174,8 +283,22 @@ class Persister:
                 result["state"],
                 result["seconds"],
             )
+        with self.lock:
+            self.finish(job, result, src)
+
+    def finish(self, job: Job, result: dict, src: TierView | None = None) -> None:
+        """Record what became of ``job``, unpin its step on the source tier, dequeue it."""
+        result = {"step": job.step, "target": job.target, "rank": job.rank, **result, "finished": time.time()}
+        if result["state"] == "skipped":
+            log.warning(
+                "step %d NOT written to tier %s: %s",
+                job.step,
+                self.config.tiers[job.target].path,
+                result["error"],
+            )
         write_json(self.rd / "results" / job_name(job.target, job.step), result)
         prune_results(self.rd / "results", job.target)
+        src = src or TierView(self.config, job.source, job.node, job.rank)
         try:
             src.own.delete(pin_key(self.config.namespace, job.step, job.rank, job.target))
             newest = max(src.committed(), default=job.step)
@@ -211,6 +334,7 @@ class Persister:
         its root took) to ``dst``; commit ``dst``'s root when the placement says it is whole."""
         copy = self.wait_for_source(src, job)
         ns, step = self.config.namespace, job.step
+        self.writing(job.target, step, dst.own)  # from here on, a write that makes no progress stalls
         nodes = nodes_of(copy.marker)
         for rank in dst.placement.parts_written_by(job.rank, nodes, copy.marker.replication):
             index = src.part_index(src.own, copy.marker, rank)
@@ -219,7 +343,9 @@ class Persister:
                     f"step {step}: no readable index of rank {rank}'s part in {src.own.url}"
                     + ("" if copy.marker.has_indexes else " (a format 1/2 step the writer cannot copy)")
                 )
-            write_index(dst.own, ns, step, copy_part(src, dst, step, index))
+            write_index(
+                dst.own, ns, step, copy_part(src, dst, step, index, lambda: self.progressed(job.target))
+            )
         marker = dst.placement.copied_marker(src, dst, copy)  # None until the root's last writer
         if marker is None:
             return "clean"
@@ -249,7 +375,8 @@ def main(argv: list[str]) -> int:
         Persister(rd).run()
     finally:
         (rd / "writer.pid").unlink(missing_ok=True)
-    return 0
+        logging.shutdown()
+    os._exit(0)  # a tier thread may still hang in a call to a dead tier: do not wait for it
 
 
 if __name__ == "__main__":

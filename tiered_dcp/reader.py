@@ -87,10 +87,10 @@ class TieredReader(StorageReader):
             found, cluster, lost = self._pool()
             self._group_name = transport.next_name(config.namespace, "load")
         else:
-            found, cluster = complete_steps(config, self.node, rank), {}
+            found, cluster = complete_steps(self._views.values()), {}
         in_cluster = {s for copies in cluster.values() for s in copies}
         loadable = set(found) | in_cluster
-        searched = lambda: describe_search(config, self.node, rank) + _describe_cluster(cluster, lost)  # noqa: E731
+        searched = lambda: describe_search(self._views.values()) + _describe_cluster(cluster, lost)  # noqa: E731
         if step is None:
             if not loadable:
                 raise NoCheckpointError(

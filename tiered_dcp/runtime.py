@@ -11,7 +11,9 @@ process, the status call and the CLI alike::
         writer.pid        the live writer's pid
         stop              asks the writer to exit once its queue is empty
         queue/t<tier>_s<step>.json     a step waiting to be written to a slower tier
-        results/t<tier>_s<step>.json   what became of it: committed, or failed and why
+        results/t<tier>_s<step>.json   what became of it: committed, or failed or skipped and why
+        health/t<tier>.json            the writer's verdict on a slower tier: healthy, stalled or
+                                       failing, since when and why
 
 Files, not sockets: any process (the trainer, DCP's upload thread or subprocess) can
 enqueue, the queue outlives a crashed writer (its successor resumes it), and the status
@@ -140,6 +142,19 @@ class Job:
         return cls(**d) if d else None
 
 
+HEALTHY = "healthy"
+
+
+def health_name(tier: int) -> str:
+    return f"t{tier:02d}.json"
+
+
+def tier_health(rd: Path, tier: int) -> dict:
+    """The writer's verdict on ``tier``: ``state`` healthy | stalled | failing, ``since``,
+    ``error``. A tier no writer has judged is healthy."""
+    return read_json(rd / "health" / health_name(tier)) or {"tier": tier, "state": HEALTHY}
+
+
 def queued(rd: Path, target: int | None = None) -> list[Job]:
     jobs = []
     qdir = rd / "queue"
@@ -173,6 +188,7 @@ class WriterHandle:
         self._prepared: tuple | None = None
         self._seen: set[str] = set()  # outcome files already looked at
         self._next_warning = 0.0  # when a save waiting for the writer is worth a warning again
+        self._health: dict[int, tuple] = {}  # tier -> (state, since) last logged
 
     def ensure(self, owner_pid: int) -> None:
         """Make sure a writer serves this rank, starting one if none is running."""
@@ -224,17 +240,19 @@ class WriterHandle:
         threading.Thread(target=proc.wait, daemon=True, name="tiered-dcp-reaper").start()
 
     def wait_for_room(self, step: int, targets: list[int], owner_pid: int, max_pending: int) -> float:
-        """Wait while the writer has ``max_pending`` steps queued for one of ``targets``.
+        """Wait while the writer has ``max_pending`` steps queued for a healthy one of ``targets``.
 
         Called before ``step`` is staged or written, so a writer that fell behind makes the
-        next save wait and never delays the commit of a step already written. Returns the
-        seconds waited. The wait is logged once it exceeds ``WAIT_WARNING``, then at most
-        once a minute: a slow tier slows every save, one line says so.
+        next save wait and never delays the commit of a step already written. A tier its
+        writer judges stalled or failing is not waited for: the writer keeps only the newest
+        step queued for it. Returns the seconds waited. The wait is logged once it exceeds
+        ``WAIT_WARNING``, then at most once a minute: a slow tier slows every save, one line
+        says so.
         """
         started = time.monotonic()
         warn_at = max(started + WAIT_WARNING, self._next_warning)
         for target in targets:
-            while len(queued(self.rd, target)) >= max_pending:
+            while len(queued(self.rd, target)) >= max_pending and self.healthy(target):
                 if time.monotonic() > warn_at:
                     warn_at = self._next_warning = time.monotonic() + 60
                     log.warning(
@@ -252,6 +270,26 @@ class WriterHandle:
                 if not writer_running(self.rd):
                     self.ensure(owner_pid)
         return time.monotonic() - started
+
+    def healthy(self, target: int) -> bool:
+        """Whether the writer judges ``target`` healthy; a change is logged once."""
+        h = tier_health(self.rd, target)
+        seen = (h["state"], h.get("since"))
+        if self._health.get(target, (HEALTHY, None)) != seen:
+            self._health[target] = seen
+            path = self.config.tiers[target].path
+            if h["state"] == HEALTHY:
+                log.info("rank %d: tier %s answers again", self.rank, path)
+            else:
+                log.warning(
+                    "rank %d: tier %s is %s (%s); saves go on without waiting for it, and only the "
+                    "newest step stays queued for it (older ones are skipped, and recorded as such)",
+                    self.rank,
+                    path,
+                    h["state"],
+                    h.get("error"),
+                )
+        return h["state"] == HEALTHY
 
     def enqueue(self, job: Job) -> None:
         """Queue ``job``; ``ensure`` afterwards, so a writer is there to take it."""
@@ -271,8 +309,9 @@ class WriterHandle:
             if res is None:
                 continue  # being replaced; looked at next time
             self._seen.add(name)
-            if res.get("state") == "failed":
-                log.error(
+            if res.get("state") in ("failed", "skipped"):
+                log.log(
+                    logging.ERROR if res["state"] == "failed" else logging.WARNING,
                     "step %d was NOT written to tier %s by rank %d's writer: %s",
                     res["step"],
                     self.config.tiers[res["target"]].path,
@@ -280,6 +319,8 @@ class WriterHandle:
                     res.get("error"),
                 )
         self._seen &= names
+        for target in range(1, len(self.config.tiers)):
+            self.healthy(target)
 
     def _starting(self) -> bool:
         """Whether a writer this process launched is alive (maybe still importing, unlocked)."""

@@ -9,9 +9,11 @@ which fills in the slower tiers taking it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -231,13 +233,14 @@ class TieredWriter(StorageWriter, AsyncStager):
         ns = self.config.namespace
         world = (plan.storage_data or {}).get("world") or [self.node]
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
-        for target in slower:  # pins first: retention must not remove what a writer will copy
-            first.own.write(pin_key(ns, self.step, self.rank, target), [b""])
         if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
-            part = encode_part(first, self.step, self.rank, items)
-            write_part(first, self.step, part)
+            with _failing_save(first, self.step):
+                _pin(first, self.step, self.rank, slower)
+                part = encode_part(first, self.step, self.rank, items)
+                write_part(first, self.step, part)
             records = part.records
         else:
+            _pin(first, self.step, self.rank, slower)
             records = self._write_node_local(first, items, world, planner, name)
         if slower:
             handle = writer_handle(self.config, self.rank)
@@ -298,7 +301,28 @@ class TieredWriter(StorageWriter, AsyncStager):
             return
         world = self._world if self._world is not None else [self.node]
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        first.commit(self.step, *build_commit(first, self.step, metadata, world, records))
+        with _failing_save(first, self.step):
+            first.commit(self.step, *build_commit(first, self.step, metadata, world, records))
+
+
+def _pin(first: TierView, step: int, rank: int, slower: list[int]) -> None:
+    """Pins first: the first tier's retention must not remove what a writer will copy."""
+    for target in slower:
+        first.own.write(pin_key(first.config.namespace, step, rank, target), [b""])
+
+
+@contextlib.contextmanager
+def _failing_save(first: TierView, step: int) -> Iterator[None]:
+    """A shared first tier that fails (down, full, forbidden) fails the save, saying which.
+
+    Its backend bounds every call (retries within a time limit), so this comes in bounded time.
+    """
+    try:
+        yield
+    except OSError as e:
+        raise TieredCheckpointError(
+            f"step {step} was not saved: tier {first.tier.path}, the fastest tier taking it, failed: {e}"
+        ) from e
 
 
 def _current_rank() -> int:
