@@ -36,6 +36,8 @@ MARKER = "COMMITTED"
 METADATA = "metadata"
 STEP_PREFIX = "step_"
 PIN_PREFIX = "pin."
+LEASE_PREFIX = "lease."
+FAILED_PREFIX = "failed."
 
 # -- names -------------------------------------------------------------------------------
 
@@ -72,6 +74,26 @@ def pin_key(namespace: str, step: int, rank: int, target: int) -> str:
 
 def is_pin(name: str) -> bool:
     return name.startswith(PIN_PREFIX)
+
+
+def lease_key(namespace: str, step: int, holder: str) -> str:
+    """A reader's lease on the step in this root: retention leaves the step alone while it
+    is live. ``holder`` names the reader (host, pid and a random id)."""
+    return f"{step_dir(namespace, step)}/{LEASE_PREFIX}{holder}"
+
+
+def is_lease(name: str) -> bool:
+    return name.startswith(LEASE_PREFIX)
+
+
+def failed_key(namespace: str, step: int, rank: int) -> str:
+    """Rank's note that its save of the step failed (the error, as text): the step will never
+    be committed, and the next commit's retention removes it."""
+    return f"{step_dir(namespace, step)}/{FAILED_PREFIX}rank_{rank:05d}"
+
+
+def is_failed_note(name: str) -> bool:
+    return name.startswith(FAILED_PREFIX)
 
 
 def metadata_key(namespace: str, step: int) -> str:

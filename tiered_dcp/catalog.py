@@ -8,6 +8,7 @@ module sees a tier through both. Torch-free: the writer process uses it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -22,6 +23,8 @@ from tiered_dcp.storage.format import (
     Marker,
     PartIndex,
     index_key,
+    is_failed_note,
+    is_lease,
     marker_key,
     metadata_key,
     parse_step_dir,
@@ -32,6 +35,7 @@ from tiered_dcp.storage.format import is_pin as _is_pin
 from tiered_dcp.storage.local import DIRTY
 
 from .config import Tier, TieredConfig
+from .leases import live_leases, owner_alive
 from .placement import Placement, nodes_of, placement_for
 
 log = logging.getLogger("tiered_dcp")
@@ -264,12 +268,30 @@ class TierView:
         for store in self.scan_roots():
             for step in self.step_dirs(store):
                 if step not in rows:
-                    sdir = step_dir(self.config.namespace, step)
-                    names = store.list(sdir)
-                    size = sum(store.size(f"{sdir}/{n}") or 0 for n in names)
-                    state = "writing" if any(DIRTY in n for n in names) else "clean"
-                    rows[step] = StepState(self.index, self.tier.path, step, state, size, None)
+                    row = self._uncommitted(store, step)
+                    if row is not None:
+                        rows[step] = row
         return [rows[s] for s in sorted(rows)]
+
+    def _uncommitted(self, store: Storage, step: int) -> StepState | None:
+        """A step directory without a marker: failed (a note says why, or its save is gone
+        without writing anything), writing, or clean (parts, no marker yet); None when it
+        holds nothing but leases (a reader raced its removal)."""
+        sdir = step_dir(self.config.namespace, step)
+        names = store.list(sdir)
+        data = [n for n in names if not (_is_pin(n) or is_lease(n) or is_failed_note(n))]
+        size = sum(store.size(f"{sdir}/{n}") or 0 for n in data)
+        error = self.failure(store, step)
+        if error is None and not data:
+            if not any(_is_pin(n) for n in names):
+                return None
+            if self.abandoned(store, step):
+                error = "its save ended before it wrote anything"
+        if error is not None:
+            state = "failed"
+        else:
+            state = "writing" if not data or any(DIRTY in n for n in data) else "clean"
+        return StepState(self.index, self.tier.path, step, state, size, None, error)
 
     def apply_retention(self, newest: int) -> None:
         """Keep the newest ``keep`` committed steps of this process's root; drop older ones.
@@ -279,8 +301,10 @@ class TierView:
         node prunes its own after its own commit (a marker there means the step was
         complete everywhere when it was committed). Only steps whose share of this root is
         still whole take one of the ``keep`` places. Markers go first, so a half-deleted
-        step is never trusted. Failed saves' leftovers older than ``newest`` go too; pinned
-        steps wait for their writer.
+        step is never trusted. Failed saves' leftovers older than ``newest`` go too.
+        Committed steps that are pinned (a writer process still copies them) or leased (a
+        reader reads them, ``leases``) stay; a reader that leases a step just as its marker
+        goes finds the marker put back.
         """
         store = self.own
         ns = self.config.namespace
@@ -293,15 +317,51 @@ class TierView:
         if self.tier.keep is not None:
             kept = sorted(s for s, m in committed.items() if self.whole_here(m))[-self.tier.keep :]
             doomed = [s for s in committed if s not in kept and s < newest]
-        doomed += [s for s in self.step_dirs(store) if s < newest and s not in committed]
         for step in sorted(doomed):
-            if self.pinned(store, step):
-                continue  # a writer process still copies it to a slower tier
+            if self.held(store, step):
+                continue
+            try:
+                raw = store.read(marker_key(ns, step))
+            except FileNotFoundError:
+                raw = None
             store.delete(marker_key(ns, step))
+            if raw is not None and self.held(store, step):  # leased in the meantime: its reader saw
+                store.write(marker_key(ns, step), [raw])  # the marker, so the step stays for it
+                continue
             store.delete(step_dir(ns, step))
+        for step in self.step_dirs(store):
+            if step < newest and step not in committed and self.abandoned(store, step):
+                store.delete(step_dir(ns, step))
 
-    def pinned(self, store: Storage, step: int) -> bool:
-        return any(_is_pin(n) for n in store.list(step_dir(self.config.namespace, step)))
+    def held(self, store: Storage, step: int) -> bool:
+        """Whether a writer process (a pin) or a reader (a live lease) still needs the step."""
+        names = store.list(step_dir(self.config.namespace, step))
+        return any(_is_pin(n) for n in names) or bool(live_leases(store, self.config.namespace, step, names))
+
+    def abandoned(self, store: Storage, step: int) -> bool:
+        """Whether an uncommitted step will never be committed: its save recorded a failure,
+        or nothing in it belongs to a running save (every pin's process is gone)."""
+        sdir = step_dir(self.config.namespace, step)
+        names = store.list(sdir)
+        if any(is_failed_note(n) for n in names):
+            return True
+        for name in names:
+            if _is_pin(name):
+                try:
+                    if owner_alive(store.read(f"{sdir}/{name}")):
+                        return False  # its save may still commit it (an async save in flight)
+                except FileNotFoundError:
+                    continue
+        return True
+
+    def failure(self, store: Storage, step: int) -> str | None:
+        """The errors a failed save of ``step`` recorded in ``store``, if any."""
+        sdir = step_dir(self.config.namespace, step)
+        notes = []
+        for name in sorted(n for n in store.list(sdir) if is_failed_note(n)):
+            with contextlib.suppress(FileNotFoundError):
+                notes.append(store.read(f"{sdir}/{name}").decode("utf-8", "replace"))
+        return "; ".join(notes) or None
 
     def commit(self, step: int, blob: bytes, marker: Marker) -> None:
         """Commit this process's root's copy of ``step`` and prune the root.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -42,10 +43,13 @@ from .cluster import (
 )
 from .config import TieredConfig, node_of
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
+from .leases import Leases
 from .tensors import byte_view, dtype_from_name
 from .transport import PeerTimeout
 
 log = logging.getLogger("tiered_dcp")
+
+CHOICES = 5  # times a reader chooses the newest step again when retention removed it meanwhile
 
 
 def _dist_rank() -> tuple[int, bool]:
@@ -82,30 +86,24 @@ class TieredReader(StorageReader):
         self._cluster: list[ClusterCopy] = []
         self._cluster_md: Metadata | None = None
         self._urls: dict[int, dict[int, str]] = {}  # tier -> rank -> its own root
-        lost: dict[int, dict[int, list[int]]] = {}
-        if self._dist:
-            found, cluster, lost = self._pool()
-            self._group_name = transport.next_name(config.namespace, "load")
-        else:
-            found, cluster = complete_steps(self._views.values()), {}
-        in_cluster = {s for copies in cluster.values() for s in copies}
-        loadable = set(found) | in_cluster
-        searched = lambda: describe_search(self._views.values()) + _describe_cluster(cluster, lost)  # noqa: E731
-        if step is None:
-            if not loadable:
+        for _ in range(CHOICES):
+            found, cluster, lost = self._choose(step)
+            if self._lease(found, cluster):
+                break
+            if step is not None:
                 raise NoCheckpointError(
-                    f"no complete checkpoint of namespace {config.namespace!r} on any tier; searched:\n"
-                    + searched()
+                    f"step {step} of namespace {config.namespace!r} was removed (by its tier's retention) "
+                    "just as this reader opened it; ask for a newer step, or keep more steps on the tier"
                 )
-            step = max(loadable)
-        elif step not in loadable:
+            log.info("step %d was removed just as it was opened; choosing the newest step again", self.step)
+            self._leases.release()
+        else:
             raise NoCheckpointError(
-                f"step {step} of namespace {config.namespace!r} is not complete on any tier; searched:\n"
-                + searched()
+                f"namespace {config.namespace!r}: the newest step was removed {CHOICES} times in a row just "
+                "as it was opened (retention is removing steps faster than they can be opened)"
             )
-        self.step = step
-        self._cluster = [copies[step] for _, copies in sorted(cluster.items()) if step in copies]
-        self._copies: list[StepCopy] = found.get(step, [])
+        self._cluster = [copies[self.step] for _, copies in sorted(cluster.items()) if self.step in copies]
+        self._copies: list[StepCopy] = found.get(self.step, [])
         if self._dist:
             self._own = self._own_copies()
             self._explain(lost)
@@ -114,6 +112,55 @@ class TieredReader(StorageReader):
         own = self._own if self._dist else {}
         self._copy_at = {c.tier_index: c for c in self._copies} | own  # tier -> the copy read there
         self._sources = self._plan_sources()
+
+    def _choose(self, step: int | None) -> tuple[dict[int, list[StepCopy]], dict, dict]:
+        """Find the step to load (``step``, or the newest complete one) and its copies."""
+        lost: dict[int, dict[int, list[int]]] = {}
+        if self._dist:
+            found, cluster, lost = self._pool()
+            self._group_name = transport.next_name(self.config.namespace, "load")
+        else:
+            found, cluster = complete_steps(self._views.values()), {}
+        in_cluster = {s for copies in cluster.values() for s in copies}
+        loadable = set(found) | in_cluster
+        ns = self.config.namespace
+        searched = lambda: describe_search(self._views.values()) + _describe_cluster(cluster, lost)  # noqa: E731
+        if step is None:
+            if not loadable:
+                raise NoCheckpointError(
+                    f"no complete checkpoint of namespace {ns!r} on any tier; searched:\n" + searched()
+                )
+            step = max(loadable)
+        elif step not in loadable:
+            raise NoCheckpointError(
+                f"step {step} of namespace {ns!r} is not complete on any tier; searched:\n" + searched()
+            )
+        self.step = step
+        return found, cluster, lost
+
+    def _lease(self, found: dict[int, list[StepCopy]], cluster: dict[int, dict[int, ClusterCopy]]) -> bool:
+        """Lease the chosen step in every root this rank reads it from (``leases``), so that
+        retention leaves it alone until the read is done; False (on every rank) when it was
+        removed before the leases were in place."""
+        self._leases = Leases(self.config.namespace, self.step)
+        weakref.finalize(self, self._leases.release)
+        ok = True
+        for copy in found.get(self.step, []):
+            view = self._views[copy.tier_index]
+            ok = self._leases.take(copy.store) and ok
+            for root in [] if self._dist else view.scan_roots():  # alone, it may read every root
+                if root is not copy.store and view.read_marker(root, self.step) is not None:
+                    self._leases.take(root)
+        for tier_index, copies in cluster.items():
+            if self.step in copies and self.rank in {
+                r for rs in copies[self.step].holders.values() for r in rs
+            }:
+                ok = self._leases.take(self._views[tier_index].own) and ok
+        if self._dist:
+            flag = torch.tensor([int(ok)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(flag.item())
+        return ok
 
     # -- choosing the step -------------------------------------------------------------
 
@@ -237,8 +284,13 @@ class TieredReader(StorageReader):
             try:
                 md = md_blob.load_metadata(copy)
             except (OSError, ChecksumMismatch) as e:
-                self._bad_metadata[copy.tier_index] = str(e)
-                log.warning("step %d: metadata unusable (%s); trying the next tier", self.step, e)
+                view = self._views[copy.tier_index]
+                removed = isinstance(e, FileNotFoundError) and view.read_marker(copy.store, self.step) is None
+                why = (
+                    f"removed from tier {copy.tier_index} (no longer committed there)" if removed else str(e)
+                )
+                self._bad_metadata[copy.tier_index] = why
+                log.warning("step %d: metadata unusable (%s); trying the next tier", self.step, why)
             self._metadata[copy.tier_index] = md
         return self._metadata[copy.tier_index]
 
@@ -249,10 +301,12 @@ class TieredReader(StorageReader):
             md = self._load_metadata(copy)
             if md is not None:
                 return md
-        raise CheckpointCorruptError(
-            f"step {self.step}: metadata damaged on every tier holding it: "
-            + "; ".join(self._bad_metadata.values())
-        )
+        why = "; ".join(self._bad_metadata.values())
+        if all(w.startswith("removed") for w in self._bad_metadata.values()):
+            raise NoCheckpointError(
+                f"step {self.step} was removed from every tier holding it while it was opened: {why}"
+            )
+        raise CheckpointCorruptError(f"step {self.step}: metadata damaged on every tier holding it: {why}")
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -342,12 +396,18 @@ class TieredReader(StorageReader):
                 return True
             except (ChecksumMismatch, OSError) as e:
                 where = store.describe(rec.file)
-                self._failures.setdefault(id(req), []).append(f"{where}: {e}")
+                view = self._views[src.tier]
+                if isinstance(e, FileNotFoundError) and view.read_marker(store, self.step) is None:
+                    what = "was removed (the step is no longer committed there: another job's retention?)"
+                else:
+                    what = "is damaged"
+                self._failures.setdefault(id(req), []).append(f"{where} {what}: {e}")
                 log.warning(
-                    "step %d: item %r in %s is damaged (%s); trying another copy",
+                    "step %d: item %r in %s %s (%s); trying another copy",
                     self.step,
                     req.storage_index.fqn,
                     where,
+                    what,
                     e,
                 )
         return False
@@ -462,6 +522,15 @@ class TieredReader(StorageReader):
         once for all items, whenever a node-local tier is pooled; it picks each item's
         holders in the route's order itself) with what is still missing; then the rest.
         """
+        try:
+            self._read_all(plan, planner)
+        finally:
+            self._leases.release()  # the step may go now, at its tiers' next retention
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         self._failures: dict[int, list[str]] = {}
         routes = self._routes(plan)
         split = {id(req): r.split_at_exchange() for req, r in zip(plan.items, routes, strict=True)}
@@ -471,15 +540,18 @@ class TieredReader(StorageReader):
         pending = [req for req in pending if not self._read_direct(req, planner, split[id(req)][1])]
         if pending:
             req = pending[0]
-            detail = "; ".join(self._failures.get(id(req), [])) or "no tier or peer holds it"
+            failures = self._failures.get(id(req), [])
+            detail = "; ".join(failures) or "no tier or peer holds it"
+            if failures and all(" was removed " in f for f in failures):
+                raise NoCheckpointError(
+                    f"step {self.step} was removed from every tier it was being read from (a lease that "
+                    f"expired, or another job's retention on a shared tier): {detail}"
+                )
             raise CheckpointCorruptError(
                 f"step {self.step}: no good copy of item {req.storage_index.fqn!r} "
                 f"(offset {list(req.storage_index.offset or [])}) left"
                 f"{f' (and {len(pending) - 1} more)' if len(pending) > 1 else ''}: {detail}"
             )
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
 
 def _describe_cluster(

@@ -18,6 +18,7 @@ from tiered_dcp.storage.format import IndexCache, ItemInfo, ItemKey, Marker, Par
 
 from .catalog import StepCopy, TierView, views
 from .config import TieredConfig
+from .leases import Leases
 from .metadata import item_key, legacy_index, load_metadata
 
 
@@ -65,10 +66,18 @@ class TierCheck:
 def verify_step(config: TieredConfig, step: int, node: int = 0, rank: int = 0) -> list[TierCheck]:
     """Read and check every copy of every part of ``step`` on each tier that committed it."""
     checks = []
-    for view in views(config, node, rank, IndexCache()):
-        copy = view.committed().get(step)
-        if copy is not None:
-            checks.append(_verify_tier(view, copy))
+    leases = Leases(config.namespace, step)  # retention of a running job leaves it alone meanwhile
+    try:
+        for view in views(config, node, rank, IndexCache()):
+            copy = view.committed().get(step)
+            if copy is None:
+                continue
+            for root in view.scan_roots():
+                leases.take(root)
+            if view.read_marker(copy.store, step) is not None:  # not removed before the lease
+                checks.append(_verify_tier(view, copy))
+    finally:
+        leases.release()
     return checks
 
 

@@ -28,13 +28,14 @@ from torch.futures import Future
 
 from tiered_dcp.planners.save import plan_global, tag_local_plan
 from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
-from tiered_dcp.storage.format import part_key, pin_key
+from tiered_dcp.storage.format import failed_key, index_key, part_key, pin_key
 
 from . import preemption, transport
-from .catalog import TierView
+from .catalog import TierView, bounded
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
+from .leases import owner_record
 from .metadata import Records
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
 from .runtime import MAX_PENDING, Job, writer_handle
@@ -233,15 +234,19 @@ class TieredWriter(StorageWriter, AsyncStager):
         ns = self.config.namespace
         world = (plan.storage_data or {}).get("world") or [self.node]
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
-        if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
-            with _failing_save(first, self.step):
+        try:
+            if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
+                with _failing_save(first, self.step):
+                    _pin(first, self.step, self.rank, slower)
+                    part = encode_part(first, self.step, self.rank, items)
+                    write_part(first, self.step, part)
+                records = part.records
+            else:
                 _pin(first, self.step, self.rank, slower)
-                part = encode_part(first, self.step, self.rank, items)
-                write_part(first, self.step, part)
-            records = part.records
-        else:
-            _pin(first, self.step, self.rank, slower)
-            records = self._write_node_local(first, items, world, planner, name)
+                records = self._write_node_local(first, items, world, planner, name)
+        except BaseException as e:
+            _abandon(first, self.step, self.rank, slower, e)
+            raise
         if slower:
             handle = writer_handle(self.config, self.rank)
             for target in slower:
@@ -301,14 +306,43 @@ class TieredWriter(StorageWriter, AsyncStager):
             return
         world = self._world if self._world is not None else [self.node]
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        with _failing_save(first, self.step):
-            first.commit(self.step, *build_commit(first, self.step, metadata, world, records))
+        try:
+            with _failing_save(first, self.step):
+                first.commit(self.step, *build_commit(first, self.step, metadata, world, records))
+        except BaseException as e:
+            _abandon(first, self.step, self.rank, [], e)
+            raise
 
 
 def _pin(first: TierView, step: int, rank: int, slower: list[int]) -> None:
     """Pins first: the first tier's retention must not remove what a writer will copy."""
     for target in slower:
-        first.own.write(pin_key(first.config.namespace, step, rank, target), [b""])
+        first.own.write(pin_key(first.config.namespace, step, rank, target), [owner_record()])
+
+
+def _abandon(first: TierView, step: int, rank: int, slower: list[int], error: BaseException) -> None:
+    """A failed save leaves nothing that lives on: this rank's part goes (freeing the space
+    a full tier needs), a note says why the step failed (``status`` shows it), and the pins
+    go, so the next commit's retention removes the step. Best effort, and bounded by
+    ``tier_timeout``: the tier may be down, and the save's error must reach the user."""
+    ns, store = first.config.namespace, first.own
+
+    def undo() -> None:
+        if first.read_marker(store, step) is not None:
+            return  # committed after all (the failure came later): nothing to undo
+        for key in (part_key(ns, step, rank), index_key(ns, step, rank)):
+            with contextlib.suppress(OSError):
+                store.delete(key)
+        with contextlib.suppress(OSError):
+            store.write(failed_key(ns, step, rank), [f"{type(error).__name__}: {error}".encode()])
+        for target in slower:
+            with contextlib.suppress(OSError):
+                store.delete(pin_key(ns, step, rank, target))
+
+    try:
+        bounded(undo, first.config.tier_timeout)
+    except Exception as e:  # noqa: BLE001 - the save's own error is what the user needs
+        log.warning("step %d: could not clean up after the failed save on %s: %s", step, first.tier.path, e)
 
 
 @contextlib.contextmanager
