@@ -170,6 +170,7 @@ class FaultProxy:
         self._rules: list[tuple[str, int]] = []
         self._seen = 0
         self.counts: dict[str, int] = {}
+        self.kinds: dict[str, int] = {}  # requests by kind (``request_kind``)
         self.active = self.peak = 0
         self._open: set[socket.socket] = set()
         self._stop = threading.Event()
@@ -185,6 +186,19 @@ class FaultProxy:
             assert every >= 1, every
         with self._lock:
             self._rules, self._seen = list(rules), 0
+
+    def _record(self, head: bytes) -> None:
+        """Count the request by kind (``kinds``): what a bucket is asked, for request budgets."""
+        method, _, target = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
+        kind = request_kind(method, target.rsplit(" ", 1)[0])
+        with self._lock:
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+    def reset_kinds(self) -> dict[str, int]:
+        """The requests counted by kind so far; counting starts again from zero."""
+        with self._lock:
+            kinds, self.kinds = self.kinds, {}
+        return kinds
 
     def _next_fault(self) -> str:
         with self._lock:
@@ -216,6 +230,7 @@ class FaultProxy:
             head, rest = _read_head(conn)
             if head is None:
                 return
+            self._record(head)
             fault, counted = self._next_fault(), True
             if fault == STALL:
                 while not self._stop.wait(0.2) and time.monotonic() < self._deadline:
@@ -266,6 +281,24 @@ class FaultProxy:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self._thread.join(timeout=5)
+
+
+def request_kind(method: str, target: str) -> str:
+    """A GCS JSON API request's kind: list, info, read, write, compose, delete, bucket, other."""
+    path, _, query = target.partition("?")
+    if path.startswith("/upload/"):
+        return "write"
+    if path.startswith("/download/") or "alt=media" in query:
+        return "read"
+    if path.endswith("/compose"):
+        return "compose"
+    if method == "DELETE":
+        return "delete"
+    if path.endswith("/o"):
+        return "list"
+    if "/o/" in path:
+        return "info"
+    return "bucket" if "/b/" in path or path.endswith("/b") else "other"
 
 
 def _status_answer(status: int) -> bytes:

@@ -116,29 +116,41 @@ class TierView:
         self.indexes = indexes if indexes is not None else IndexCache()  # scoped like the view
         self._stores: dict[str, Storage] = {}
         self.unreachable: str | None = None  # why a shared tier is skipped by this view's queries
+        self._listed: dict[str, list[str]] = {}  # a shared tier's first listing, until used
+        self._answered = False  # the shared tier answered this view's first question in time
 
     def answer(self, fn: Callable[[], T], empty: T) -> T:
-        """``fn()``; on a shared tier, ``empty`` when it does not answer within ``tier_timeout``.
+        """``fn()``; on a shared tier, ``empty`` when it does not answer.
 
-        Loads and queries go on without a bucket that is down or stalled: the first failure
-        is logged and remembered, and the view asks that tier nothing more. Node-local tiers
+        Loads and queries go on without a bucket that is down or stalled. The view's first
+        question to a shared tier (listing the namespace) must be answered within
+        ``tier_timeout``; what follows is bounded by the backend's own timeouts (a tier that
+        answered may hold many steps: their scan is not cut short). The first failure is
+        logged and remembered, and the view asks that tier nothing more. Node-local tiers
         are this machine's own files: their errors are raised.
         """
         if not self.tier.is_shared:
             return fn()
-        if self.unreachable is None:
-            try:
-                return bounded(fn, self.config.tier_timeout)
-            except (TimeoutError, OSError) as e:
-                self.unreachable = f"{type(e).__name__}: {e}"
-                log.warning(
-                    "tier %d (%s) did not answer: %s; skipping it (a step only it holds cannot be "
-                    "found until it answers)",
-                    self.index,
-                    self.tier.path,
-                    self.unreachable,
-                )
+        try:
+            if self.unreachable is None and not self._answered:
+                self._listed = bounded(self._probe, self.config.tier_timeout)
+                self._answered = True
+            if self.unreachable is None:
+                return fn()
+        except (TimeoutError, OSError) as e:
+            self.unreachable = f"{type(e).__name__}: {e}"
+            log.warning(
+                "tier %d (%s) did not answer: %s; skipping it (a step only it holds cannot be "
+                "found until it answers)",
+                self.index,
+                self.tier.path,
+                self.unreachable,
+            )
         return empty
+
+    def _probe(self) -> dict[str, list[str]]:
+        """The namespace listing of every root scanned (kept for the next ``step_dirs``)."""
+        return {s.url: s.list(self.config.namespace) for s in self.scan_roots()}
 
     def store_for(self, node: int, rank: int) -> Storage:
         url = self.tier.root(node, rank)
@@ -156,7 +168,9 @@ class TierView:
         return list({s.url: s for s in roots}.values())
 
     def step_dirs(self, store: Storage) -> list[int]:
-        steps = (parse_step_dir(name) for name in store.list(self.config.namespace))
+        listed = self._listed.pop(store.url, None)  # the probe's, used once
+        names = listed if listed is not None else store.list(self.config.namespace)
+        steps = (parse_step_dir(name) for name in names)
         return sorted(s for s in steps if s is not None)
 
     def read_marker(self, store: Storage, step: int) -> Marker | None:
