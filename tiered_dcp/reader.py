@@ -10,7 +10,6 @@ naming the bad file.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from typing import Any
@@ -29,7 +28,7 @@ from tiered_dcp.storage.codec import ChecksumMismatch, checksum, read_item, veri
 from tiered_dcp.storage.format import IndexCache, ItemInfo, PartIndex, Record, metadata_key, part_key
 
 from . import metadata as md_blob
-from . import transport
+from . import transport, user_values
 from .catalog import StepCopy, TierView, complete_steps, describe_search, views
 from .cluster import (
     ClusterCopy,
@@ -114,6 +113,8 @@ class TieredReader(StorageReader):
         own = self._own if self._dist else {}
         self._copy_at = {c.tier_index: c for c in self._copies} | own  # tier -> the copy read there
         self._sources = self._plan_sources()
+        if not self._dist:  # metadata refused on every tier: say so here, not as DCP's AssertionError
+            self.read_metadata()
 
     # -- choosing the step -------------------------------------------------------------
 
@@ -214,7 +215,16 @@ class TieredReader(StorageReader):
             box = [blob]
             dist.broadcast_object_list(box, src=src)
             if box[0] is not None:
-                return md_blob.loads(box[0])
+                try:
+                    return md_blob.loads(box[0])
+                except ChecksumMismatch as e:  # every rank sees the same bytes: all try the next
+                    log.warning(
+                        "step %d: metadata of rank %d's root %s: %s",
+                        self.step,
+                        src,
+                        self._urls[cc.tier_index][src],
+                        e,
+                    )
         raise CheckpointCorruptError(f"step {self.step}: its metadata is damaged on every node holding it")
 
     @property
@@ -297,7 +307,7 @@ class TieredReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             raw = bytearray(rec.raw_length)
             read_item(store, rec, memoryview(raw))
-            planner.load_bytes(req, io.BytesIO(raw))
+            planner.load_bytes(req, user_values.checked(raw))
             return
         target = planner.resolve_tensor(req).detach()
         dtype, shape = dtype_from_name(rec.dtype or ""), list(rec.shape or ())
@@ -422,6 +432,7 @@ class TieredReader(StorageReader):
                     assert info is not None  # asked for only when the metadata knows it
                     try:
                         check_raw(info, buf)
+                        self._deliver(req, planner, info, buf)
                     except ChecksumMismatch as e:
                         self._failures.setdefault(id(req), []).append(f"from rank {holder}: {e}")
                         log.warning(
@@ -432,7 +443,6 @@ class TieredReader(StorageReader):
                             e,
                         )
                         continue
-                    self._deliver(req, planner, info, buf)
                     done.add(id(req))
                 pending = [r for r in pending if id(r) not in done]
         except PeerTimeout as e:
@@ -449,7 +459,7 @@ class TieredReader(StorageReader):
 
     def _deliver(self, req: ReadItem, planner: LoadPlanner, info: ItemInfo, buf: torch.Tensor) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
+            planner.load_bytes(req, user_values.checked(buf.numpy().tobytes()))
             return
         target = planner.resolve_tensor(req).detach()
         full = buf.view(dtype_from_name(info.dtype or "")).reshape(info.shape or ())
