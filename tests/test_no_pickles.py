@@ -8,6 +8,7 @@ Each crafted file here would touch a marker file if it ran.
 
 import glob
 import json
+import logging
 import os
 import pickle
 import re
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, settle, value_kinds, zeros_like_state
+from dist_utils import run_ranks
 from test_save_load import cause, load, save
 from tiered_dcp.storage.codec import checksum
 from tiered_dcp.storage.format import Record
@@ -216,3 +218,44 @@ def test_what_ranks_exchange_through_the_store_is_plain_data():
     assert k.offset == torch.Size([4, 0]) and item_key(k) == item_key(idx)
     req = PeerRequest(1, 2, idx, 64)
     assert PeerRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
+
+
+def _cluster_config(root: str) -> TieredConfig:
+    return TieredConfig(
+        "job",
+        [Tier(f"{root}/ram/{{node}}"), Tier(f"{root}/bucket", shared=True)],
+        replication_factor=2,
+    )
+
+
+def _save_cluster(rank, world, root):
+    dcp.save(
+        {"w": torch.arange(8.0), "n": "honest"},
+        storage_writer=TieredWriter(_cluster_config(root), step=3),
+    )
+
+
+def _load_cluster(rank, world, root):
+    captured = []
+    handler = type("H", (logging.Handler,), {"emit": lambda self, r: captured.append(r.getMessage())})()
+    logging.getLogger("tiered_dcp").addHandler(handler)
+    reader = TieredReader(_cluster_config(root))
+    target = {"w": torch.zeros(8), "n": ""}
+    dcp.load(target, storage_reader=reader)
+    return reader.step, reader.tiers, target["w"].tolist(), target["n"], captured
+
+
+def test_crafted_metadata_on_every_node_falls_back_to_the_shared_tier(tmp_path):
+    """Node-local copies pooled over the ranks: a refused metadata blob (the same on both nodes,
+    so the cluster agrees on it) is named, nothing runs, and the shared tier's copy is loaded."""
+    root = str(tmp_path)
+    run_ranks(_save_cluster, 2, root, env={"LOCAL_WORLD_SIZE": 1})
+    settle(_cluster_config(root))
+    marker = tmp_path / "pwned"
+    for node in (0, 1):
+        plant_metadata(tmp_path / f"ram/{node}/job/step_000000000003", marker)
+    results = run_ranks(_load_cluster, 2, root, env={"LOCAL_WORLD_SIZE": 1})
+    assert not marker.exists()
+    for step, tiers, w, n, lines in results:
+        assert (step, tiers, w, n) == (3, [1], list(range(8)), "honest")
+        assert any(f"forbidden global {FORBIDDEN}" in ln and "ram/0/job" in ln for ln in lines), lines

@@ -245,3 +245,15 @@ def causes(err: BaseException) -> list[BaseException]:
     if err.__cause__ is not None:
         out += causes(err.__cause__)
     return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as a second user")
+def test_a_symlink_another_user_owns_is_refused_even_to_a_private_dir_of_ours(tmp_path, runtime_dir):
+    """They could repoint it at any moment; that it points at a private dir now proves nothing."""
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    os.symlink(ours, runtime_dir)  # as if 'nobody' made it in the sticky, world-writable parent
+    os.lchown(runtime_dir, NOBODY, NOBODY)
+    with pytest.raises(UnsafeDirectoryError, match="symbolic link .* another user owns") as e:
+        runtime_root()
+    assert "uid 65534" in str(e.value)

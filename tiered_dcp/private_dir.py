@@ -25,6 +25,12 @@ class UnsafeDirectoryError(TieredCheckpointError, PermissionError):
     """The runtime directory (or one above it) could be changed by another user."""
 
 
+_FIX = (
+    "Remove it (it holds nothing worth keeping once no writer process runs), or set "
+    "TIERED_DCP_RUNTIME_DIR to a directory of your own: mkdir -m 700 DIR."
+)
+
+
 def _owner(uid: int) -> str:
     try:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
@@ -43,12 +49,8 @@ def _refuse(path: Path, st: os.stat_result, why: str, fix: str) -> UnsafeDirecto
 
 def check_private(path: Path) -> None:
     """Raise UnsafeDirectoryError unless ``path`` (resolved, no symlinks) is private to this user."""
-    me = os.geteuid()
+    me, fix = os.geteuid(), _FIX
     st = os.lstat(path)
-    fix = (
-        "Remove it (it holds nothing worth keeping once no writer process runs), or set "
-        "TIERED_DCP_RUNTIME_DIR to a directory of your own: mkdir -m 700 DIR."
-    )
     if not stat.S_ISDIR(st.st_mode):
         raise _refuse(path, st, "it is not a directory", fix)
     if st.st_uid != me:
@@ -75,6 +77,11 @@ def ensure_private(path: str | os.PathLike) -> Path:
     Callers use the returned path: it has no symbolic link left that someone could
     repoint between this check and the use.
     """
+    given = Path(os.path.abspath(path))
+    for part in [*reversed(given.parents), given]:  # a link another user owns, they can repoint
+        st = os.lstat(part) if os.path.lexists(part) else None
+        if st is not None and stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+            raise _refuse(part, st, f"it is a symbolic link to {given} that another user owns", _FIX)
     mkdir_private(Path(os.path.realpath(path)))
     real = Path(os.path.realpath(path))  # another process may have made a part of it a link
     check_private(real)

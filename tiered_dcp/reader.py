@@ -109,7 +109,13 @@ class TieredReader(StorageReader):
             self._own = self._own_copies()
             self._explain(lost)
             if self._cluster:
-                self._cluster_md = self._share_metadata(self._cluster[0])
+                try:
+                    self._cluster_md = self._share_metadata(self._cluster[0])
+                except CheckpointCorruptError as e:  # every rank saw the same bytes: all agree
+                    if not self._copies:
+                        raise
+                    log.warning("%s; loading step %d from a shared tier instead", e, step)
+                    self._cluster, self._own = [], {}
         own = self._own if self._dist else {}
         self._copy_at = {c.tier_index: c for c in self._copies} | own  # tier -> the copy read there
         self._sources = self._plan_sources()
@@ -200,11 +206,13 @@ class TieredReader(StorageReader):
     def _share_metadata(self, cc: ClusterCopy) -> Metadata:
         """The chosen save's metadata, read where a rank holds it and broadcast to all."""
         view = self._views[cc.tier_index]
+        key = metadata_key(self.config.namespace, self.step)
+        refused = []
         for src in cc.metadata_at:
             blob = None
             if src == self.rank:
                 try:
-                    blob = view.own.read(metadata_key(self.config.namespace, self.step))
+                    blob = view.own.read(key)
                 except OSError as e:
                     log.warning("step %d: metadata unreadable on rank %d: %s", self.step, src, e)
                 if blob is not None and checksum(blob) != cc.ident:
@@ -218,14 +226,12 @@ class TieredReader(StorageReader):
                 try:
                     return md_blob.loads(box[0])
                 except ChecksumMismatch as e:  # every rank sees the same bytes: all try the next
-                    log.warning(
-                        "step %d: metadata of rank %d's root %s: %s",
-                        self.step,
-                        src,
-                        self._urls[cc.tier_index][src],
-                        e,
-                    )
-        raise CheckpointCorruptError(f"step {self.step}: its metadata is damaged on every node holding it")
+                    refused.append(f"{self._urls[cc.tier_index][src].rstrip('/')}/{key}: {e}")
+                    log.warning("step %d: %s", self.step, refused[-1])
+        raise CheckpointCorruptError(
+            f"step {self.step}: its metadata is damaged on every node holding it"
+            + "".join(f"; {r}" for r in refused)
+        )
 
     @property
     def tiers(self) -> list[int]:

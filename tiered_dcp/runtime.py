@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from .config import TieredConfig
@@ -152,12 +152,13 @@ class Job:
     def load(cls, path: Path) -> Job | None:
         """The job in ``path``; None if it is not one (malformed files are never acted on)."""
         d = read_json(path)
-        names = {f.name: f.type for f in fields(cls)}
-        if not isinstance(d, dict) or set(d) != set(names):
+        kinds = {f.name: f.type for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        if not isinstance(d, dict) or not required <= set(d) <= set(kinds):
             return None
-        for name, kind in names.items():
-            v = d[name]
-            if isinstance(v, bool) or not isinstance(v, int if kind == "int" else int | float):
+        for name, v in d.items():
+            number = {"int": int, "float": int | float}.get(kinds[name])
+            if number is not None and (isinstance(v, bool) or not isinstance(v, number)):
                 return None
         return cls(**d)
 
