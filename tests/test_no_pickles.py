@@ -109,11 +109,14 @@ def test_crafted_metadata_without_another_copy_raises_corrupt_naming_file_and_gl
     assert not marker.exists()
 
 
-def test_crafted_indexes_run_nothing_are_reported_and_another_tier_is_used(tmp_path, caplog):
+@pytest.mark.parametrize("metadata_too", [False, True], ids=["indexes", "indexes-and-metadata"])
+def test_crafted_indexes_run_nothing_are_reported_and_another_tier_is_used(tmp_path, caplog, metadata_too):
     cfg = two_tiers(tmp_path)
     save(cfg, 4)
     settle(cfg)
     marker = tmp_path / "pwned"
+    if metadata_too:
+        plant_metadata(tmp_path / "ram" / STEP, marker)
     indexes = plant_indexes(tmp_path / "ram" / STEP, marker)
     reader, got = load(cfg)
     assert_state_equal(got, value_kinds(4))
@@ -162,14 +165,15 @@ def test_a_non_tensor_value_that_would_run_code_is_refused_and_another_copy_used
     assert not marker.exists()
 
 
-def test_the_load_path_never_calls_plain_pickle(tmp_path, monkeypatch):
-    """Old checkpoints (format 1/2: pickled metadata and indexes) and new ones load with
-    pickle.load and pickle.loads unusable: only the restricted unpicklers read them."""
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_the_load_path_never_calls_plain_pickle(tmp_path, monkeypatch, fmt):
+    """Old checkpoints (format 1/2: pickled metadata, format 2 pickled indexes) and new ones
+    load with pickle.load and pickle.loads unusable: only the restricted unpicklers read them."""
     from legacy_checkpoints import config, full_state
 
-    root = str(tmp_path / "format2")
-    shutil.copytree(os.path.join(HERE, "data", "format2"), root)
-    legacy = config(root, 2)
+    root = str(tmp_path / f"format{fmt}")
+    shutil.copytree(os.path.join(HERE, "data", f"format{fmt}"), root)
+    legacy = config(root, fmt)
     cfg = two_tiers(tmp_path)
     save(cfg, 4)
     settle(cfg)
