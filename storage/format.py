@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import pickle
 import time
 from collections.abc import Iterable
@@ -29,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .base import Storage
+
+log = logging.getLogger("tiered_dcp")
 
 FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)
@@ -321,8 +324,12 @@ def write_index(store: Storage, namespace: str, step: int, index: PartIndex) -> 
 def read_index(store: Storage, namespace: str, step: int, rank: int) -> PartIndex:
     """Rank's index in ``store``. Raises FileNotFoundError when there is none, BadIndex when
     it cannot be parsed, OSError when it cannot be read."""
-    data = store.read(index_key(namespace, step, rank))
-    return PartIndex.from_bytes(data, step_dir(namespace, step), rank)
+    key = index_key(namespace, step, rank)
+    data = store.read(key)
+    try:
+        return PartIndex.from_bytes(data, step_dir(namespace, step), rank)
+    except BadIndex as e:
+        raise BadIndex(f"{store.describe(key)}: {e}") from e
 
 
 class IndexCache:
@@ -345,6 +352,7 @@ class IndexCache:
             except FileNotFoundError:
                 return None
             except BadIndex as e:
+                log.warning("unusable index (its part counts as absent from that root): %s", e)
                 self._got[key] = e
         got = self._got[key]
         if isinstance(got, BadIndex):
@@ -375,7 +383,9 @@ class _LegacyUnpickler(pickle.Unpickler):
         try:
             return self._ALLOWED[(module, name)]
         except KeyError:
-            raise pickle.UnpicklingError(f"{module}.{name} has no place in an index file") from None
+            raise pickle.UnpicklingError(
+                f"forbidden global: {module}.{name} has no place in an index file"
+            ) from None
 
 
 def _legacy_key(k: Any) -> ItemKey:

@@ -42,6 +42,12 @@ class Schedule:
     betas: list[float] = field(default_factory=list)
 
 
+# A value of a class of one's own loads once allowed, as torch.load(weights_only=True) asks: the
+# reader refuses any other non-tensor value (docs/user-guide.md, trust model). The rank
+# processes import this module, so each of them allows it.
+torch.serialization.add_safe_globals([Schedule])
+
+
 def _config(root: str) -> TieredConfig:
     return TieredConfig("snap", [Tier(f"{root}/ram/{{node}}", keep=None)])
 

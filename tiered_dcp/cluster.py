@@ -13,8 +13,7 @@ and a holder it asks.
 from __future__ import annotations
 
 import datetime
-import io
-import pickle
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,10 +22,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import ChecksumMismatch, read_item, verify_raw
-from tiered_dcp.storage.format import ItemInfo, Record, metadata_key
+from tiered_dcp.storage.format import ItemInfo, ItemKey, Record, metadata_key
 
 from . import transport
 from .catalog import TierView
+from .metadata import index_of, item_key
 from .transport import Group, PeerTimeout, as_bytes_tensor
 
 _WANTS = 1 << 32  # a rank that wants something adds 1 + _WANTS to a round's counter, others 1
@@ -101,6 +101,14 @@ class PeerRequest:
     index: MetadataIndex
     length: int
 
+    def to_json(self) -> list:
+        return [self.tier_index, self.part, item_key(self.index).to_json(), self.length]
+
+    @classmethod
+    def from_json(cls, v: list) -> PeerRequest:
+        tier_index, part, key, length = v
+        return cls(int(tier_index), int(part), index_of(ItemKey.from_json(key)), int(length))
+
 
 def read_raw(store: Storage, rec: Record) -> bytearray:
     """An item's raw bytes from this rank's own root, verified (for a peer that asked)."""
@@ -154,7 +162,8 @@ class PeerExchange:
         for holder, reqs in wanted.items():
             key = f"{name}/ask/{holder}"
             _OWN_KEYS.append(key)
-            self.store.append(key, pickle.dumps((self.rank, reqs), protocol=pickle.HIGHEST_PROTOCOL))
+            line = json.dumps([self.rank, [r.to_json() for r in reqs]], separators=(",", ":"))
+            self.store.append(key, line.encode() + b"\n")  # JSON escapes newlines: one line each
         counter, verdict = f"{name}/arrived", f"{name}/wanting"
         _OWN_KEYS.append(counter)
         arrived = self.store.add(counter, 1 + (_WANTS if wanted else 0))
@@ -174,10 +183,10 @@ class PeerExchange:
         key = f"{name}/ask/{self.rank}"
         if not self.store.check([key]):
             return []
-        blob = io.BytesIO(self.store.get(key))  # one pickle per requester, appended
         asked = []
-        while blob.tell() < len(blob.getbuffer()):
-            asked.append(pickle.load(blob))
+        for line in self.store.get(key).splitlines():  # one JSON line per requester, appended
+            requester, reqs = json.loads(line)
+            asked.append((int(requester), [PeerRequest.from_json(r) for r in reqs]))
         return asked
 
     def _move(

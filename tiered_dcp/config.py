@@ -9,13 +9,27 @@ from __future__ import annotations
 import os
 import re
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 COMPRESSIONS = (None, "zstd")
 _PLACEHOLDERS = {"node", "rank"}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _to_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj) if f.init}
+
+
+def _check_keys(cls: type, d: Any) -> dict[str, Any]:
+    """``d`` if it is a dict naming only ``cls``'s fields (their values are checked by ``cls``)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{cls.__name__}.from_dict: expected a dict, got {type(d).__name__}")
+    unknown = set(d) - {f.name for f in fields(cls) if f.init}
+    if unknown:
+        raise ValueError(f"{cls.__name__}.from_dict: unknown field(s) {sorted(unknown)}")
+    return d
 
 
 def _scheme(path: str) -> str | None:
@@ -97,6 +111,15 @@ class Tier:
     def takes(self, step: int) -> bool:
         return step % self.every == 0
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as given (plain data: the writer process gets its config as JSON)."""
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Tier:
+        """The tier ``to_dict`` described, validated like any other."""
+        return cls(**_check_keys(cls, d))
+
     def root(self, node: int, rank: int) -> str:
         """The tier's base path or URL for a process on ``node`` with ``rank``."""
         return self.path.format(node=node, rank=rank)
@@ -157,6 +180,23 @@ class TieredConfig:
                 raise ValueError(f"TieredConfig: {name}={value!r} must be a number of seconds > 0")
         if not isinstance(self.dedup, bool):
             raise ValueError(f"TieredConfig: dedup={self.dedup!r} must be True or False")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, the tiers as dicts: plain data, as the writer process receives it.
+
+        Generic over the fields, so a field added later travels without edits here; its
+        value must be JSON data (``runtime`` says which when it is not).
+        """
+        return {**_to_dict(self), "tiers": [t.to_dict() for t in self.tiers]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TieredConfig:
+        """The config ``to_dict`` described, validated like any other (unknown fields refused)."""
+        d = _check_keys(cls, d)
+        tiers = d.get("tiers")
+        if not isinstance(tiers, list):
+            raise ValueError(f"TieredConfig.from_dict: tiers must be a list, got {type(tiers).__name__}")
+        return cls(**{**d, "tiers": [Tier.from_dict(t) for t in tiers]})
 
     def tiers_for(self, step: int) -> list[int]:
         """Indexes of the tiers that take ``step``, fastest first."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import pickle
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +31,21 @@ Records = dict[MetadataIndex, Record]
 
 def item_key(index: MetadataIndex) -> ItemKey:
     return ItemKey(index.fqn, None if index.offset is None else tuple(index.offset), index.index)
+
+
+def index_of(key: ItemKey) -> MetadataIndex:
+    return MetadataIndex(key.fqn, key.offset, key.index)
+
+
+def records_to_json(records: Mapping[MetadataIndex, Record]) -> bytes:
+    """Records as plain data, for the ranks' exchanges (the store, a clique's group): JSON,
+    as in an index file, so what a peer (or whoever reaches the store) sends is never code."""
+    doc = [{"key": item_key(i).to_json(), **r.to_dict()} for i, r in records.items()]
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def records_from_json(data: bytes) -> Records:
+    return {index_of(ItemKey.from_json(d["key"])): Record.from_dict(d) for d in json.loads(data)}
 
 
 def part_index(rank: int, records: Mapping[MetadataIndex, Record]) -> PartIndex:
@@ -49,7 +66,7 @@ def loads(blob: bytes) -> Metadata:
     try:
         md = _MetadataUnpickler(io.BytesIO(blob)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise ChecksumMismatch(f"metadata does not unpickle: {e}") from e
+        raise ChecksumMismatch(f"metadata refused: {e}") from e
     if not isinstance(md, Metadata):
         raise ChecksumMismatch(f"metadata holds a {type(md).__name__}, not DCP's Metadata")
     return md
@@ -82,7 +99,14 @@ def legacy_index(md: Metadata, namespace: str, step: int, rank: int) -> PartInde
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata classes, torch's dtypes, layouts and sizes, and plain data."""
+    """Admits DCP's metadata classes, torch's dtypes, layouts and sizes, and plain data.
+
+    Nothing else: whoever can write a tier can write this file, and unpickling calls what it
+    names. Only classes *defined* in DCP's metadata module pass (plain records), never DCP's
+    writers, readers or executors, whose constructors act.
+    """
+
+    _DCP = "torch.distributed.checkpoint.metadata"
 
     _BUILTINS = ("tuple", "list", "dict", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice")
     _PLAIN = {("builtins", n) for n in _BUILTINS} | {
@@ -94,12 +118,15 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._PLAIN:
             return super().find_class(module, name)
-        if module.startswith("torch.distributed.checkpoint."):
-            found = super().find_class(module, name)
-            if isinstance(found, type):  # a class of DCP's (its metadata, enums); no functions
+        if module == self._DCP:
+            found = getattr(sys.modules[self._DCP], name, None)
+            if isinstance(found, type) and found.__module__ == self._DCP:  # its records and enums
                 return found
         if module == "torch" and isinstance(
             getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
         ):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} has no place in a checkpoint's metadata")
+        raise pickle.UnpicklingError(
+            f"forbidden global {module}.{name} (a checkpoint's metadata holds only DCP's metadata "
+            "classes, torch dtypes and sizes, and plain data)"
+        )

@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import logging
 import logging.handlers
 import os
-import pickle
 import sys
 import threading
 import time
@@ -133,7 +133,7 @@ class Persister:
 
     def __init__(self, rd: Path) -> None:
         self.rd = rd
-        self.config: TieredConfig = pickle.loads((rd / "config.pkl").read_bytes())
+        self.config = TieredConfig.from_dict(json.loads((rd / "config.json").read_bytes()))
         self.threads: dict[int, threading.Thread] = {}
         self.owner_gone_since: float | None = None
         self.lock = threading.Lock()  # the queue: a tier thread taking a job vs the trimmer
@@ -355,6 +355,7 @@ class Persister:
 
 def main(argv: list[str]) -> int:
     rd = Path(argv[0])
+    os.umask(0o077)  # its lock, pid, log and outcomes: this user's alone
     lock = open(rd / "writer.lock", "a+")  # noqa: SIM115 - held for the process's lifetime
     for _ in range(40):  # a trainer probing the lock holds it for an instant
         try:

@@ -10,7 +10,6 @@ naming the bad file.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import weakref
@@ -30,7 +29,7 @@ from tiered_dcp.storage.codec import ChecksumMismatch, checksum, read_item, veri
 from tiered_dcp.storage.format import IndexCache, ItemInfo, PartIndex, Record, metadata_key, part_key
 
 from . import metadata as md_blob
-from . import transport
+from . import transport, user_values
 from .catalog import StepCopy, TierView, complete_steps, describe_search, views
 from .cluster import (
     ClusterCopy,
@@ -108,10 +107,18 @@ class TieredReader(StorageReader):
             self._own = self._own_copies()
             self._explain(lost)
             if self._cluster:
-                self._cluster_md = self._share_metadata(self._cluster[0])
+                try:
+                    self._cluster_md = self._share_metadata(self._cluster[0])
+                except CheckpointCorruptError as e:  # every rank saw the same bytes: all agree
+                    if not self._copies:
+                        raise
+                    log.warning("%s; loading step %d from a shared tier instead", e, step)
+                    self._cluster, self._own = [], {}
         own = self._own if self._dist else {}
         self._copy_at = {c.tier_index: c for c in self._copies} | own  # tier -> the copy read there
         self._sources = self._plan_sources()
+        if not self._dist:  # metadata refused on every tier: say so here, not as DCP's AssertionError
+            self.read_metadata()
 
     def _choose(self, step: int | None) -> tuple[dict[int, list[StepCopy]], dict, dict]:
         """Find the step to load (``step``, or the newest complete one) and its copies."""
@@ -246,11 +253,13 @@ class TieredReader(StorageReader):
     def _share_metadata(self, cc: ClusterCopy) -> Metadata:
         """The chosen save's metadata, read where a rank holds it and broadcast to all."""
         view = self._views[cc.tier_index]
+        key = metadata_key(self.config.namespace, self.step)
+        refused = []
         for src in cc.metadata_at:
             blob = None
             if src == self.rank:
                 try:
-                    blob = view.own.read(metadata_key(self.config.namespace, self.step))
+                    blob = view.own.read(key)
                 except OSError as e:
                     log.warning("step %d: metadata unreadable on rank %d: %s", self.step, src, e)
                 if blob is not None and checksum(blob) != cc.ident:
@@ -261,8 +270,15 @@ class TieredReader(StorageReader):
             box = [blob]
             dist.broadcast_object_list(box, src=src)
             if box[0] is not None:
-                return md_blob.loads(box[0])
-        raise CheckpointCorruptError(f"step {self.step}: its metadata is damaged on every node holding it")
+                try:
+                    return md_blob.loads(box[0])
+                except ChecksumMismatch as e:  # every rank sees the same bytes: all try the next
+                    refused.append(f"{self._urls[cc.tier_index][src].rstrip('/')}/{key}: {e}")
+                    log.warning("step %d: %s", self.step, refused[-1])
+        raise CheckpointCorruptError(
+            f"step {self.step}: its metadata is damaged on every node holding it"
+            + "".join(f"; {r}" for r in refused)
+        )
 
     @property
     def tiers(self) -> list[int]:
@@ -351,7 +367,7 @@ class TieredReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             raw = bytearray(rec.raw_length)
             read_item(store, rec, memoryview(raw))
-            planner.load_bytes(req, io.BytesIO(raw))
+            planner.load_bytes(req, user_values.checked(raw))
             return
         target = planner.resolve_tensor(req).detach()
         dtype, shape = dtype_from_name(rec.dtype or ""), list(rec.shape or ())
@@ -482,6 +498,7 @@ class TieredReader(StorageReader):
                     assert info is not None  # asked for only when the metadata knows it
                     try:
                         check_raw(info, buf)
+                        self._deliver(req, planner, info, buf)
                     except ChecksumMismatch as e:
                         self._failures.setdefault(id(req), []).append(f"from rank {holder}: {e}")
                         log.warning(
@@ -492,7 +509,6 @@ class TieredReader(StorageReader):
                             e,
                         )
                         continue
-                    self._deliver(req, planner, info, buf)
                     done.add(id(req))
                 pending = [r for r in pending if id(r) not in done]
         except PeerTimeout as e:
@@ -509,7 +525,7 @@ class TieredReader(StorageReader):
 
     def _deliver(self, req: ReadItem, planner: LoadPlanner, info: ItemInfo, buf: torch.Tensor) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
+            planner.load_bytes(req, user_values.checked(buf.numpy().tobytes()))
             return
         target = planner.resolve_tensor(req).detach()
         full = buf.view(dtype_from_name(info.dtype or "")).reshape(info.shape or ())

@@ -11,7 +11,7 @@ holds the metadata, and a marker on any node means the step was complete everywh
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +27,7 @@ from . import transport
 from .catalog import TierView
 from .cliques import clique
 from .errors import TieredCheckpointError
-from .metadata import Records, build_blob, part_index
+from .metadata import Records, build_blob, part_index, records_from_json, records_to_json
 from .transport import Group, PeerTimeout, as_bytes_tensor
 
 _OWN_KEYS: list[str] = []  # store keys this process set in its previous save, deleted in the next
@@ -82,7 +82,7 @@ class Swap:
         _GROUP_KEYS.extend(transport.group_keys(name, self.members.index(part.rank)))
         try:
             self.group = Group(name, self.members, part.rank, view.config.peer_timeout)
-            infos = self.group.allgather(part.records)
+            infos = [records_from_json(b) for b in self.group.allgather(records_to_json(part.records))]
             sends, recvs = [], []
             for q, records in zip(self.members, infos, strict=True):
                 if q not in self.takes:
@@ -183,7 +183,8 @@ def commit_everywhere(
         store.delete_key(key)
     _OWN_KEYS.clear()
     done = f"{name}/done/{rank}"
-    store.set(done, pickle.dumps((None if error is None else f"{type(error).__name__}: {error}", records)))
+    why = None if error is None else f"{type(error).__name__}: {error}"
+    store.set(done, json.dumps({"error": why}).encode() + b"\n" + records_to_json(records))
     _OWN_KEYS.append(done)
     if error is not None:
         raise error
@@ -196,21 +197,24 @@ def commit_everywhere(
         except Exception as e:
             late = [r for r, k in enumerate(keys) if not store.check([k])]
             msg = f"step {step}: rank(s) {late} did not finish writing within {timeout.total_seconds():.0f} s"
-            store.set(verdict, pickle.dumps(("error", msg)))
+            store.set(verdict, json.dumps({"error": msg}))
             raise PeerTimeout(msg) from e
         merged: Records = {}
         failed = []
         for r, key in enumerate(keys):
-            err, recs = pickle.loads(store.get(key))
+            head, recs = store.get(key).split(b"\n", 1)
+            err = json.loads(head)["error"]
             if err is not None:
                 failed.append(f"rank {r}: {err}")
-            merged.update(recs)
+            merged.update(records_from_json(recs))
         if failed:
             msg = f"step {step} not committed on {view.tier.path}: " + "; ".join(failed)
-            store.set(verdict, pickle.dumps(("error", msg)))
+            store.set(verdict, json.dumps({"error": msg}))
             raise TieredCheckpointError(msg)
         blob, marker = build_commit(view, step, metadata(), world, merged)
-        store.set(verdict, pickle.dumps(("ok", blob, marker.to_bytes())))
+        _OWN_KEYS.append(f"{verdict}/metadata")
+        store.set(f"{verdict}/metadata", blob)  # before the verdict, which says it is there
+        store.set(verdict, json.dumps({"error": None, "marker": marker.to_bytes().decode()}))
     if not writes_root:
         return
     try:
@@ -219,7 +223,7 @@ def commit_everywhere(
         raise PeerTimeout(
             f"step {step}: no commit decision from the coordinator within {timeout.total_seconds():.0f} s"
         ) from e
-    outcome: tuple[Any, ...] = pickle.loads(store.get(verdict))
-    if outcome[0] != "ok":
-        raise TieredCheckpointError(outcome[1])
-    view.commit(step, outcome[1], Marker.from_bytes(outcome[2]))
+    outcome = json.loads(store.get(verdict))
+    if outcome["error"] is not None:
+        raise TieredCheckpointError(outcome["error"])
+    view.commit(step, store.get(f"{verdict}/metadata"), Marker.from_bytes(outcome["marker"].encode()))

@@ -5,7 +5,7 @@ process, the status call and the CLI alike::
 
     $TIERED_DCP_RUNTIME_DIR (default /dev/shm/tiered-dcp-<uid>, else the temp dir)
       <namespace>-<hash of the tier paths>/rank_<rank>/
-        config.pkl        the TieredConfig the writer works for
+        config.json       the TieredConfig the writer works for (``TieredConfig.to_dict``)
         owner             pid of the trainer the writer serves (each new trainer rewrites it)
         writer.lock       held (flock) by the live writer for its whole life
         writer.pid        the live writer's pid
@@ -14,6 +14,9 @@ process, the status call and the CLI alike::
         results/t<tier>_s<step>.json   what became of it: committed, or failed or skipped and why
         health/t<tier>.json            the writer's verdict on a slower tier: healthy, stalled or
                                        failing, since when and why
+
+The root is private (``private_dir``): created 0700, refused unless it is this user's and
+nobody else may write it, its files created 0600; nothing in it is a pickle.
 
 Files, not sockets: any process (the trainer, DCP's upload thread or subprocess) can
 enqueue, the queue outlives a crashed writer (its successor resumes it), and the status
@@ -28,17 +31,17 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from .config import TieredConfig
+from .private_dir import ensure_private, mkdir_private, open_private, write_private
 
 log = logging.getLogger("tiered_dcp")
 
@@ -49,11 +52,12 @@ _LAUNCHED: dict[Path, subprocess.Popen] = {}  # writers this process started (re
 
 
 def runtime_root() -> Path:
+    """The runtime root, created if missing and checked private on every call."""
     env = os.environ.get("TIERED_DCP_RUNTIME_DIR")
     if env:
-        return Path(env)
+        return ensure_private(env)
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"tiered-dcp-{os.getuid()}"
+    return ensure_private(base / f"tiered-dcp-{os.getuid()}")
 
 
 def job_dir(config: TieredConfig) -> Path:
@@ -87,10 +91,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` so that a reader sees the whole file or none of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """Write ``data`` so that a reader sees the whole file or none of it (mode 0600)."""
+    write_private(path, data)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -125,6 +127,18 @@ def writer_pid(rd: Path) -> int | None:
         return None
 
 
+def config_json(config: TieredConfig) -> bytes:
+    """The config as the writer process reads it (``TieredConfig.from_dict``)."""
+    try:
+        return json.dumps(config.to_dict(), sort_keys=True).encode()
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"TieredConfig {config.namespace!r}: the writer process receives its config as JSON, and "
+            f"this one is not JSON data ({e}); give storage_options plain values (strings, numbers, "
+            "lists, dicts), e.g. a credentials file's path rather than a credentials object"
+        ) from e
+
+
 @dataclass
 class Job:
     """One step to be written from its source tier to one slower tier by rank's writer."""
@@ -138,8 +152,17 @@ class Job:
 
     @classmethod
     def load(cls, path: Path) -> Job | None:
+        """The job in ``path``; None if it is not one (malformed files are never acted on)."""
         d = read_json(path)
-        return cls(**d) if d else None
+        kinds = {f.name: f.type for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        if not isinstance(d, dict) or not required <= set(d) <= set(kinds):
+            return None
+        for name, v in d.items():
+            number = {"int": int, "float": int | float}.get(kinds[name])
+            if number is not None and (isinstance(v, bool) or not isinstance(v, number)):
+                return None
+        return cls(**d)
 
 
 HEALTHY = "healthy"
@@ -173,7 +196,7 @@ def results(rd: Path) -> dict[tuple[int, int], dict]:
     if rdir.is_dir():
         for p in sorted(rdir.glob("t*_s*.json")):
             d = read_json(p)
-            if d:
+            if isinstance(d, dict) and isinstance(d.get("step"), int) and isinstance(d.get("target"), int):
                 out[(d["step"], d["target"])] = d
     return out
 
@@ -215,9 +238,9 @@ class WriterHandle:
 
     def _prepare(self, owner_pid: int) -> None:
         for sub in ("queue", "results"):
-            (self.rd / sub).mkdir(parents=True, exist_ok=True)
-        cfg = self.rd / "config.pkl"
-        blob = pickle.dumps(self.config)
+            mkdir_private(self.rd / sub)
+        cfg = self.rd / "config.json"
+        blob = config_json(self.config)
         if not cfg.exists() or cfg.read_bytes() != blob:
             write_atomic(cfg, blob)
         owner = self.rd / "owner"
@@ -232,7 +255,7 @@ class WriterHandle:
         cmd = [sys.executable, "-m", "tiered_dcp.persist", str(self.rd)]
         # A session of its own, so a Ctrl-C to the trainer's terminal does not cut a step in
         # half; it exits by itself once its trainer is gone and its queue is empty.
-        with open(self.rd / "writer.out", "ab") as logf:  # a crash's traceback; the log is writer.log
+        with open_private(self.rd / "writer.out") as logf:  # a crash's traceback; the log is writer.log
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -293,7 +316,7 @@ class WriterHandle:
 
     def enqueue(self, job: Job) -> None:
         """Queue ``job``; ``ensure`` afterwards, so a writer is there to take it."""
-        (self.rd / "queue").mkdir(parents=True, exist_ok=True)
+        mkdir_private(self.rd / "queue")
         (self.rd / "results" / job_name(job.target, job.step)).unlink(missing_ok=True)
         write_json(self.rd / "queue" / job_name(job.target, job.step), job.__dict__)
 
@@ -331,7 +354,7 @@ class WriterHandle:
         """Ask the writer to exit once its queue is empty; with ``wait``, wait for that."""
         if not self.rd.is_dir():
             return True
-        (self.rd / "stop").touch()
+        (self.rd / "stop").touch(mode=0o600)
         if not wait:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import time
 import warnings
 from collections import deque
@@ -125,9 +124,8 @@ class Group:
                     f"{what} with ranks {self.members} failed after {self.timeout:.0f} s: {e}"
                 ) from e
 
-    def allgather(self, obj: Any) -> list[Any]:
-        """Every member's ``obj``, in member order."""
-        blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    def allgather(self, blob: bytes) -> list[bytes]:
+        """Every member's ``blob``, in member order (bytes: what a member sends is never code)."""
         n = len(self.members)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
         self._wait([self.pg.allgather([sizes], [torch.tensor([len(blob)], dtype=torch.int64)])], "allgather")
@@ -136,7 +134,7 @@ class Group:
         mine[: len(blob)] = as_bytes_tensor(blob)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
         self._wait([self.pg.allgather([out], [mine])], "allgather")
-        return [pickle.loads(out[i][: int(sizes[i])].numpy().tobytes()) for i in range(n)]
+        return [out[i][: int(sizes[i])].numpy().tobytes() for i in range(n)]
 
     def post(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
