@@ -68,9 +68,10 @@ def copy_part(src: TierView, dst: TierView, step: int, index: PartIndex) -> Part
     def chunks():
         offset, sent = 0, 0
         for key, rec in index.in_file_order():
-            meta = []  # one chunk in memory at a time, however large the item
+            meta, codecs = [], []  # one chunk in memory at a time, however large the item
             for raw, (_, n, h) in zip(iter_raw_chunks(src.own, rec), rec.chunks, strict=True):
-                stored = enc.encode(memoryview(raw))
+                codecs.append(enc.choose(memoryview(raw), rec.dtype))
+                stored = enc.encode_as(memoryview(raw), codecs[-1])
                 meta.append((memoryview(stored).nbytes, n, h))
                 yield stored
                 sent += meta[-1][0]
@@ -78,8 +79,16 @@ def copy_part(src: TierView, dst: TierView, step: int, index: PartIndex) -> Part
                     ahead = sent / rate - (time.monotonic() - started)
                     if ahead > 0:
                         time.sleep(ahead)
+            codec = codecs[0] if codecs else enc.codec
+            mixed = any(c != codec for c in codecs)
             records[key] = dataclasses.replace(
-                rec, file=out_key, offset=offset, codec=enc.codec, chunks=tuple(meta)
+                rec,
+                file=out_key,
+                offset=offset,
+                codec=codec,
+                chunks=tuple(meta),
+                codecs=tuple(codecs) if mixed else None,
+                blocks=None,
             )
             offset += records[key].length
 

@@ -81,8 +81,10 @@ def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> S
     part = SavedPart(rank, {}, [])
     offset = 0
     for it in items:
-        stored = [enc.encode(c) for c in it.chunks]
-        rec = make_record(key, offset, stored, it.chunks, it.hashes, enc.codec, rank=rank, **it.extra)
+        stored, codec, codecs = enc.encode_item(it.chunks, it.extra.get("dtype"))
+        rec = make_record(
+            key, offset, stored, it.chunks, it.hashes, codec, rank=rank, codecs=codecs, **it.extra
+        )
         part.records[it.index] = rec
         part.stored += stored
         offset += rec.length
