@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,6 +34,7 @@ GROUPED_LEVEL = 1  # byte-grouped streams: level 1 stores less than 3 here (0.68
 CODECS = ("raw", "zstd", "zstd-bg2", "zstd-bg4")
 GROUP_WIDTH = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
 SAMPLE_BYTES = 64 << 10  # what the per-chunk choice compresses both ways
+MIN_GROUPED = 16 << 10  # smaller chunks stay plain: a few hundred bytes saved at most
 GROUPED_GAIN = 0.98  # byte grouping is chosen when its sample is at least 2% smaller
 
 
@@ -97,8 +99,24 @@ class Encoder:
 
     def __init__(self, codec: str | None) -> None:
         self.codec = codec or "raw"
-        self._zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if codec == "zstd" else None
-        self._zg = zstandard.ZstdCompressor(level=GROUPED_LEVEL) if codec == "zstd" else None
+        self._local = threading.local()  # a zstd compressor must not be shared by threads
+
+    @property
+    def _zc(self) -> zstandard.ZstdCompressor | None:
+        return self._compressor("plain", ZSTD_LEVEL)
+
+    @property
+    def _zg(self) -> zstandard.ZstdCompressor | None:
+        return self._compressor("grouped", GROUPED_LEVEL)
+
+    def _compressor(self, kind: str, level: int) -> zstandard.ZstdCompressor | None:
+        if self.codec != "zstd":
+            return None
+        zc = getattr(self._local, kind, None)
+        if zc is None:
+            zc = zstandard.ZstdCompressor(level=level)
+            setattr(self._local, kind, zc)
+        return zc
 
     def encode(self, chunk: memoryview) -> Buffer:
         """A chunk with the tier's plain codec."""
@@ -109,7 +127,7 @@ class Encoder:
     def choose(self, chunk: memoryview, dtype: str | None) -> str:
         """This chunk's codec: the tier's, or byte-grouped zstd where the sample gains."""
         width = GROUP_WIDTH.get(dtype or "", 1)
-        if self._zc is None or width == 1 or len(chunk) % width or len(chunk) < 4 * width:
+        if self._zc is None or width == 1 or len(chunk) % width or len(chunk) < MIN_GROUPED:
             return self.codec
         n = min(len(chunk), SAMPLE_BYTES) // width * width
         sample = chunk[:n]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from tiered_dcp.storage import Storage, open_storage
+from tiered_dcp.storage import Storage, blocks, open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.format import (
     BadIndex,
@@ -232,11 +232,15 @@ class TierView:
             kept = sorted(s for s, m in committed.items() if self.whole_here(m))[-self.tier.keep :]
             doomed = [s for s in committed if s not in kept and s < newest]
         doomed += [s for s in self.step_dirs(store) if s < newest and s not in committed]
+        deleted = 0
         for step in sorted(doomed):
             if self.pinned(store, step):
                 continue  # a writer process still copies it to a slower tier
             store.delete(marker_key(ns, step))
             store.delete(step_dir(ns, step))
+            deleted += 1
+        if deleted:
+            blocks.collect(store, ns)  # blocks no remaining step references (dedup)
 
     def pinned(self, store: Storage, step: int) -> bool:
         return any(_is_pin(n) for n in store.list(step_dir(self.config.namespace, step)))

@@ -30,6 +30,7 @@ from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
 from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
 
+from . import dedup
 from .catalog import StepCopy, TierView, read_metadata_blob
 from .config import TieredConfig
 from .placement import nodes_of
@@ -62,12 +63,18 @@ def copy_part(src: TierView, dst: TierView, step: int, index: PartIndex) -> Part
     enc = Encoder(dst.tier.compression)
     out_key = part_key(dst.config.namespace, step, index.rank)
     records = {}
+    if dst.config.dedup:  # blocks the target holds are neither read nor written
+        blocked = {k: r for k, r in index.records.items() if r.blocks is not None}
+        if blocked:
+            records, _ = dedup.copy_items(src, dst, step, index.rank, blocked)
     rate = _throttle()
     started = time.monotonic()
 
     def chunks():
         offset, sent = 0, 0
         for key, rec in index.in_file_order():
+            if key in records:
+                continue  # stored as blocks
             meta, codecs = [], []  # one chunk in memory at a time, however large the item
             for raw, (_, n, h) in zip(iter_raw_chunks(src.own, rec), rec.chunks, strict=True):
                 codecs.append(enc.choose(memoryview(raw), rec.dtype))

@@ -139,7 +139,7 @@ def build_commit(
     blob = build_blob(metadata, records)
     sizes = [0] * len(world)
     for rec in records.values():
-        sizes[rec.rank] += rec.length
+        sizes[rec.rank] += rec.part_length
     cfg = view.config
     marker = Marker(
         step,
