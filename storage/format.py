@@ -330,11 +330,23 @@ class PartIndex:
     rank: int
     size: int
     records: dict[ItemKey, Record]
+    written: int | None = None  # bytes its writer wrote for it here (the part, new blocks)
 
     def to_bytes(self) -> bytes:
         items = [{"key": k.to_json(), **r.to_dict()} for k, r in self.records.items()]
-        doc = {"format": FORMAT_VERSION, "rank": self.rank, "size": self.size, "items": items}
+        doc: dict[str, Any] = {"format": FORMAT_VERSION, "rank": self.rank, "size": self.size, "items": items}
+        if self.written is not None:
+            doc["written"] = self.written
         return json.dumps(doc, separators=(",", ":")).encode()
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(r.raw_length for r in self.records.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        """The stored bytes its records name (blocks counted once per use)."""
+        return sum(r.length for r in self.records.values())
 
     @classmethod
     def from_bytes(cls, data: bytes, directory: str, rank: int) -> PartIndex:
@@ -343,7 +355,8 @@ class PartIndex:
             if data[:1] == b"{":
                 doc = json.loads(data)
                 records = {ItemKey.from_json(d["key"]): Record.from_dict(d) for d in doc["items"]}
-                return cls(int(doc["rank"]), int(doc["size"]), records)
+                written = None if doc.get("written") is None else int(doc["written"])
+                return cls(int(doc["rank"]), int(doc["size"]), records, written)
             legacy = _LegacyUnpickler(io.BytesIO(data)).load()
             records = {_legacy_key(k): Record.from_dict(r, directory) for k, r in legacy.items()}
         except (ValueError, KeyError, TypeError, AttributeError, EOFError, pickle.UnpicklingError) as e:

@@ -15,7 +15,7 @@ from conftest import settle
 from dist_utils import run_ranks
 from tiered_dcp.storage.format import is_block_id
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, wait_for
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, status, wait_for
 from tiered_dcp.verify import verify_step
 
 MiB = 1 << 20
@@ -111,6 +111,13 @@ def test_frozen_backbone_written_once_per_tier_and_both_steps_load(tmp_path):
         assert_equal(load(cfg, step, lora_state(step)), lora_state(step))
         assert_equal(load(TieredConfig("run", [cfg.tiers[1]]), step, lora_state(step)), lora_state(step))
         assert all(c.ok for c in verify_step(cfg, step)), [c.problems for c in verify_step(cfg, step)]
+    # status: logical, stored and written bytes per step and tier, and their ratios
+    rows = {(r.tier_index, r.step): r for r in status(cfg)}
+    for tier in (0, 1):
+        first, second = rows[(tier, 1)], rows[(tier, 2)]
+        assert 10 * MiB <= first.logical_bytes == second.logical_bytes < 10.1 * MiB
+        assert first.dedup_ratio > 0.99 and second.dedup_ratio <= 0.15, (tier, second)
+    assert rows[(0, 2)].compression_ratio == 1.0 and rows[(1, 2)].compression_ratio < 0.95
 
 
 def test_without_dedup_everything_is_written(tmp_path):

@@ -55,6 +55,19 @@ class StepState:
     size_bytes: int
     created: float | None
     error: str | None = None  # why a writer process could not write it (state "failed")
+    logical_bytes: int = 0  # committed: the raw bytes of the step's items held in this tier
+    stored_bytes: int = 0  # what its records name (after compression, before dedup)
+    written_bytes: int = 0  # what its writers wrote for it here (without the blocks it reused)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """Stored / logical bytes (1.0: raw)."""
+        return self.stored_bytes / self.logical_bytes if self.logical_bytes else None
+
+    @property
+    def dedup_ratio(self) -> float | None:
+        """Written / stored bytes: the share of the step this tier had to write (1.0: no dedup)."""
+        return self.written_bytes / self.stored_bytes if self.stored_bytes else None
 
 
 def read_metadata_blob(copy: StepCopy) -> bytes:
@@ -199,6 +212,7 @@ class TierView:
                 size,
                 c.marker.created,
             )
+            self._byte_counts(rows[step], c)
         for store in self.scan_roots():
             for step in self.step_dirs(store):
                 if step not in rows:
@@ -208,6 +222,16 @@ class TierView:
                     state = "writing" if any(DIRTY in n for n in names) else "clean"
                     rows[step] = StepState(self.index, self.tier.path, step, state, size, None)
         return [rows[s] for s in sorted(rows)]
+
+    def _byte_counts(self, row: StepState, copy: StepCopy) -> None:
+        """Fill a committed row's logical / stored / written bytes from its parts' indexes."""
+        for p in copy.marker.parts:
+            found = (self.part_index(s, copy.marker, p.rank) for s in self.holders(copy.marker, p.rank))
+            index = next((i for i in found if i is not None), None)
+            if index is not None:
+                row.logical_bytes += index.logical_bytes
+                row.stored_bytes += index.stored_bytes
+                row.written_bytes += index.written if index.written is not None else index.size
 
     def apply_retention(self, newest: int) -> None:
         """Keep the newest ``keep`` committed steps of this process's root; drop older ones.

@@ -63,10 +63,12 @@ def copy_part(src: TierView, dst: TierView, step: int, index: PartIndex) -> Part
     enc = Encoder(dst.tier.compression)
     out_key = part_key(dst.config.namespace, step, index.rank)
     records = {}
+    new_blocks = 0
     if dst.config.dedup:  # blocks the target holds are neither read nor written
         blocked = {k: r for k, r in index.records.items() if r.blocks is not None}
         if blocked:
-            records, _ = dedup.copy_items(src, dst, step, index.rank, blocked)
+            records, put = dedup.copy_items(src, dst, step, index.rank, blocked)
+            new_blocks = put.written_bytes
     rate = _throttle()
     started = time.monotonic()
 
@@ -100,7 +102,7 @@ def copy_part(src: TierView, dst: TierView, step: int, index: PartIndex) -> Part
             offset += records[key].length
 
     size = dst.own.write(out_key, chunks())
-    return PartIndex(index.rank, size, records)
+    return PartIndex(index.rank, size, records, written=size + new_blocks)
 
 
 def prune_results(rdir: Path, target: int, keep: int = KEEP_RESULTS) -> None:

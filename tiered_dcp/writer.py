@@ -94,7 +94,8 @@ def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> S
         if it.ids is not None
     }
     if as_blocks:
-        part.records, _ = dedup.put_items(view, step, rank, as_blocks)
+        part.records, put = dedup.put_items(view, step, rank, as_blocks)
+        part.written_blocks = put.written_bytes
     offset = 0
     for it in items:
         if it.ids is not None:
@@ -112,7 +113,7 @@ def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> S
 def write_part(view: TierView, step: int, part: SavedPart) -> None:
     """The part, then its index next to it."""
     view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
-    write_index(view, step, part.rank, part.records)
+    write_index(view, step, part.rank, part.records, part.written_blocks)
 
 
 class TieredWriter(StorageWriter, AsyncStager):
