@@ -4,21 +4,38 @@ An item is stored as one contiguous byte range of its rank's part file, made of 
 at most ``CHUNK_BYTES`` raw bytes. Each chunk carries the xxh3-64 of its *raw* bytes, so
 the check is end to end (it covers compression too) and the same hash can serve dedup.
 What an item's chunks are is its ``format.Record``.
+
+Compressed tiers choose a codec per chunk: plain zstd, or zstd after *byte grouping*
+(``zstd-bg2``/``zstd-bg4``: the i-th byte of every 2- or 4-byte float value is gathered
+into stream i before compression). The bytes of a float's sign and exponent are far more
+regular than its mantissa's, and zstd's entropy coder sees that only once they are
+apart. Dedup records (``Record.blocks``) keep each chunk in a block file of its own whose
+header names its codec; ``read_item`` reads and decodes such chunks in parallel.
 """
 
 from __future__ import annotations
 
+import os
+import struct
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
 import zstandard
 
 from .base import Buffer, Storage
-from .format import ItemInfo, Record
+from .format import BLOCK_HEADER, ItemInfo, Record, block_header, block_key, parse_block_header
 
 CHUNK_BYTES = 8 << 20
 ZSTD_LEVEL = 3
+GROUPED_LEVEL = 1  # byte-grouped streams: level 1 stores less than 3 here (0.68 vs 0.71 on bf16)
+CODECS = ("raw", "zstd", "zstd-bg2", "zstd-bg4")
+GROUP_WIDTH = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+SAMPLE_BYTES = 64 << 10  # what the per-chunk choice compresses both ways
+MIN_GROUPED = 16 << 10  # smaller chunks stay plain: a few hundred bytes saved at most
+GROUPED_GAIN = 0.98  # byte grouping is chosen when its sample is at least 2% smaller
 
 
 class ChecksumMismatch(Exception):
@@ -37,17 +54,104 @@ def split(view: memoryview, chunk_bytes: int = CHUNK_BYTES) -> list[memoryview]:
     return [view[i : i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
 
 
+def group_bytes(raw: memoryview, width: int) -> list[bytes]:
+    """The bytes of ``width``-byte values as ``width`` streams: all first bytes, all second..."""
+    data = bytes(raw)  # bytes' strided slicing runs in C; a memoryview's is 20x slower
+    return [data[i::width] for i in range(width)]
+
+
+def compress_grouped(zc: zstandard.ZstdCompressor, raw: memoryview, width: int) -> bytes:
+    """Byte-grouped zstd: each stream one frame (its own entropy tables), after a header of
+    the frames' lengths (``width`` little-endian u32)."""
+    frames = [zc.compress(s) for s in group_bytes(raw, width)]
+    return struct.pack(f"<{width}I", *map(len, frames)) + b"".join(frames)
+
+
+def decompress_grouped(stored: Buffer, width: int, n: int, out: memoryview) -> None:
+    """Undo ``compress_grouped`` into ``out`` (``n`` raw bytes)."""
+    view = memoryview(stored).cast("B")
+    lengths = struct.unpack_from(f"<{width}I", view)
+    pos, each = 4 * width, n // width
+    zd = zstandard.ZstdDecompressor()
+    raw = bytearray(n)  # bytearray's strided assignment runs in C; a memoryview's is 10x slower
+    for i, length in enumerate(lengths):
+        stream = zd.decompress(view[pos : pos + length], max_output_size=each) if each else b""
+        if len(stream) != each:
+            raise ValueError(f"stream {i} decompresses to {len(stream)} bytes, not {each}")
+        raw[i::width] = stream
+        pos += length
+    if pos != len(view):
+        raise ValueError(f"{len(view) - pos} stray bytes after the streams")
+    out[:] = raw
+
+
+def codec_width(codec: str) -> int:
+    return int(codec.removeprefix("zstd-bg")) if codec.startswith("zstd-bg") else 1
+
+
 class Encoder:
-    """Turns raw chunks into the bytes stored on one tier (compressed or not)."""
+    """Turns raw chunks into the bytes stored on one tier (compressed or not).
+
+    ``codec`` is the tier's (None or "zstd"); on a zstd tier each chunk of a bf16, fp16 or
+    fp32 tensor is stored byte-grouped where a sample of it says that helps
+    (``choose``), the rest plain.
+    """
 
     def __init__(self, codec: str | None) -> None:
         self.codec = codec or "raw"
-        self._zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if codec == "zstd" else None
+        self._local = threading.local()  # a zstd compressor must not be shared by threads
+
+    @property
+    def _zc(self) -> zstandard.ZstdCompressor | None:
+        return self._compressor("plain", ZSTD_LEVEL)
+
+    @property
+    def _zg(self) -> zstandard.ZstdCompressor | None:
+        return self._compressor("grouped", GROUPED_LEVEL)
+
+    def _compressor(self, kind: str, level: int) -> zstandard.ZstdCompressor | None:
+        if self.codec != "zstd":
+            return None
+        zc = getattr(self._local, kind, None)
+        if zc is None:
+            zc = zstandard.ZstdCompressor(level=level)
+            setattr(self._local, kind, zc)
+        return zc
 
     def encode(self, chunk: memoryview) -> Buffer:
+        """A chunk with the tier's plain codec."""
         if self._zc is None:
             return chunk
         return self._zc.compress(chunk)
+
+    def choose(self, chunk: memoryview, dtype: str | None) -> str:
+        """This chunk's codec: the tier's, or byte-grouped zstd where the sample gains."""
+        width = GROUP_WIDTH.get(dtype or "", 1)
+        if self._zc is None or width == 1 or len(chunk) % width or len(chunk) < MIN_GROUPED:
+            return self.codec
+        n = min(len(chunk), SAMPLE_BYTES) // width * width
+        sample = chunk[:n]
+        plain = len(self._zc.compress(sample))
+        assert self._zg is not None
+        grouped = len(compress_grouped(self._zg, sample, width))
+        return f"zstd-bg{width}" if grouped < GROUPED_GAIN * plain else "zstd"
+
+    def encode_as(self, chunk: memoryview, codec: str) -> Buffer:
+        if codec == "raw":
+            return chunk
+        width = codec_width(codec)
+        if width > 1:
+            return compress_grouped(self._zg or zstandard.ZstdCompressor(level=GROUPED_LEVEL), chunk, width)
+        return (self._zc or zstandard.ZstdCompressor(level=ZSTD_LEVEL)).compress(chunk)
+
+    def encode_item(
+        self, chunks: list[memoryview], dtype: str | None
+    ) -> tuple[list[Buffer], str, tuple[str, ...] | None]:
+        """An item's stored chunks, its record's ``codec`` and (where chunks differ) ``codecs``."""
+        codecs = [self.choose(c, dtype) for c in chunks]
+        stored = [self.encode_as(c, k) for c, k in zip(chunks, codecs, strict=True)]
+        first = codecs[0] if codecs else self.codec
+        return stored, first, None if all(k == first for k in codecs) else tuple(codecs)
 
 
 def make_record(
@@ -60,7 +164,7 @@ def make_record(
     **facts: Any,
 ) -> Record:
     """The record of one item just encoded: ``file`` is its part's key, ``facts`` its rank,
-    kind, dtype and shape."""
+    kind, dtype and shape (and ``blocks``, ``codecs`` where they apply)."""
     chunks = tuple((memoryview(s).nbytes, len(r), h) for s, r, h in zip(stored, raw, hashes, strict=True))
     return Record(file, offset, codec, chunks, **facts)
 
@@ -74,71 +178,126 @@ def verify_raw(record: Record | ItemInfo, raw: memoryview) -> None:
         pos += n
 
 
+def decode_chunk(codec: str, stored: Buffer, n: int, out: memoryview, i: int, h: int) -> None:
+    """Decode one stored chunk of ``n`` raw bytes into ``out`` and check it against ``h``."""
+    if codec == "raw":
+        if memoryview(stored).nbytes != n:
+            raise ChecksumMismatch(f"chunk {i}: {memoryview(stored).nbytes} bytes where {n} were stored")
+        out[:] = stored
+    elif codec == "zstd":
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=n) if n else b""
+        except zstandard.ZstdError as e:
+            raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
+        if len(raw) != n:
+            raise ChecksumMismatch(f"chunk {i} decompresses to {len(raw)} bytes, not {n}")
+        out[:] = raw
+    elif codec in CODECS:
+        try:
+            decompress_grouped(stored, codec_width(codec), n, out)
+        except (zstandard.ZstdError, ValueError, struct.error) as e:
+            raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
+    else:
+        raise ChecksumMismatch(f"chunk {i}: unknown codec {codec!r}")
+    if checksum(out) != h:
+        raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
+
+
 def verify_stored(record: Record, stored: memoryview) -> None:
     """Check an item's stored bytes (as a peer sent them) against its record."""
     if len(stored) != record.length:
         raise ChecksumMismatch(f"{len(stored)} bytes where the record says {record.length}")
-    if record.codec == "raw":
-        verify_raw(record, stored)
+    decode_into(record, stored, memoryview(bytearray(record.raw_length)))
+
+
+# -- blocks -----------------------------------------------------------------------------
+
+
+def encode_block(codec: str, stored: Buffer) -> list[Buffer]:
+    """A block file's content: its header (naming the codec), then the stored chunk."""
+    return [block_header(codec), stored]
+
+
+def read_block(store: Storage, record: Record, i: int) -> tuple[str, bytes]:
+    """Chunk i of a dedup record: (its codec, from the block's header; its stored bytes)."""
+    assert record.blocks is not None
+    data = store.read(block_key(record.file, record.blocks[i]))
+    try:
+        codec = parse_block_header(data)
+    except ValueError as e:
+        raise ChecksumMismatch(f"chunk {i} (block {record.blocks[i]}): {e}") from e
+    return codec, data[BLOCK_HEADER:]
+
+
+def _block_into(store: Storage, record: Record, i: int, out: memoryview) -> None:
+    _, n, h = record.chunks[i]
+    codec, stored = read_block(store, record, i)
+    decode_chunk(codec, stored, n, out, i, h)
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads that read and decode chunks in parallel (zstd and file reads release the GIL)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tdcp-codec")
+    return _POOL
+
+
+def _parallel(calls: list[tuple[Any, ...]]) -> None:
+    if len(calls) <= 1:
+        for fn, *args in calls:
+            fn(*args)
         return
-    for _ in _decoded_chunks(record, stored):
-        pass
+    for f in [_pool().submit(fn, *args) for fn, *args in calls]:
+        f.result()
+
+
+# -- reading ----------------------------------------------------------------------------
 
 
 def iter_raw_chunks(store: Storage, record: Record) -> Iterator[bytes]:
     """An item's raw chunks read one at a time from ``store``, each verified."""
-    zd = zstandard.ZstdDecompressor() if record.codec == "zstd" else None
-    if record.codec not in ("raw", "zstd"):
-        raise ChecksumMismatch(f"unknown codec {record.codec!r}")
     pos = record.offset
     for i, (s, n, h) in enumerate(record.chunks):
-        stored = store.read(record.file, pos, s) if s else b""
-        if len(stored) != s:
-            raise ChecksumMismatch(f"chunk {i}: short read ({len(stored)} of {s} bytes)")
-        pos += s
-        raw = stored
-        if zd is not None and n:
-            try:
-                raw = zd.decompress(stored, max_output_size=n)
-            except zstandard.ZstdError as e:
-                raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
-        if len(raw) != n or checksum(raw) != h:
-            raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
-        yield raw
+        raw = bytearray(n)
+        if record.blocks is not None:
+            _block_into(store, record, i, memoryview(raw))
+        else:
+            stored = store.read(record.file, pos, s) if s else b""
+            if len(stored) != s:
+                raise ChecksumMismatch(f"chunk {i}: short read ({len(stored)} of {s} bytes)")
+            pos += s
+            decode_chunk(record.chunk_codec(i), stored, n, memoryview(raw), i, h)
+        yield bytes(raw)
 
 
 def read_item(store: Storage, record: Record, out: memoryview) -> None:
     """Read an item's stored bytes from ``store`` and decode them, verified, into ``out``."""
+    out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    if record.blocks is not None:
+        calls, pos = [], 0
+        for i, (_, n, _) in enumerate(record.chunks):
+            calls.append((_block_into, store, record, i, out[pos : pos + n]))
+            pos += n
+        _parallel(calls)
+        return
     stored = bytearray(record.length)
     if stored:
         store.read_into(record.file, record.offset, memoryview(stored))
     decode_into(record, memoryview(stored), out)
 
 
-def _decoded_chunks(record: Record, stored: memoryview) -> Iterator[bytes]:
-    """The raw chunks of an item's zstd-stored bytes, each checked against its checksum."""
-    if record.codec != "zstd":
-        raise ChecksumMismatch(f"unknown codec {record.codec!r}")
-    zd = zstandard.ZstdDecompressor()
-    pos = 0
-    for i, (s, n, h) in enumerate(record.chunks):
-        try:
-            raw = zd.decompress(stored[pos : pos + s], max_output_size=n) if n else b""
-        except zstandard.ZstdError as e:
-            raise ChecksumMismatch(f"chunk {i} does not decompress: {e}") from e
-        if len(raw) != n or checksum(raw) != h:
-            raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
-        pos += s
-        yield raw
-
-
 def decode_into(record: Record, stored: memoryview, out: memoryview) -> None:
     """Decode the stored bytes of an item into ``out`` (its raw size), verifying chunks."""
-    if record.codec == "raw":
+    if record.codec == "raw" and record.codecs is None:
         out[:] = stored
         verify_raw(record, out)
         return
-    pos = 0
-    for raw in _decoded_chunks(record, stored):
-        out[pos : pos + len(raw)] = raw
-        pos += len(raw)
+    calls, pos, at = [], 0, 0
+    for i, (s, n, h) in enumerate(record.chunks):
+        calls.append((decode_chunk, record.chunk_codec(i), stored[pos : pos + s], n, out[at : at + n], i, h))
+        pos, at = pos + s, at + n
+    _parallel(calls)

@@ -107,6 +107,52 @@ def marker_key(namespace: str, step: int) -> str:
     return f"{step_dir(namespace, step)}/{MARKER}"
 
 
+# -- content-addressed blocks (dedup) ------------------------------------------------------
+
+BLOCKS_DIR = "blocks"
+GC_LEASE = "GC.lease"
+BLOCK_MAGIC = b"TDBLOCK1"  # a block file: magic, its codec (8 ASCII bytes, NUL-padded), payload
+BLOCK_HEADER = 16
+
+
+def blocks_dir(namespace: str) -> str:
+    """Where a root keeps the namespace's blocks: one file per distinct block, any step's."""
+    return f"{namespace}/{BLOCKS_DIR}"
+
+
+def block_key(directory: str, block: str) -> str:
+    """A block's file under ``directory`` (``blocks_dir``; a record's ``file``), by its id."""
+    return f"{directory}/{block[:2]}/{block}"
+
+
+def is_block_id(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def refs_key(namespace: str, step: int, rank: int) -> str:
+    """The blocks rank's part uses in this root (JSON list), written before any is relied on."""
+    return f"{step_dir(namespace, step)}/rank_{rank:05d}.blocks"
+
+
+def gc_lease_key(namespace: str) -> str:
+    """Present while a GC sweeps the root's blocks: savers wait before relying on a block."""
+    return f"{blocks_dir(namespace)}/{GC_LEASE}"
+
+
+def block_header(codec: str) -> bytes:
+    name = codec.encode()
+    if len(name) > 8:
+        raise ValueError(f"codec name {codec!r} longer than 8 bytes")
+    return BLOCK_MAGIC + name.ljust(8, b"\0")
+
+
+def parse_block_header(data: bytes) -> str:
+    """The codec a block file's header names; ValueError if it is no block header."""
+    if len(data) < BLOCK_HEADER or data[:8] != BLOCK_MAGIC:
+        raise ValueError("not a block file (bad header)")
+    return data[8:BLOCK_HEADER].rstrip(b"\0").decode("ascii", "replace")
+
+
 # -- the commit marker ---------------------------------------------------------------------
 
 
@@ -214,21 +260,36 @@ class Record:
 
     ``file`` is the key of the file holding the bytes, relative to the tier root; it may
     name another step's file (a record may point into data written before).
+
+    Content-addressed (dedup) records have ``blocks``: chunk i is then the whole block file
+    ``block_key(namespace, blocks[i])`` (shared by every step and rank using those bytes),
+    and ``file``/``offset`` are unused. ``codecs`` names each chunk's codec where chunks
+    differ (byte-grouped zstd is chosen per chunk); else every chunk has ``codec``.
     """
 
     file: str
     offset: int
-    codec: str  # "raw" | "zstd"
+    codec: str  # "raw" | "zstd" | "zstd-bg2" | "zstd-bg4"
     chunks: tuple[Chunk, ...]
     rank: int = 0
     kind: str = "bytes"
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+    blocks: tuple[str, ...] | None = None  # xxh3-128 (32 hex digits) of each chunk's raw bytes
+    codecs: tuple[str, ...] | None = None  # per chunk, where they differ
 
     @property
     def length(self) -> int:
-        """Stored bytes: the item is ``file[offset : offset + length]``."""
+        """Stored bytes of the item's chunks (in ``file`` at ``offset``, or in its blocks)."""
         return sum(c[0] for c in self.chunks)
+
+    @property
+    def part_length(self) -> int:
+        """Bytes the item takes in its part file: none when its chunks are blocks."""
+        return 0 if self.blocks is not None else self.length
+
+    def chunk_codec(self, i: int) -> str:
+        return self.codecs[i] if self.codecs is not None else self.codec
 
     @property
     def raw_length(self) -> int:
@@ -252,6 +313,10 @@ class Record:
         }
         if self.kind == "tensor":
             d.update(dtype=self.dtype, shape=list(self.shape or ()))
+        if self.blocks is not None:
+            d["blocks"] = list(self.blocks)
+        if self.codecs is not None:
+            d["codecs"] = list(self.codecs)
         return d
 
     @classmethod
@@ -261,6 +326,7 @@ class Record:
         file = d["file"] if directory is None else f"{directory}/{d['file']}"
         chunks = tuple((int(s), int(n), int(h)) for s, n, h in d["chunks"])
         shape = d.get("shape")
+        blocks, codecs = d.get("blocks"), d.get("codecs")
         return cls(
             file,
             int(d["offset"]),
@@ -270,6 +336,8 @@ class Record:
             d.get("kind", "bytes"),
             d.get("dtype"),
             None if shape is None else tuple(shape),
+            None if blocks is None else tuple(str(b) for b in blocks),
+            None if codecs is None else tuple(str(c) for c in codecs),
         )
 
 
@@ -287,11 +355,23 @@ class PartIndex:
     rank: int
     size: int
     records: dict[ItemKey, Record]
+    written: int | None = None  # bytes its writer wrote for it here (the part, new blocks)
 
     def to_bytes(self) -> bytes:
         items = [{"key": k.to_json(), **r.to_dict()} for k, r in self.records.items()]
-        doc = {"format": FORMAT_VERSION, "rank": self.rank, "size": self.size, "items": items}
+        doc: dict[str, Any] = {"format": FORMAT_VERSION, "rank": self.rank, "size": self.size, "items": items}
+        if self.written is not None:
+            doc["written"] = self.written
         return json.dumps(doc, separators=(",", ":")).encode()
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(r.raw_length for r in self.records.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        """The stored bytes its records name (blocks counted once per use)."""
+        return sum(r.length for r in self.records.values())
 
     @classmethod
     def from_bytes(cls, data: bytes, directory: str, rank: int) -> PartIndex:
@@ -300,7 +380,8 @@ class PartIndex:
             if data[:1] == b"{":
                 doc = json.loads(data)
                 records = {ItemKey.from_json(d["key"]): Record.from_dict(d) for d in doc["items"]}
-                return cls(int(doc["rank"]), int(doc["size"]), records)
+                written = None if doc.get("written") is None else int(doc["written"])
+                return cls(int(doc["rank"]), int(doc["size"]), records, written)
             legacy = _LegacyUnpickler(io.BytesIO(data)).load()
             records = {_legacy_key(k): Record.from_dict(r, directory) for k, r in legacy.items()}
         except (ValueError, KeyError, TypeError, AttributeError, EOFError, pickle.UnpicklingError) as e:
@@ -311,7 +392,7 @@ class PartIndex:
     def of(cls, rank: int, records: Iterable[tuple[ItemKey, Record]]) -> PartIndex:
         """The index of a part made of exactly these records, back to back."""
         recs = dict(records)
-        return cls(rank, sum(r.length for r in recs.values()), recs)
+        return cls(rank, sum(r.part_length for r in recs.values()), recs)
 
     def in_file_order(self) -> list[tuple[ItemKey, Record]]:
         return sorted(self.records.items(), key=lambda kr: (kr[1].file, kr[1].offset))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tiered_dcp.storage import Storage, open_storage
+from tiered_dcp.storage import Storage, blocks, open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.format import (
     BadIndex,
@@ -88,6 +88,19 @@ class StepState:
     size_bytes: int
     created: float | None
     error: str | None = None  # why a writer process did not write it (states failed, skipped)
+    logical_bytes: int = 0  # committed: the raw bytes of the step's items held in this tier
+    stored_bytes: int = 0  # what its records name (after compression, before dedup)
+    written_bytes: int = 0  # what its writers wrote for it here (without the blocks it reused)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """Stored / logical bytes (1.0: raw)."""
+        return self.stored_bytes / self.logical_bytes if self.logical_bytes else None
+
+    @property
+    def dedup_ratio(self) -> float | None:
+        """Written / stored bytes: the share of the step this tier had to write (1.0: no dedup)."""
+        return self.written_bytes / self.stored_bytes if self.stored_bytes else None
 
 
 def read_metadata_blob(copy: StepCopy) -> bytes:
@@ -279,6 +292,7 @@ class TierView:
                 size,
                 c.marker.created,
             )
+            self._byte_counts(rows[step], c)
         for store in self.scan_roots():
             for step in self.step_dirs(store):
                 if step not in rows:
@@ -307,6 +321,16 @@ class TierView:
             state = "writing" if not data or any(DIRTY in n for n in data) else "clean"
         return StepState(self.index, self.tier.path, step, state, size, None, error)
 
+    def _byte_counts(self, row: StepState, copy: StepCopy) -> None:
+        """Fill a committed row's logical / stored / written bytes from its parts' indexes."""
+        for p in copy.marker.parts:
+            found = (self.part_index(s, copy.marker, p.rank) for s in self.holders(copy.marker, p.rank))
+            index = next((i for i in found if i is not None), None)
+            if index is not None:
+                row.logical_bytes += index.logical_bytes
+                row.stored_bytes += index.stored_bytes
+                row.written_bytes += index.written if index.written is not None else index.size
+
     def apply_retention(self, newest: int) -> None:
         """Keep the newest ``keep`` committed steps of this process's root; drop older ones.
 
@@ -331,6 +355,7 @@ class TierView:
         if self.tier.keep is not None:
             kept = sorted(s for s, m in committed.items() if self.whole_here(m))[-self.tier.keep :]
             doomed = [s for s in committed if s not in kept and s < newest]
+        deleted = 0
         for step in sorted(doomed):
             if self.held(store, step):
                 continue
@@ -343,9 +368,13 @@ class TierView:
                 store.write(marker_key(ns, step), [raw])  # the marker, so the step stays for it
                 continue
             store.delete(step_dir(ns, step))
+            deleted += 1
         for step in self.step_dirs(store):
             if step < newest and step not in committed and self.abandoned(store, step):
                 store.delete(step_dir(ns, step))
+                deleted += 1
+        if deleted:
+            blocks.collect(store, ns)  # blocks no remaining step references (dedup)
 
     def held(self, store: Storage, step: int) -> bool:
         """Whether a writer process (a pin) or a reader (a live lease) still needs the step."""

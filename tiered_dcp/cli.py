@@ -58,6 +58,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     cells = {
         (r.step, r.tier_index): f"{r.state} {human(r.size_bytes)} {age(r.created)}".strip() for r in rows
     }
+    for r in rows:  # logical -> stored (compression) -> written (dedup), where known
+        if r.logical_bytes:
+            cells[(r.step, r.tier_index)] += (
+                f" [{human(r.logical_bytes)} logical, x{r.compression_ratio:.2f} stored,"
+                f" x{r.dedup_ratio:.2f} written]"
+            )
     header = ["step"] + [f"tier {i}: {t.path}" for i, t in enumerate(cfg.tiers)]
     table = [
         [str(step)] + [cells.get((step, i), "-") for i in range(len(cfg.tiers))]

@@ -40,6 +40,7 @@ from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
 from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
 
+from . import dedup
 from .catalog import StepCopy, TierView, read_metadata_blob
 from .config import TieredConfig
 from .placement import nodes_of
@@ -79,15 +80,24 @@ def copy_part(
     enc = Encoder(dst.tier.compression)
     out_key = part_key(dst.config.namespace, step, index.rank)
     records = {}
+    new_blocks = 0
+    if dst.config.dedup:  # blocks the target holds are neither read nor written
+        blocked = {k: r for k, r in index.records.items() if r.blocks is not None}
+        if blocked:
+            records, put = dedup.copy_items(src, dst, step, index.rank, blocked)
+            new_blocks = put.written_bytes
     rate = _throttle()
     started = time.monotonic()
 
     def chunks():
         offset, sent = 0, 0
         for key, rec in index.in_file_order():
-            meta = []  # one chunk in memory at a time, however large the item
+            if key in records:
+                continue  # stored as blocks
+            meta, codecs = [], []  # one chunk in memory at a time, however large the item
             for raw, (_, n, h) in zip(iter_raw_chunks(src.own, rec), rec.chunks, strict=True):
-                stored = enc.encode(memoryview(raw))
+                codecs.append(enc.choose(memoryview(raw), rec.dtype))
+                stored = enc.encode_as(memoryview(raw), codecs[-1])
                 meta.append((memoryview(stored).nbytes, n, h))
                 yield stored
                 progress()
@@ -96,13 +106,21 @@ def copy_part(
                     while (ahead := sent / rate - (time.monotonic() - started)) > 0:
                         time.sleep(min(ahead, 1.0))
                         progress()
+            codec = codecs[0] if codecs else enc.codec
+            mixed = any(c != codec for c in codecs)
             records[key] = dataclasses.replace(
-                rec, file=out_key, offset=offset, codec=enc.codec, chunks=tuple(meta)
+                rec,
+                file=out_key,
+                offset=offset,
+                codec=codec,
+                chunks=tuple(meta),
+                codecs=tuple(codecs) if mixed else None,
+                blocks=None,
             )
             offset += records[key].length
 
     size = dst.own.write(out_key, chunks())
-    return PartIndex(index.rank, size, records)
+    return PartIndex(index.rank, size, records, written=size + new_blocks)
 
 
 def prune_results(rdir: Path, target: int, keep: int = KEEP_RESULTS) -> None:

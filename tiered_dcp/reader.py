@@ -372,17 +372,19 @@ class TieredReader(StorageReader):
         target = planner.resolve_tensor(req).detach()
         dtype, shape = dtype_from_name(rec.dtype or ""), list(rec.shape or ())
         if (
-            rec.codec == "raw"
-            and whole_item_request(req, shape)
+            whole_item_request(req, shape)
             and target.dtype == dtype
             and target.device.type == "cpu"
             and target.is_contiguous()
             and list(target.shape) == shape
         ):
             out = byte_view(target)
-            if len(out):
-                store.read_into(rec.file, rec.offset, out)
-            verify_raw(rec, out)
+            if rec.codec == "raw" and rec.codecs is None and rec.blocks is None:
+                if len(out):
+                    store.read_into(rec.file, rec.offset, out)
+                verify_raw(rec, out)
+            else:  # compressed or in blocks: decoded straight into the target, in parallel
+                read_item(store, rec, out)
             planner.commit_tensor(req, target)
             return
         full = torch.empty(shape, dtype=dtype)

@@ -10,6 +10,7 @@ holds the metadata, and a marker on any node means the step was complete everywh
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from collections.abc import Callable
@@ -41,11 +42,15 @@ class SavedPart:
     rank: int
     records: Records
     stored: list[Buffer]
+    written_blocks: int = 0  # bytes of new blocks written for it (dedup)
 
 
-def write_index(view: TierView, step: int, rank: int, records: Records) -> None:
+def write_index(view: TierView, step: int, rank: int, records: Records, written: int | None = None) -> None:
     """Rank's index next to its part (or replica) in this rank's own root."""
-    write_part_index(view.own, view.config.namespace, step, part_index(rank, records))
+    index = part_index(rank, records)
+    if written is not None:
+        index = dataclasses.replace(index, written=index.size + written)
+    write_part_index(view.own, view.config.namespace, step, index)
 
 
 def stored_chunk_sizes(records: Records) -> list[int]:
@@ -139,7 +144,7 @@ def build_commit(
     blob = build_blob(metadata, records)
     sizes = [0] * len(world)
     for rec in records.values():
-        sizes[rec.rank] += rec.length
+        sizes[rec.rank] += rec.part_length
     cfg = view.config
     marker = Marker(
         step,

@@ -27,10 +27,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tiered_dcp.planners.save import plan_global, tag_local_plan
-from tiered_dcp.storage.codec import Encoder, checksum, make_record, split
+from tiered_dcp.storage import blocks
+from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, checksum, make_record, split
 from tiered_dcp.storage.format import failed_key, index_key, part_key, pin_key
 
-from . import preemption, transport
+from . import dedup, preemption, transport
 from .catalog import TierView, bounded
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
@@ -54,9 +55,12 @@ class RawItem:
     hashes: list[int]
     extra: dict[str, Any]
     owner: object  # keeps the tensor / buffer alive while its bytes are written
+    ids: list[str] | None = None  # dedup: each chunk is a block, named by these ids
 
 
-def resolve_items(plan: SavePlan, planner: SavePlanner) -> list[RawItem]:
+def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False) -> list[RawItem]:
+    """Each write item's bytes, chunked and checksummed (with dedup, large tensors cut into
+    blocks and each named: this runs in the save's async part, off the training stall)."""
     items = []
     for item in plan.items:
         data = planner.resolve_data(item)
@@ -68,8 +72,10 @@ def resolve_items(plan: SavePlan, planner: SavePlanner) -> list[RawItem]:
             t = as_cpu_contiguous(data)
             owner, view = t, byte_view(t)
             extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
-        chunks = split(view)
-        items.append(RawItem(item.index, chunks, [checksum(c) for c in chunks], extra, owner))
+        cut = as_blocks and blocks.blocked(extra["kind"], len(view))
+        chunks = split(view, blocks.BLOCK_BYTES if cut else CHUNK_BYTES)
+        ids = [blocks.block_id(c) for c in chunks] if cut else None
+        items.append(RawItem(item.index, chunks, [checksum(c) for c in chunks], extra, owner, ids))
     return items
 
 
@@ -77,15 +83,30 @@ def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> S
     """This rank's part for one tier, in memory: its records and stored chunks in file order.
 
     Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
-    chunks are held until the part and its replicas are written.
+    chunks are held until the part and its replicas are written. Items cut into blocks
+    (dedup) are put into the root's block store here (``dedup``); the part keeps the rest.
     """
     enc = Encoder(view.tier.compression)
     key = part_key(view.config.namespace, step, rank)
     part = SavedPart(rank, {}, [])
+    as_blocks = {
+        it.index: dedup.BlockedItem(
+            list(it.chunks), [len(c) for c in it.chunks], it.hashes, it.ids, {"rank": rank, **it.extra}
+        )
+        for it in items
+        if it.ids is not None
+    }
+    if as_blocks:
+        part.records, put = dedup.put_items(view, step, rank, as_blocks)
+        part.written_blocks = put.written_bytes
     offset = 0
     for it in items:
-        stored = [enc.encode(c) for c in it.chunks]
-        rec = make_record(key, offset, stored, it.chunks, it.hashes, enc.codec, rank=rank, **it.extra)
+        if it.ids is not None:
+            continue
+        stored, codec, codecs = enc.encode_item(it.chunks, it.extra.get("dtype"))
+        rec = make_record(
+            key, offset, stored, it.chunks, it.hashes, codec, rank=rank, codecs=codecs, **it.extra
+        )
         part.records[it.index] = rec
         part.stored += stored
         offset += rec.length
@@ -95,7 +116,7 @@ def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> S
 def write_part(view: TierView, step: int, part: SavedPart) -> None:
     """The part, then its index next to it."""
     view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
-    write_index(view, step, part.rank, part.records)
+    write_index(view, step, part.rank, part.records, part.written_blocks)
 
 
 class TieredWriter(StorageWriter, AsyncStager):
@@ -228,8 +249,12 @@ class TieredWriter(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._waited:  # a sync save: nothing was staged
             self._wait_for_writer(self.rank)
-        items = resolve_items(plan, planner)
         first = self._first()
+        # dedup on the save path where no replica is swapped (replicas carry the part file)
+        as_blocks = self.config.dedup and (
+            first.placement.commits_in_finish or self.config.replication_factor == 1
+        )
+        items = resolve_items(plan, planner, as_blocks)
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
         world = (plan.storage_data or {}).get("world") or [self.node]

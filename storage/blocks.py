@@ -1,0 +1,294 @@
+"""Content-addressed blocks (dedup): each distinct block stored once per tier root.
+
+With ``TieredConfig(dedup=True)`` a tensor item of at least ``MIN_BLOCKED`` bytes is cut
+into blocks of ``BLOCK_BYTES`` raw bytes, each named by the xxh3-128 of its raw bytes.
+A root keeps one file per distinct block under ``<namespace>/blocks/`` (``format``), and a
+step's records name the blocks they use (``Record.blocks``), whichever step or rank wrote
+them first. A block a root already holds is never written (nor, by the writer process,
+read from the faster tier) again. Torch-free: the writer process uses it.
+
+Garbage collection is by reference and safe against a crash at any instant and against
+saves running at the same time:
+
+- A save (or a writer's copy) first writes the list of every block its part will use
+  (``rank_<r>.blocks`` in the step's directory), then waits while a GC lease is held, and
+  only then looks at which blocks the root holds, writing the missing ones.
+- ``collect`` takes a lease (a file of its own), then reads the lists of every step
+  directory still in the root (committed or not), then deletes the block files no list
+  names, then drops its lease. A committed step's list is written before its marker, so
+  nothing it uses is deleted; a GC killed midway leaves only unreferenced blocks, which
+  the next one reclaims.
+- Either the GC's lease is visible to the save (which then waits for it), or the save's
+  list was written before the GC read the lists (so the GC keeps its blocks): each side
+  writes its own file before reading the other's, so one of the two always holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import xxhash
+
+from .base import Buffer, Storage
+from .codec import ChecksumMismatch, Encoder, decode_chunk, encode_block, read_block
+from .format import (
+    BLOCK_HEADER,
+    GC_LEASE,
+    Record,
+    block_key,
+    blocks_dir,
+    is_block_id,
+    parse_block_header,
+    parse_step_dir,
+    refs_key,
+    step_dir,
+)
+
+log = logging.getLogger("tiered_dcp")
+
+BLOCK_BYTES = 1 << 20  # raw bytes per block: small enough that a partly changed tensor dedups
+MIN_BLOCKED = 64 << 10  # smaller items stay in the part file (a block file each would cost more)
+LEASE_TTL = 600.0  # seconds after which a lease is presumed left by a dead GC on another host
+LEASE_POLL = 0.05
+THREADS = 8  # block checks and writes in flight per part (a bucket answers each in ~ms)
+
+
+def block_id(raw: Buffer) -> str:
+    """A block's name: the xxh3-128 of its raw bytes, 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(raw)
+
+
+def blocked(kind: str, raw_length: int) -> bool:
+    """Whether an item is stored as blocks when dedup is on."""
+    return kind == "tensor" and raw_length >= MIN_BLOCKED
+
+
+# -- references -------------------------------------------------------------------------
+
+
+def write_refs(store: Storage, namespace: str, step: int, rank: int, ids: Iterable[str]) -> None:
+    """The blocks rank's part of ``step`` uses in this root: before any of them is relied on."""
+    store.write(refs_key(namespace, step, rank), [json.dumps(sorted(set(ids))).encode()])
+
+
+def read_refs(store: Storage, key: str) -> set[str]:
+    ids = json.loads(store.read(key))
+    if not isinstance(ids, list) or not all(isinstance(i, str) and is_block_id(i) for i in ids):
+        raise ValueError(f"{store.describe(key)} is not a list of block ids")
+    return set(ids)
+
+
+def referenced(store: Storage, namespace: str) -> set[str]:
+    """Every block some step directory of the root names. Raises when a list cannot be read
+    (a GC must then delete nothing)."""
+    refs: set[str] = set()
+    for name in store.list(namespace):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        sdir = step_dir(namespace, step)
+        for f in store.list(sdir):
+            if f.endswith(".blocks"):
+                try:
+                    refs |= read_refs(store, f"{sdir}/{f}")
+                except FileNotFoundError:
+                    continue  # the step was deleted while listed: it references nothing now
+    return refs
+
+
+# -- the GC lease -----------------------------------------------------------------------
+
+
+def _leases(store: Storage, namespace: str) -> list[str]:
+    return [n for n in store.list(blocks_dir(namespace)) if n.startswith(GC_LEASE)]
+
+
+def _stale(store: Storage, key: str) -> bool:
+    """A lease whose GC is gone: its process is dead (this host), or it is older than the TTL."""
+    try:
+        doc = json.loads(store.read(key))
+        if doc.get("host") == socket.gethostname():
+            try:
+                os.kill(int(doc["pid"]), 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                pass
+        return time.time() - float(doc["time"]) > LEASE_TTL
+    except FileNotFoundError:
+        return True
+    except (ValueError, KeyError, TypeError):
+        return True  # a lease torn by a crash while it was written
+
+
+def wait_for_gc(store: Storage, namespace: str) -> None:
+    """Return once no live GC holds a lease on the root's blocks (stale leases are removed)."""
+    while True:
+        live = []
+        for name in _leases(store, namespace):
+            key = f"{blocks_dir(namespace)}/{name}"
+            if _stale(store, key):
+                store.delete(key)
+            else:
+                live.append(name)
+        if not live:
+            return
+        time.sleep(LEASE_POLL)
+
+
+@dataclass
+class Collected:
+    """What one GC did."""
+
+    deleted: int = 0
+    freed_bytes: int = 0
+    kept: int = 0
+
+
+def collect(store: Storage, namespace: str) -> Collected | None:
+    """Delete the root's blocks that no step directory references (see the module's doc).
+
+    None when the root has no blocks, or a reference list could not be read (nothing is
+    deleted then: a block it names might be).
+    """
+    bdir = blocks_dir(namespace)
+    subdirs = [n for n in store.list(bdir) if len(n) == 2]
+    if not subdirs:
+        return None
+    lease = f"{bdir}/{GC_LEASE}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    doc = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    store.write(lease, [json.dumps(doc).encode()])
+    try:
+        try:
+            refs = referenced(store, namespace)
+        except (OSError, ValueError) as e:
+            log.warning("block GC in %s skipped: a reference list is unreadable: %s", store.url, e)
+            return None
+        done = Collected()
+        for sub in subdirs:
+            for name in store.list(f"{bdir}/{sub}"):
+                if not is_block_id(name):
+                    continue  # a block being written under a dirty name, or a stranger
+                if name in refs:
+                    done.kept += 1
+                    continue
+                key = block_key(bdir, name)
+                done.freed_bytes += store.size(key) or 0
+                store.delete(key)
+                done.deleted += 1
+        if done.deleted:
+            log.info("block GC in %s: %d blocks (%d bytes) freed", store.url, done.deleted, done.freed_bytes)
+        return done
+    finally:
+        store.delete(lease)
+
+
+# -- writing ----------------------------------------------------------------------------
+
+
+@dataclass
+class PutResult:
+    """Per part: bytes of the blocks it uses, and of those it wrote itself."""
+
+    used_blocks: int = 0
+    written_blocks: int = 0
+    written_bytes: int = 0  # stored bytes of the blocks written (with their headers)
+
+
+def held(store: Storage, directory: str, block: str) -> tuple[str, int] | None:
+    """(codec, stored length) of a block the root holds, else None."""
+    key = block_key(directory, block)
+    try:
+        head = store.read(key, 0, BLOCK_HEADER)
+        size = store.size(key)
+        codec = parse_block_header(head)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None  # a damaged header: written again (readers check every block anyway)
+    if size is None:
+        return None
+    return codec, size - BLOCK_HEADER
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="tdcp-blocks")
+    return _POOL
+
+
+class BlockPut:
+    """Puts the blocks of one part into a root: each one held there already is skipped.
+
+    ``skip`` names blocks another rank of this save writes (the save planner's choice):
+    they are neither checked nor written here.
+    """
+
+    def __init__(self, store: Storage, namespace: str, encoder: Encoder, skip: Iterable[str] = ()) -> None:
+        self.store, self.dir, self.enc = store, blocks_dir(namespace), encoder
+        self.skip = set(skip)
+        self.result = PutResult()
+        self._lock = threading.Lock()
+
+    def put(self, block: str, raw: Buffer | None, dtype: str | None, fetch=None) -> tuple[int, str]:
+        """Ensure ``block`` is in the root; return (stored length, codec) for the record.
+
+        ``raw`` is its raw bytes, or None with ``fetch()`` returning them (the writer
+        process reads a block from the faster tier only when the target lacks it).
+        """
+        with self._lock:
+            self.result.used_blocks += 1
+        if block in self.skip:
+            return 0, self.enc.codec  # written by another rank of this save
+        got = held(self.store, self.dir, block)
+        if got is not None:
+            return got[1], got[0]
+        view = memoryview(raw if raw is not None else fetch()).cast("B")
+        codec = self.enc.choose(view, dtype)
+        stored = self.enc.encode_as(view, codec)
+        n = self.store.write(block_key(self.dir, block), encode_block(codec, stored))
+        with self._lock:
+            self.result.written_blocks += 1
+            self.result.written_bytes += n
+        return n - BLOCK_HEADER, codec
+
+
+def fetch_raw(store: Storage, record: Record, i: int) -> bytes:
+    """Chunk i of a dedup record, raw and verified, read from ``store``."""
+    _, n, h = record.chunks[i]
+    codec, stored = read_block(store, record, i)
+    out = bytearray(n)
+    decode_chunk(codec, stored, n, memoryview(out), i, h)
+    return bytes(out)
+
+
+__all__ = [
+    "BLOCK_BYTES",
+    "MIN_BLOCKED",
+    "BlockPut",
+    "ChecksumMismatch",
+    "Collected",
+    "PutResult",
+    "block_id",
+    "blocked",
+    "collect",
+    "fetch_raw",
+    "held",
+    "read_refs",
+    "referenced",
+    "wait_for_gc",
+    "write_refs",
+]
