@@ -85,8 +85,15 @@ class TieredReader(StorageReader):
         self._cluster: list[ClusterCopy] = []
         self._cluster_md: Metadata | None = None
         self._urls: dict[int, dict[int, str]] = {}  # tier -> rank -> its own root
-        for _ in range(CHOICES):
-            found, cluster, lost = self._choose(step)
+        for attempt in range(CHOICES):
+            try:
+                found, cluster, lost = self._choose(step)
+            except NoCheckpointError:
+                # A scan is not atomic: beside a running job it may read step N's marker just
+                # after retention removed it and N+1's just before its commit. Look again.
+                if step is not None or attempt == CHOICES - 1:
+                    raise
+                continue
             if self._lease(found, cluster):
                 break
             if step is not None:
@@ -112,7 +119,7 @@ class TieredReader(StorageReader):
                 except CheckpointCorruptError as e:  # every rank saw the same bytes: all agree
                     if not self._copies:
                         raise
-                    log.warning("%s; loading step %d from a shared tier instead", e, step)
+                    log.warning("%s; loading step %d from a shared tier instead", e, self.step)
                     self._cluster, self._own = [], {}
         own = self._own if self._dist else {}
         self._copy_at = {c.tier_index: c for c in self._copies} | own  # tier -> the copy read there
