@@ -146,6 +146,16 @@ def _save_sync_async_and_load(rank, world, root):
     return {d: sorted(os.listdir(d)) for d in (sync_dir, async_dir)}
 
 
+def _save(rank, world, root, step, ckpt):
+    from megatron.core import dist_checkpointing
+
+    from tiered_dcp.megatron import TieredSaveStrategy
+
+    os.makedirs(ckpt, exist_ok=True)
+    strategy = TieredSaveStrategy(make_config(root), step=step)  # a name without a step: given
+    dist_checkpointing.save(sharded_sd(rank, world, step), ckpt, sharded_strategy=strategy)
+
+
 def _load(rank, world, root, step, ckpt):
     from megatron.core import dist_checkpointing
 
@@ -157,48 +167,44 @@ def _load(rank, world, root, step, ckpt):
     check_loaded(loaded, rank, world, step)
 
 
-def test_sync_and_async_save_load_metadata_strict_then_reshard_to_one(tmp_path):
-    root = str(tmp_path)
-    listings = run_ranks(_save_sync_async_and_load, 2, root)
-    small = [".metadata", "__0_0.distcp", "metadata.json", "tiered_dcp.json"]
-    assert listings[0] == {d: small for d in listings[0]}  # ckpt_dir: only what Megatron reads
-    cfg = make_config(root)
-    settle(cfg)
-    for step in (100, 200):  # on the RAM tier at once, on the bucket through the writer process
-        assert (tmp_path / f"ram/0/mg/step_{step:012d}/COMMITTED").exists()
-        assert (tmp_path / f"bucket/mg/step_{step:012d}/COMMITTED").exists()
-    run_ranks(_load, 1, root, 100, f"{root}/ckpt/iter_0000100")  # 2 -> 1
+def _two_ranks(rank, world, root):
+    _load(rank, world, root, 7, f"{root}/ckpt/run_a")  # saved by four ranks
+    return _save_sync_async_and_load(rank, world, root)
 
 
-def _save(rank, world, root, step):
-    from megatron.core import dist_checkpointing
-
-    from tiered_dcp.megatron import TieredSaveStrategy
-
-    ckpt = f"{root}/ckpt/run_a"
-    os.makedirs(ckpt, exist_ok=True)
-    strategy = TieredSaveStrategy(make_config(root), step=step)
-    dist_checkpointing.save(sharded_sd(rank, world, step), ckpt, sharded_strategy=strategy)
+def _one_rank(rank, world, root):
+    _load(rank, world, root, 100, f"{root}/ckpt/iter_0000100")  # saved by two ranks
+    _argument_errors(root)
 
 
-def test_reshard_four_to_two(tmp_path):
-    root = str(tmp_path)
-    run_ranks(_save, 4, root, 7)
-    run_ranks(_load, 2, root, 7, f"{root}/ckpt/run_a")
-
-
-def test_step_from_directory_name_and_errors(tmp_path):
-    pytest.importorskip("megatron.core")
+def _argument_errors(root):
     from tiered_dcp.megatron import TieredLoadStrategy, TieredSaveStrategy, step_from_dir
 
     assert step_from_dir("/ckpts/iter_0000100") == 100
     assert step_from_dir("global_step42") == 42
     with pytest.raises(ValueError, match="step=N"):
         step_from_dir("/ckpts/release")
-    cfg = make_config(str(tmp_path))
+    cfg = make_config(root)
     with pytest.raises(ValueError, match="nonsense"):
         TieredSaveStrategy(cfg, nonsense=1)
     with pytest.raises(ValueError, match="TieredConfig"):
         TieredLoadStrategy("not a config")
+    os.makedirs(f"{root}/ckpt/by_hand")
     with pytest.raises(NoCheckpointError, match="tiered_dcp.json"):
-        TieredLoadStrategy(cfg)._step(tmp_path)
+        TieredLoadStrategy(cfg)._step(f"{root}/ckpt/by_hand")
+
+
+def test_save_load_sync_async_metadata_strict_reshard(tmp_path):
+    """One scenario over three launches (each rank process spends seconds importing
+    megatron.core): four ranks save; two ranks load that (4 -> 2), save sync and async
+    and query; one rank loads the two ranks' step (2 -> 1)."""
+    root = str(tmp_path)
+    run_ranks(_save, 4, root, 7, f"{root}/ckpt/run_a")
+    listings = run_ranks(_two_ranks, 2, root)
+    small = [".metadata", "__0_0.distcp", "metadata.json", "tiered_dcp.json"]
+    assert listings[0] == {d: small for d in listings[0]}  # ckpt_dir: only what Megatron reads
+    settle(make_config(root))
+    for step in (100, 200):  # on the RAM tier at once, on the bucket through the writer process
+        assert (tmp_path / f"ram/0/mg/step_{step:012d}/COMMITTED").exists()
+        assert (tmp_path / f"bucket/mg/step_{step:012d}/COMMITTED").exists()
+    run_ranks(_one_rank, 1, root)
