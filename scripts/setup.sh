@@ -11,3 +11,10 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
+# megatron-core for tests/test_megatron.py. Its wheels from 0.17 on declare Python >= 3.12
+# but run on 3.11, and its package import needs psutil and triton without declaring them:
+# installed without its dependency metadata. Skipped when already there.
+if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('megatron-core') == '0.19.2'; import psutil, triton" >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
+  .venv/bin/python -m pip install -q numpy packaging psutil triton
+fi
