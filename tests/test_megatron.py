@@ -143,7 +143,19 @@ def _save_sync_async_and_load(rank, world, root):
         dist_checkpointing.load(
             target, sync_dir, sharded_strategy=TieredLoadStrategy(cfg), strict=StrictHandling.RAISE_ALL
         )
-    return {d: sorted(os.listdir(d)) for d in (sync_dir, async_dir)}
+    # Megatron-LM wraps the save strategy for a fully parallel save by default (its load
+    # wrapper exchanges the loaded shards over CUDA only: not run here)
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    parallel_dir = f"{root}/ckpt/iter_0000300"
+    os.makedirs(parallel_dir, exist_ok=True)
+    wrapped = FullyParallelSaveStrategyWrapper(TieredSaveStrategy(cfg))
+    dist_checkpointing.save(sharded_sd(rank, world, 300), parallel_dir, sharded_strategy=wrapped)
+    loaded = dist_checkpointing.load(
+        sharded_sd(rank, world, 0, empty=True), parallel_dir, sharded_strategy=TieredLoadStrategy(cfg)
+    )
+    check_loaded(loaded, rank, world, 300)
+    return {d: sorted(os.listdir(d)) for d in (sync_dir, async_dir, parallel_dir)}
 
 
 def _save(rank, world, root, step, ckpt):

@@ -142,7 +142,7 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
         pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
         dcp.save(pyt_state_dict, storage_writer=writer, planner=_save_planner())
-        _write_small_files(self.config, writer.step, pyt_state_dict, checkpoint_dir)
+        _write_small_files(self.config, writer.step, pyt_state_dict.get(COMMON_KEY), checkpoint_dir)
 
     def async_save(
         self, sharded_state_dict: dict, checkpoint_dir: str | os.PathLike, async_strategy: str = "nvrx"
@@ -156,6 +156,7 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
         staged_flat, staged = _stage(flat, writer)
         pyt_state_dict = mcore_to_pyt_state_dict(staged_flat, False)
+        common = pyt_state_dict.get(COMMON_KEY)  # what finalize writes; the rest is the thread's
         group = _save_group()
         done = _done_dir() / f"{uuid.uuid4().hex}.done"
         future = _executor().submit(_save_in_thread, pyt_state_dict, writer, group, done, staged)
@@ -166,7 +167,7 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
                 future.result()  # the save's error, if any: DCP raises it on every rank
             finally:
                 done.unlink(missing_ok=True)
-            _write_small_files(self.config, writer.step, pyt_state_dict, checkpoint_dir)
+            _write_small_files(self.config, writer.step, common, checkpoint_dir)
 
         request_cls = AsyncRequest
         if async_strategy == "nvrx":
@@ -273,7 +274,7 @@ def _sharded_tensors(tree: Any) -> list[ShardedTensor]:
 
 
 def _write_small_files(
-    config: TieredConfig, step: int, pyt_state_dict: dict, checkpoint_dir: str | os.PathLike
+    config: TieredConfig, step: int, common: io.BytesIO | None, checkpoint_dir: str | os.PathLike
 ) -> None:
     """On rank 0: the common state (a one-item DCP checkpoint, Megatron's layout) and the pointer.
 
@@ -283,7 +284,6 @@ def _write_small_files(
     if dist.get_rank() != 0:
         return
     ckpt = Path(checkpoint_dir)
-    common = pyt_state_dict.get(COMMON_KEY)
     if common is not None:  # Megatron's save() always adds it; a direct strategy call may not
         dcp.save(
             {COMMON_KEY: io.BytesIO(common.getvalue())},
