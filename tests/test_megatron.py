@@ -75,6 +75,7 @@ def _save_sync_async_and_load(rank, world, root):
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from tiered_dcp.megatron import TieredLoadStrategy, TieredSaveStrategy
@@ -98,10 +99,17 @@ def _save_sync_async_and_load(rank, world, root):
     queue.schedule_async_request(request)
     state["w"].data.add_(1e6)  # the loop goes on: the staged copy is what is saved
     state["bias"].data.add_(1e6)
+    # a sync save while the async one may still be writing (it waits for it), wrapped as
+    # Megatron-LM wraps its save strategy by default: fully parallel (its load wrapper
+    # exchanges the loaded shards over CUDA only: not run here)
+    parallel_dir = f"{root}/ckpt/iter_0000300"
+    os.makedirs(parallel_dir, exist_ok=True)
+    wrapped = FullyParallelSaveStrategyWrapper(TieredSaveStrategy(cfg))
+    dist_checkpointing.save(sharded_sd(rank, world, 300), parallel_dir, sharded_strategy=wrapped)
     assert queue.maybe_finalize_async_calls(blocking=True) == [0]
     assert queue.get_num_unfinalized_calls() == 0
 
-    for step, ckpt in ((100, sync_dir), (200, async_dir)):
+    for step, ckpt in ((100, sync_dir), (200, async_dir), (300, parallel_dir)):
         loaded = dist_checkpointing.load(
             sharded_sd(rank, world, step, empty=True), ckpt, sharded_strategy=TieredLoadStrategy(cfg)
         )
@@ -143,18 +151,6 @@ def _save_sync_async_and_load(rank, world, root):
         dist_checkpointing.load(
             target, sync_dir, sharded_strategy=TieredLoadStrategy(cfg), strict=StrictHandling.RAISE_ALL
         )
-    # Megatron-LM wraps the save strategy for a fully parallel save by default (its load
-    # wrapper exchanges the loaded shards over CUDA only: not run here)
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-    parallel_dir = f"{root}/ckpt/iter_0000300"
-    os.makedirs(parallel_dir, exist_ok=True)
-    wrapped = FullyParallelSaveStrategyWrapper(TieredSaveStrategy(cfg))
-    dist_checkpointing.save(sharded_sd(rank, world, 300), parallel_dir, sharded_strategy=wrapped)
-    loaded = dist_checkpointing.load(
-        sharded_sd(rank, world, 0, empty=True), parallel_dir, sharded_strategy=TieredLoadStrategy(cfg)
-    )
-    check_loaded(loaded, rank, world, 300)
     return {d: sorted(os.listdir(d)) for d in (sync_dir, async_dir, parallel_dir)}
 
 

@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +141,8 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
         writer = self._writer(checkpoint_dir)
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
         pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
+        # an async save still writing first: saves agree on their store keys by call order
+        wait(list(_IN_FLIGHT))
         dcp.save(pyt_state_dict, storage_writer=writer, planner=_save_planner())
         _write_small_files(self.config, writer.step, pyt_state_dict.get(COMMON_KEY), checkpoint_dir)
 
@@ -161,6 +163,8 @@ class TieredSaveStrategy(TorchDistSaveShardedStrategy):
         done = _done_dir() / f"{uuid.uuid4().hex}.done"
         future = _executor().submit(_save_in_thread, pyt_state_dict, writer, group, done, staged)
         del staged
+        _IN_FLIGHT.add(future)
+        future.add_done_callback(_IN_FLIGHT.discard)
 
         def finalize() -> None:
             try:
@@ -340,6 +344,7 @@ def wait_for_save(done: str, owner_pid: int, poll: float = 0.01) -> None:
         time.sleep(poll)
 
 
+_IN_FLIGHT: set[Future] = set()  # this process's async saves whose thread has not finished
 _GROUPS: dict[int, Any] = {}
 _EXECUTOR: ThreadPoolExecutor | None = None
 _DONE_DIR: Path | None = None
