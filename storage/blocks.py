@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from . import owners
 from .base import Buffer, Storage
 from .codec import ChecksumMismatch, Encoder, decode_chunk, encode_block, read_block
 from .format import (
@@ -113,21 +113,12 @@ def _leases(store: Storage, namespace: str) -> list[str]:
 
 
 def _stale(store: Storage, key: str) -> bool:
-    """A lease whose GC is gone: its process is dead (this host), or it is older than the TTL."""
+    """A lease whose GC is gone: its process is dead (this host), or its time is over
+    (``owners``); a lease torn by a crash while it was written is stale too."""
     try:
-        doc = json.loads(store.read(key))
-        if doc.get("host") == socket.gethostname():
-            try:
-                os.kill(int(doc["pid"]), 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                pass
-        return time.time() - float(doc["time"]) > LEASE_TTL
+        return not owners.owner_alive(store.read(key), unreadable=False)
     except FileNotFoundError:
         return True
-    except (ValueError, KeyError, TypeError):
-        return True  # a lease torn by a crash while it was written
 
 
 def wait_for_gc(store: Storage, namespace: str) -> None:
@@ -164,9 +155,8 @@ def collect(store: Storage, namespace: str) -> Collected | None:
     subdirs = [n for n in store.list(bdir) if len(n) == 2]
     if not subdirs:
         return None
-    lease = f"{bdir}/{GC_LEASE}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    doc = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-    store.write(lease, [json.dumps(doc).encode()])
+    lease = f"{bdir}/{GC_LEASE}.{owners.HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    store.write(lease, [owners.owner_record(LEASE_TTL)])
     try:
         try:
             refs = referenced(store, namespace)

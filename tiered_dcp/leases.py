@@ -16,28 +16,23 @@ died), so a failed save does not keep its directory forever. Torch-free.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import socket
 import threading
-import time
 import uuid
 
-from tiered_dcp.storage import Storage
+from tiered_dcp.storage import Storage, owners
 from tiered_dcp.storage.format import is_lease, lease_key, marker_key, step_dir
-
-from .runtime import pid_alive
+from tiered_dcp.storage.owners import HOST
 
 log = logging.getLogger("tiered_dcp")
 
 LEASE_TTL = float(os.environ.get("TIERED_DCP_LEASE_TTL", "120"))
-HOST = socket.gethostname()
 
 
 def owner_record(ttl: float = LEASE_TTL) -> bytes:
     """Who wrote a lease or pin, and until when it holds when its pid cannot be checked."""
-    return json.dumps({"host": HOST, "pid": os.getpid(), "expires": time.time() + ttl}).encode()
+    return owners.owner_record(ttl)
 
 
 def owner_alive(data: bytes) -> bool:
@@ -46,14 +41,7 @@ def owner_alive(data: bytes) -> bool:
     A record from before owners were recorded (empty) or being written (unparsable) counts
     as alive: better a step kept one more round than one removed under its reader.
     """
-    try:
-        rec = json.loads(data)
-        host, pid, expires = rec["host"], int(rec["pid"]), float(rec["expires"])
-    except (ValueError, KeyError, TypeError):
-        return True
-    if host == HOST:
-        return pid_alive(pid)
-    return expires > time.time()
+    return owners.owner_alive(data, unreadable=True)
 
 
 def live_leases(store: Storage, namespace: str, step: int, names: list[str] | None = None) -> list[str]:

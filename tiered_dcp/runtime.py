@@ -40,6 +40,8 @@ import time
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
+from tiered_dcp.storage.owners import pid_alive
+
 from .config import TieredConfig
 from .private_dir import ensure_private, mkdir_private, open_private, write_private
 
@@ -71,23 +73,6 @@ def rundir(config: TieredConfig, rank: int) -> Path:
 
 def job_name(tier: int, step: int) -> str:
     return f"t{tier:02d}_s{step:012d}.json"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as dead)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
