@@ -84,6 +84,12 @@ class Storage(ABC):
         The writer process tells a slow tier (bytes moving) from a stalled one by it."""
         return None
 
+    def failing(self) -> tuple[float, str] | None:
+        """(``time.monotonic()`` since when, the latest failure) while this store's requests
+        fail and are being retried with no success since; None when they succeed, or for
+        backends that retry nothing. Tells the writer a bucket is down before its retries end."""
+        return None
+
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 

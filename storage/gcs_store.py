@@ -135,9 +135,13 @@ class GCSStorage(Storage):
             raise ValueError(f"{url}: no bucket in the URL")
         self._bucket_seen = False  # the bucket answered once: a later 404 is a missing object
         self.last_activity = 0.0  # time.monotonic() when a request of this store last moved a byte
+        self._failing: tuple[float, str] | None = None  # since when requests fail (no success since)
 
     def activity(self) -> float | None:
         return self.last_activity or None
+
+    def failing(self) -> tuple[float, str] | None:
+        return self._failing
 
     # ---- names and the sync/async bridge
 
@@ -174,13 +178,17 @@ class GCSStorage(Storage):
         while True:
             tries += 1
             try:
-                return await self._watched(attempt)
+                result = await self._watched(attempt)
+                self._failing = None  # the bucket answers
+                return result
             except Exception as e:
                 err = await self._failure(what, e, missing_ok)
                 if err is e:
                     raise
                 if err is not None:
                     raise err from e
+                if self._failing is None:
+                    self._failing = (loop.time(), f"{what}: {_describe(e)}")
                 delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (tries - 1)) * random.uniform(0.5, 1.0)
                 spent = loop.time() - start
                 if spent + delay > self.opts.retry_timeout:

@@ -52,6 +52,7 @@ ATTEMPTS = 3  # tries per (step, tier) before the step is reported failed on tha
 OWNER_GRACE = 30.0  # seconds to wait for a commit once the trainer is gone
 MARKER_TIMEOUT = 600.0  # seconds to wait for a step to be committed on its source tier
 KEEP_RESULTS = 100  # outcomes remembered per tier (status shows failures among them)
+FAILING_AFTER = 2.0  # seconds of requests failing with no success before a tier counts as failing
 IDLE_EXIT = float(os.environ.get("TIERED_DCP_WRITER_IDLE_EXIT", "3600"))
 
 
@@ -235,13 +236,20 @@ class Persister:
         self.health[target].progress = time.monotonic()
 
     def watch(self) -> None:
-        """Mark stalled the tiers whose write made no progress for ``tier_timeout``, and keep
-        only the newest waiting step queued for every tier that is not healthy."""
+        """Mark stalled the tiers whose write made no progress for ``tier_timeout``, failing
+        those whose requests have failed for ``FAILING_AFTER`` seconds with no success (a
+        bucket that is down, while its backend still retries), and keep only the newest
+        waiting step queued for every tier that is not healthy."""
         bound = self.config.tier_timeout
         for target, h in list(self.health.items()):
             idle = time.monotonic() - h.last_progress()
+            failing = h.store.failing() if h.store is not None else None
             if h.writing is not None and h.state == HEALTHY and idle > bound:
                 self.judge(target, "stalled", f"writing step {h.writing} made no progress for {idle:.0f} s")
+            elif h.writing is not None and h.state == HEALTHY and failing is not None:
+                failed_for = time.monotonic() - failing[0]
+                if failed_for > FAILING_AFTER:  # a bucket that is down, not one failing now and then
+                    self.judge(target, "failing", f"requests failing for {failed_for:.0f} s: {failing[1]}")
             if h.state != HEALTHY:
                 self.trim(target)
 
