@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from .cluster import (
 )
 from .config import TieredConfig, node_of
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
+from .records import record
 from .tensors import byte_view, dtype_from_name
 from .transport import PeerTimeout
 
@@ -72,6 +74,7 @@ class TieredReader(StorageReader):
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"TieredReader: step must be None or an integer >= 0, got {step!r}")
         self.config = config
+        self._started = time.perf_counter()  # a load's duration is recorded (``records``)
         rank, up = _dist_rank()
         self.rank, self.node = rank, node_of(rank)
         self._dist = up and not no_dist
@@ -477,6 +480,8 @@ class TieredReader(StorageReader):
                 f"(offset {list(req.storage_index.offset or [])}) left"
                 f"{f' (and {len(pending) - 1} more)' if len(pending) > 1 else ''}: {detail}"
             )
+        seconds = round(time.perf_counter() - self._started, 6)
+        record(self.config, "load", self.rank, self.step, tiers=self.tiers, seconds=seconds)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
