@@ -288,7 +288,7 @@ def plot(report: GoodputReport, tiers: list[TierCosts], path: str) -> str:
             f"best {advice.best_every}: {advice.goodput:.3f}",
             (advice.best_every, advice.goodput),
             textcoords="offset points",
-            xytext=(4, 6),
+            xytext=(4, -12),
             fontsize=8,
         )
         if advice.every is not None and advice.goodput_current is not None:
@@ -298,7 +298,7 @@ def plot(report: GoodputReport, tiers: list[TierCosts], path: str) -> str:
     ax.set_ylabel("goodput (against that tier's failures)")
     ax.set_title("tiered-dcp goodput: o best (Daly), x current every=")
     lows = [a.goodput for a in report.tiers]
-    ax.set_ylim(max(0.0, min(lows) - 0.1), 1.0)
+    ax.set_ylim(max(0.0, min(lows) - 0.1), 1.002)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower center")
     fig.tight_layout()
