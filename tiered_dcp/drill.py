@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, opt = _build(mesh, HIDDEN)
     _train_step(model, opt, 0)  # materialise optimizer state so there is something to load into
-    report: dict = {"rank": rank, "attempt": args.attempt, "step": 0}
+    report: dict = {"rank": rank, "attempt": args.attempt, "step": 0, "boot_s": time.time() - args.born}
     t0 = time.perf_counter()
     try:
         reader = TieredReader(cfg)
@@ -168,6 +168,7 @@ class Event:
     match: bool | None = None
     recovery_s: float | None = None  # fault to state restored (restart included)
     load_s: float | None = None  # the load alone (slowest rank)
+    boot_s: float | None = None  # process start to ready to load: imports, process group, model
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -296,6 +297,7 @@ class Drill:
         event.match = all(r.get("match", r["step"] == 0) for r in reports)
         event.recovery_s = round(max(r["time"] for r in reports) - fault_time, 3)
         event.load_s = round(max(r.get("load_s", 0.0) for r in reports), 3)
+        event.boot_s = round(max(r["boot_s"] for r in reports), 3)
         if len({r["step"] for r in reports}) > 1:
             event.problems.append(f"ranks resumed from different steps {[r['step'] for r in reports]}")
         if event.expected is not None and event.resumed < event.expected:
@@ -480,7 +482,7 @@ def _print_event(e: Event) -> None:
         line += (
             f"\n           resumed from step {e.resumed} (committed: {e.expected}) off tier(s) {e.tiers}, "
             f"state {'exact' if e.match else 'DIFFERENT'}; "
-            f"recovered in {e.recovery_s:.1f} s (load {e.load_s:.2f} s)"
+            f"recovered in {e.recovery_s:.1f} s (process start {e.boot_s:.1f} s, load {e.load_s:.2f} s)"
         )
     elif e.recovery_s is not None:
         line += f"\n           a newer step committed on the bucket {e.recovery_s:.1f} s after the outage"
@@ -579,9 +581,12 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--config", required=True)
     p.add_argument("--attempt", type=int, required=True)
+    born = time.time()  # before torch is imported: the restart's own cost is reported
     code = 0
     try:
-        worker(p.parse_args())
+        args = p.parse_args()
+        args.born = born
+        worker(args)
     except BaseException:
         traceback.print_exc()
         code = 1

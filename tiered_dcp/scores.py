@@ -20,6 +20,7 @@ this node (the runtime directory is node-local); on one node that is the whole j
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ MIN_SECONDS = 0.02  # a save whose slowest rank took less is not scored
 MIN_SHARE = 0.25  # a part smaller than this share of the save's largest is not scored
 TAIL_BYTES = 64 << 10  # how much of each rank's records the trainer's check reads
 _warned: set[tuple[str, int, int]] = set()  # (job, tier, rank) flagged and not yet recovered
+_checking = threading.Lock()  # one check at a time per process; a save never waits for one
 
 
 @dataclass
@@ -109,6 +111,20 @@ def slow_ranks(
 ) -> list[RankScore]:
     """The ranks below ``threshold`` for ``patience`` saves in a row on some tier."""
     return [s for s in job_scores(config, threshold, tail_bytes) if s.slow_streak >= patience]
+
+
+def watch_soon(config: TieredConfig, rank: int) -> None:
+    """``watch`` in a thread of its own, skipped while the previous one still runs: reading
+    every rank's records must not lengthen a save."""
+    if _checking.acquire(blocking=False):
+
+        def run() -> None:
+            try:
+                watch(config, rank)
+            finally:
+                _checking.release()
+
+        threading.Thread(target=run, daemon=True, name="tiered-dcp-scores").start()
 
 
 def watch(config: TieredConfig, rank: int) -> list[RankScore]:

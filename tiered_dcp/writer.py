@@ -317,7 +317,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         if self.stage_seconds is not None:
             fields["stage_s"] = round(self.stage_seconds, 6)
         record(self.config, "save", self.rank, self.step, **fields)
-        scores.watch(self.config, self.rank)
+        scores.watch_soon(self.config, self.rank)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit a shared first tier (node-local ones are committed in ``write_data``)."""
