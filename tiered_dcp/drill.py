@@ -45,6 +45,7 @@ WORLD = 2  # ranks, one per simulated node
 HIDDEN = 256
 FAULTS = ("kill", "wipe", "flip", "outage")
 RESUME_TIMEOUT = 180.0  # seconds a restarted job may take to restore its state
+_OWN_FILES = ("stop", "progress.", "truth.", "steps.", "resume.", "stderr.", "tiers.toml", "fake-gcs-server")
 
 
 # ----------------------------------------------------------------------------- config
@@ -403,15 +404,19 @@ class Drill:
                 return
             time.sleep(0.1)
         event.recovery_s = round(time.time() - end, 3)
-        stalls = []
+        stalls, before_it = [], []
         for r in range(WORLD):
             with contextlib.suppress(OSError), open(f"{self.dir}/steps.rank{r}.jsonl") as f:
                 for line in f:
                     rec = json.loads(line)
                     if start <= rec["time"] <= end + 1:
                         stalls.append(rec["stall"])
+                    elif start - 10 <= rec["time"] < start:
+                        before_it.append(rec["stall"])
         if stalls:
             event.detail += f"; the loop's longest save wait meanwhile {max(stalls):.2f} s"
+            if before_it:
+                event.detail += f" (median {sorted(before_it)[len(before_it) // 2]:.2f} s in the 10 s before)"
 
     # -- the run
 
@@ -495,6 +500,7 @@ def run_drill(
     """Run the drill for ``seconds`` of faults and return its report (``report.ok``: nothing lost)."""
     from . import runtime
     from .api import writer_status
+    from .jobconfig import load_job_config
 
     faults = list(faults or FAULTS)
     unknown = set(faults) - set(FAULTS)
@@ -504,10 +510,17 @@ def run_drill(
     own_dir = workdir is None
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tiered-dcp-drill-"))
     os.makedirs(workdir, exist_ok=True)
+    for stale in Path(workdir).iterdir():  # a previous drill's tiers, logs and stop file
+        if stale.name in ("ram", "ssd", "bucket") or stale.name.startswith(_OWN_FILES):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     ram = f"{workdir}/ram"
     if own_dir and os.access("/dev/shm", os.W_OK):
         ram = tempfile.mkdtemp(prefix="tiered-dcp-drill-", dir="/dev/shm")
     drill = Drill(workdir, ram, seconds, seed, faults)
+    for bucket in ("gs://drill/ckpt", f"{workdir}/bucket"):  # a previous drill's queues and records
+        jd = runtime.job_dir(load_job_config(write_config(workdir, ram, bucket, {})))
+        if not any(runtime.writer_running(rd) for rd in jd.glob("rank_*")):
+            shutil.rmtree(jd, ignore_errors=True)
     print(
         f"tiered-dcp drill: {WORLD} ranks on 2 simulated nodes, {seconds:.0f} s of faults {faults}, "
         f"seed {seed}"
@@ -546,6 +559,12 @@ def print_report(report: DrillReport) -> None:
             print(
                 f"    {kind:<6} x{len(es)}: recovery {rec[0]:.1f}-{rec[-1]:.1f} s (fault to state restored)"
             )
+    outages = sorted(e.recovery_s for e in faults if e.fault == "outage" and e.recovery_s is not None)
+    if outages:
+        print(
+            f"    outage x{len(outages)}: a newer step committed on the bucket "
+            f"{outages[0]:.1f}-{outages[-1]:.1f} s after"
+        )
     for note in report.notes:
         print(f"  note: {note}")
     lost = [e for e in report.events if e.lost]
