@@ -1,4 +1,4 @@
-"""The ``tiered-dcp`` command: ls, verify, export, demo.
+"""The ``tiered-dcp`` command: ls, verify, export, goodput, drill, demo.
 
 ``ls`` imports no torch, so it answers at once; the others import it when they run.
 """
@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
 import time
@@ -36,6 +38,16 @@ def age(created: float | None) -> str:
 
 
 def _config(args: argparse.Namespace) -> TieredConfig:
+    if getattr(args, "config", None):
+        if args.tiers or args.namespace:
+            raise SystemExit("give either --config or -n NAMESPACE and the tiers, not both")
+        from .jobconfig import load_job_config
+
+        return load_job_config(args.config)
+    if not args.namespace or not args.tiers:
+        raise SystemExit(
+            "say which job: --config tiers.toml (or python:module:attr), or -n NAMESPACE TIER..."
+        )
     options = {}
     for kv in args.option or []:
         key, sep, value = kv.partition("=")
@@ -52,6 +64,8 @@ def _config(args: argparse.Namespace) -> TieredConfig:
 def cmd_ls(args: argparse.Namespace) -> int:
     cfg = _config(args)
     rows = status(cfg)
+    if args.json:
+        return _ls_json(cfg, rows)
     if not rows:
         print(f"no steps of namespace {cfg.namespace!r} on any tier")
         return 0
@@ -86,6 +100,38 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"    FAILED step {s} -> tier {t}: {why}")
         for s, t, why in w.skipped:
             print(f"    SKIPPED step {s} -> tier {t}: {why}")
+    _print_scores(cfg)
+    return 0
+
+
+def _print_scores(cfg: TieredConfig) -> None:
+    from .scores import PATIENCE, THRESHOLD, job_scores
+
+    scores = job_scores(cfg)
+    if not scores:
+        return
+    print("save-time scores (write speed vs the best rank / vs its own best; newest scored save):")
+    for s in scores:
+        flag = (
+            f"  SLOW: {s.slow_streak} saves in a row below {THRESHOLD}" if s.slow_streak >= PATIENCE else ""
+        )
+        print(
+            f"  rank {s.rank} (node {s.node}) tier {s.tier}: {s.relative:.2f} / {s.individual:.2f} "
+            f"at step {s.step}, worst {s.worst:.2f} over {s.saves} saves{flag}"
+        )
+
+
+def _ls_json(cfg: TieredConfig, rows: list) -> int:
+    from .scores import job_scores
+
+    out = {
+        "namespace": cfg.namespace,
+        "tiers": [t.path for t in cfg.tiers],
+        "steps": [dataclasses.asdict(r) for r in rows],
+        "writers": [dataclasses.asdict(w) for w in writer_status(cfg)],
+        "scores": [dataclasses.asdict(s) for s in job_scores(cfg)],
+    }
+    print(json.dumps(out, indent=1))
     return 0
 
 
@@ -108,6 +154,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not checks:
         print(f"step {step} is not committed on any tier", file=sys.stderr)
         return 2
+    if args.json:
+        doc = [
+            {**dataclasses.asdict(c), "ok": c.ok, "problems": c.problems, "bytes_read": c.bytes_read}
+            for c in checks
+        ]
+        print(json.dumps({"step": step, "ok": all(c.ok for c in checks), "tiers": doc}, indent=1))
+        return 0 if all(c.ok for c in checks) else 1
     bad = 0
     for c in checks:
         verdict = "OK" if c.ok else f"DAMAGED ({len(c.problems)} problem(s))"
@@ -152,11 +205,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.dir, steps=args.steps, kill_at=args.kill_at)
 
 
-def _tier_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--namespace", required=True, help="the job's namespace (TieredConfig.namespace)")
+def _tier_args(p: argparse.ArgumentParser, json_output: bool = False) -> None:
+    p.add_argument(
+        "-c",
+        "--config",
+        metavar="SOURCE",
+        help="the job's TieredConfig: a TOML file (its fields, one [[tiers]] table per tier) or "
+        "python:module:attr (instead of -n and the tiers)",
+    )
+    if json_output:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("-n", "--namespace", help="the job's namespace (TieredConfig.namespace)")
     p.add_argument(
         "tiers",
-        nargs="+",
+        nargs="*",
         metavar="TIER",
         help="tier paths or URLs, fastest first ({node}/{rank} are filled from the environment)",
     )
@@ -172,11 +234,11 @@ def _tier_args(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiered-dcp", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("ls", help="steps x tiers: state, size, age")
-    _tier_args(p)
+    p = sub.add_parser("ls", help="steps x tiers: state, size, age; writers; save-time scores")
+    _tier_args(p, json_output=True)
     p.set_defaults(fn=cmd_ls)
     p = sub.add_parser("verify", help="re-check every checksum of a step; exit 1 on damage")
-    _tier_args(p)
+    _tier_args(p, json_output=True)
     p.add_argument("--step", type=int, help="the step (default: the newest committed)")
     p.set_defaults(fn=cmd_verify)
     p = sub.add_parser("export", help="write a step as a stock DCP checkpoint directory")
@@ -184,6 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, help="the step (default: the newest complete)")
     p.add_argument("--to", required=True, help="destination directory")
     p.set_defaults(fn=cmd_export)
+    from . import drill, goodput  # torch-free; their commands import what they need when run
+
+    p = sub.add_parser("goodput", help="best save interval per tier, and the goodput it buys (Young/Daly)")
+    _tier_args(p, json_output=True)
+    goodput.add_arguments(p)
+    p.set_defaults(fn=lambda a: goodput.command(a, _config(a) if a.config or a.tiers else None))
+    p = sub.add_parser(
+        "drill", help="train under random real faults for N minutes; report losses and recovery"
+    )
+    drill.add_arguments(p)
+    p.set_defaults(fn=drill.command)
     p = sub.add_parser("demo", help="kill a rank and resume; lose a node and resume from peer replicas")
     p.add_argument("--dir", help="where the tiers go (default: a temporary directory, RAM tier in /dev/shm)")
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")

@@ -44,6 +44,7 @@ from . import dedup
 from .catalog import StepCopy, TierView, read_metadata_blob
 from .config import TieredConfig
 from .placement import nodes_of
+from .records import record
 from .runtime import HEALTHY, POLL, Job, health_name, job_name, pid_alive, queued, write_json
 
 log = logging.getLogger("tiered_dcp.writer")
@@ -282,7 +283,7 @@ class Persister:
         result: dict = {}
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                result["state"] = self.persist(src, dst, job)
+                result["state"] = self.persist(src, dst, job, result)
                 self.judge(job.target, HEALTHY)
                 break
             except Abandoned as e:
@@ -323,6 +324,18 @@ class Persister:
                 result["error"],
             )
         write_json(self.rd / "results" / job_name(job.target, job.step), result)
+        timing = {k: result[k] for k in ("write_s", "bytes") if k in result}
+        latency = round(result["finished"] - job.enqueued, 3)
+        record(
+            self.config,
+            "persist",
+            job.rank,
+            job.step,
+            tier=job.target,
+            state=result["state"],
+            latency_s=latency,
+            **timing,
+        )
         prune_results(self.rd / "results", job.target)
         src = src or TierView(self.config, job.source, job.node, job.rank)
         try:
@@ -355,13 +368,15 @@ class Persister:
                 )
             time.sleep(POLL)
 
-    def persist(self, src: TierView, dst: TierView, job: Job) -> str:
+    def persist(self, src: TierView, dst: TierView, job: Job, timing: dict | None = None) -> str:
         """Copy this rank's share of the step (its part and, on a node-local tier, the replicas
-        its root took) to ``dst``; commit ``dst``'s root when the placement says it is whole."""
+        its root took) to ``dst``; commit ``dst``'s root when the placement says it is whole.
+        ``timing`` receives the copy's ``write_s`` and ``bytes`` (for ``records``)."""
         copy = self.wait_for_source(src, job)
         ns, step = self.config.namespace, job.step
         self.writing(job.target, step, dst.own)  # from here on, a write that makes no progress stalls
         nodes = nodes_of(copy.marker)
+        started, size = time.monotonic(), 0
         for rank in dst.placement.parts_written_by(job.rank, nodes, copy.marker.replication):
             index = src.part_index(src.own, copy.marker, rank)
             if index is None:
@@ -369,9 +384,11 @@ class Persister:
                     f"step {step}: no readable index of rank {rank}'s part in {src.own.url}"
                     + ("" if copy.marker.has_indexes else " (a format 1/2 step the writer cannot copy)")
                 )
-            write_index(
-                dst.own, ns, step, copy_part(src, dst, step, index, lambda: self.progressed(job.target))
-            )
+            written = copy_part(src, dst, step, index, lambda: self.progressed(job.target))
+            write_index(dst.own, ns, step, written)
+            size += written.size
+        if timing is not None:
+            timing.update(write_s=round(time.monotonic() - started, 6), bytes=size)
         marker = dst.placement.copied_marker(src, dst, copy)  # None until the root's last writer
         if marker is None:
             return "clean"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from typing import Any
 
@@ -43,6 +44,7 @@ from .cluster import (
 from .config import TieredConfig, node_of
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .leases import Leases
+from .records import record
 from .tensors import byte_view, dtype_from_name
 from .transport import PeerTimeout
 
@@ -75,6 +77,7 @@ class TieredReader(StorageReader):
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"TieredReader: step must be None or an integer >= 0, got {step!r}")
         self.config = config
+        self._started = time.perf_counter()  # a load's duration is recorded (``records``)
         rank, up = _dist_rank()
         self.rank, self.node = rank, node_of(rank)
         self._dist = up and not no_dist
@@ -577,6 +580,8 @@ class TieredReader(StorageReader):
                 f"(offset {list(req.storage_index.offset or [])}) left"
                 f"{f' (and {len(pending) - 1} more)' if len(pending) > 1 else ''}: {detail}"
             )
+        seconds = round(time.perf_counter() - self._started, 6)
+        record(self.config, "load", self.rank, self.step, tiers=self.tiers, seconds=seconds)
 
 
 def _describe_cluster(

@@ -31,13 +31,14 @@ from tiered_dcp.storage import blocks
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, checksum, make_record, split
 from tiered_dcp.storage.format import failed_key, index_key, part_key, pin_key
 
-from . import dedup, preemption, transport
+from . import dedup, preemption, scores, transport
 from .catalog import TierView, bounded
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
 from .leases import owner_record
 from .metadata import Records
+from .records import record
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
 from .runtime import MAX_PENDING, Job, writer_handle
 from .staging import POOL, examine
@@ -170,6 +171,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.max_pending = max_pending
         self.owner_pid: int | None = None  # the trainer's pid, set when it stages
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
+        self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
+        self._write_seconds = 0.0  # this rank's part written to the first tier (``records``)
         self._waited = False
         self.rank = 0
         self.node = node_of(0)
@@ -186,11 +189,16 @@ class TieredWriter(StorageWriter, AsyncStager):
         if self.handle_sigterm:
             preemption.install()
         self._wait_for_writer(_current_rank())
+        started = time.perf_counter()
         POOL.slots = self.staging_slots
         if not self.background_staging:
-            return POOL.stage(state_dict)
+            staged = POOL.stage(state_dict)
+            self.stage_seconds = time.perf_counter() - started
+            return staged
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
-        return _staging_thread().submit(POOL.stage, examined, POOL.reserve())
+        future = _staging_thread().submit(POOL.stage, examined, POOL.reserve())
+        self.stage_seconds = time.perf_counter() - started
+        return future
 
     def synchronize_staging(self) -> None:
         """Nothing to do: ``stage`` returns a finished copy or a future for it."""
@@ -249,6 +257,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._waited:  # a sync save: nothing was staged
             self._wait_for_writer(self.rank)
+        started = time.perf_counter()
         first = self._first()
         # dedup on the save path where no replica is swapped (replicas carry the part file)
         as_blocks = self.config.dedup and (
@@ -264,7 +273,9 @@ class TieredWriter(StorageWriter, AsyncStager):
                 with _failing_save(first, self.step):
                     _pin(first, self.step, self.rank, slower)
                     part = encode_part(first, self.step, self.rank, items)
+                    t0 = time.perf_counter()
                     write_part(first, self.step, part)
+                    self._write_seconds = time.perf_counter() - t0
                 records = part.records
             else:
                 _pin(first, self.step, self.rank, slower)
@@ -272,6 +283,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         except BaseException as e:
             _abandon(first, self.step, self.rank, slower, e)
             raise
+        self._record(first, items, time.perf_counter() - started)
         if slower:
             handle = writer_handle(self.config, self.rank)
             for target in slower:
@@ -301,7 +313,9 @@ class TieredWriter(StorageWriter, AsyncStager):
             records = part.records
             if self.config.replication_factor > 1:  # the transfer runs while the part is written
                 swap = Swap(first, self.step, part, world, name).start()
+            t0 = time.perf_counter()
             write_part(first, self.step, part)
+            self._write_seconds = time.perf_counter() - t0
             if swap is not None:
                 swap.finish()
             del part
@@ -323,6 +337,20 @@ class TieredWriter(StorageWriter, AsyncStager):
             first, self.step, self.rank, world, self.is_coordinator, metadata, records, error, name
         )
         return records
+
+    def _record(self, first: TierView, items: list[RawItem], commit_seconds: float) -> None:
+        """This save's measured costs, for ``goodput --from-job`` and the save-time scores."""
+        fields = {
+            "tier": first.index,
+            "bytes": sum(len(c) for it in items for c in it.chunks),
+            "write_s": round(self._write_seconds, 6),
+            "commit_s": round(commit_seconds, 6),
+            "handoff_s": round(self.handoff_wait, 6),
+        }
+        if self.stage_seconds is not None:
+            fields["stage_s"] = round(self.stage_seconds, 6)
+        record(self.config, "save", self.rank, self.step, **fields)
+        scores.watch_soon(self.config, self.rank)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit a shared first tier (node-local ones are committed in ``write_data``)."""

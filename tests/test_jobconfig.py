@@ -1,0 +1,118 @@
+"""The CLI knows the job: --config from a TOML file or python:module:attr; --json on ls and verify."""
+
+import glob
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import settle
+from test_save_load import flip_byte, save
+
+from tiered_dcp import Tier, TieredConfig
+from tiered_dcp.jobconfig import config_from_dict, load_job_config
+
+TOML = """namespace = "run"
+replication_factor = 1
+peer_timeout = 30.0
+
+[[tiers]]
+path = "{root}/ram/{{node}}"
+every = 1
+keep = 2
+
+[[tiers]]
+path = "{root}/ssd/{{node}}"
+every = 2
+keep = 3
+
+[[tiers]]
+path = "{root}/bucket"
+every = 4
+compression = "zstd"
+shared = true
+"""
+
+
+def write_toml(tmp_path):
+    path = tmp_path / "tiers.toml"
+    path.write_text(TOML.format(root=tmp_path))
+    return str(path)
+
+
+def cli(*args, check=True, cwd=None):
+    r = subprocess.run(
+        [sys.executable, "-m", "tiered_dcp.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_toml_gives_the_same_config_as_python(tmp_path, tiers3):
+    cfg = load_job_config(write_toml(tmp_path))
+    assert cfg == TieredConfig("run", tiers3.tiers, peer_timeout=30.0)
+    gcs = config_from_dict(
+        {"namespace": "x", "tiers": [{"path": "gs://b/c", "storage_options": {"endpoint_url": "http://h"}}]}
+    )
+    assert gcs.tiers == [Tier("gs://b/c", storage_options={"endpoint_url": "http://h"})]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('namespace = "x"\n', "at least one [[tiers]]"),
+        ('namespace = "x"\nreplication = 2\n[[tiers]]\npath = "/a"\n', "unknown key(s) ['replication']"),
+        ('namespace = "x"\n[[tiers]]\npath = "/a"\nkeeps = 2\n', "tiers[0] has unknown key(s) ['keeps']"),
+        ('namespace = "x"\n[[tiers]]\nevery = 2\n', "tiers[0] has no path"),
+        ('namespace = "x"\n[[tiers]]\npath = "/a"\nevery = 0\n', "every=0 must be an integer >= 1"),
+        ("namespace = \n", "not valid TOML"),
+    ],
+)
+def test_bad_config_files_say_what_to_change(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_job_config(str(path))
+    assert message in str(e.value)
+    r = cli("ls", "--config", str(path), check=False)
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_ls_verify_export_from_a_config_file_and_a_python_module(tmp_path, tiers3):
+    for step in range(5):
+        save(tiers3, step)
+    settle(tiers3)
+    toml = write_toml(tmp_path)
+    doc = json.loads(cli("ls", "--config", toml, "--json").stdout)
+    assert doc["namespace"] == "run" and len(doc["tiers"]) == 3
+    committed = {(r["step"], r["tier_index"]) for r in doc["steps"] if r["state"] == "committed"}
+    assert {(4, 0), (4, 1), (4, 2), (3, 0), (2, 1), (0, 2)} <= committed
+    # the very object a training script builds, from its module
+    (tmp_path / "train_cfg.py").write_text(
+        "from tiered_dcp import Tier, TieredConfig\n"
+        f"ROOT = {str(tmp_path)!r}\n"
+        "def make():\n"
+        "    return TieredConfig('run', [Tier(ROOT + '/ram/{node}', every=1, keep=2),\n"
+        "        Tier(ROOT + '/ssd/{node}', every=2, keep=3),\n"
+        "        Tier(ROOT + '/bucket', every=4, compression='zstd', shared=True)])\n"
+        "CONFIG = make()\n"
+    )
+    for source in ("python:train_cfg:CONFIG", "python:train_cfg:make"):
+        out = cli("ls", "--config", source, cwd=tmp_path).stdout
+        assert out.splitlines()[1].split()[0] == "4" and out.splitlines()[1].count("committed") == 3
+    r = cli("ls", "--config", "python:train_cfg:ROOT", cwd=tmp_path, check=False)
+    assert r.returncode == 2 and "is a str, not a TieredConfig" in r.stderr
+    r = cli("ls", "--config", toml, "-n", "run", str(tmp_path / "x"), check=False)
+    assert r.returncode != 0 and "not both" in r.stderr
+    doc = json.loads(cli("verify", "--config", toml, "--json").stdout)
+    assert doc["step"] == 4 and doc["ok"] and [t["ok"] for t in doc["tiers"]] == [True] * 3
+    (part,) = glob.glob(str(tmp_path / "ssd/0/run/step_000000000004/rank_*.part"))
+    flip_byte(part, 0.7)
+    r = cli("verify", "--config", toml, "--json", check=False)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and not doc["ok"]
+    bad = [t for t in doc["tiers"] if not t["ok"]]
+    assert [t["tier_index"] for t in bad] == [1] and any(part in p for p in bad[0]["problems"])
+    r = cli("export", "--config", toml, "--step", "2", "--to", str(tmp_path / "exp"))
+    assert "exported to" in r.stdout

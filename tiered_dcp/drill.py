@@ -1,0 +1,618 @@
+"""The failure drill: the demo's workload under a random schedule of real faults.
+
+``tiered-dcp drill --minutes N`` trains the demo's FSDP2 MLP on 2 ranks, as 2 simulated
+nodes (``{node}`` paths, ``replication_factor=2``), saving every step with
+``dcp.async_save`` to a RAM tier, every 3rd to an SSD tier and every 5th to a bucket: a
+fake-gcs-server behind a fault proxy (``fakegcs``) where it is installed, else a shared
+directory. Every few seconds of training it injects one fault, the kinds taken in a
+shuffled cycle so that a short drill sees each:
+
+- ``kill``: one rank SIGKILLed (mid-step or mid-save, wherever it is); the job is stopped
+  and restarted, as torchrun would;
+- ``wipe``: a node lost: both ranks killed, the node's writer process killed, its RAM and
+  SSD roots and its runtime directory removed; the job restarts;
+- ``flip``: the job crashes and a byte is flipped in the newest committed step's part on
+  node 0's RAM tier; ``verify`` must see the damage and the restart must still load the
+  step's exact state (from a replica or a slower tier);
+- ``outage``: the bucket answers every request with 503 for a few seconds while training
+  goes on; afterwards a newer step must commit on the bucket.
+
+What must hold, and is reported: after every restart the job resumes from a step no older
+than the newest step it had committed (the newest whose save returned on every rank, and the
+bucket's newest), and every rank's restored state is exactly the state saved at that step
+(hashes logged before each save). The report gives each fault's recovery time (fault to
+state restored) and load time, and what a bucket outage did to the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+WORLD = 2  # ranks, one per simulated node
+HIDDEN = 256
+FAULTS = ("kill", "wipe", "flip", "outage")
+RESUME_TIMEOUT = 180.0  # seconds a restarted job may take to restore its state
+_OWN_FILES = ("stop", "progress.", "truth.", "steps.", "resume.", "stderr.", "tiers.toml", "fake-gcs-server")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def write_config(workdir: str, ram: str, bucket: str, storage_options: dict) -> str:
+    """The drill's tiers as a TOML file (``jobconfig``): the workers and the operator share it."""
+    lines = [
+        'namespace = "drill"',
+        "replication_factor = 2",
+        "replication_jump = 1",
+        "peer_timeout = 20.0",
+        "",
+    ]
+    tiers = [
+        {"path": f"{ram}/{{node}}", "every": 1, "keep": 2},
+        {"path": f"{workdir}/ssd/{{node}}", "every": 3, "keep": 2},
+        {"path": bucket, "every": 5, "keep": 3, "compression": "zstd"},
+    ]
+    if "://" not in bucket:
+        tiers[2]["shared"] = True
+    for t in tiers:
+        lines.append("[[tiers]]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in t.items()]
+        if t["path"] is bucket and storage_options:
+            lines.append("[tiers.storage_options]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in storage_options.items()]
+        lines.append("")
+    path = f"{workdir}/tiers.toml"
+    Path(path).write_text("\n".join(lines))
+    return path
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Resume from the newest complete step (if any), then train and save until told to stop."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from . import NoCheckpointError, TieredReader, TieredWriter, shutdown
+    from .demo import _build, _state, _state_hash, _train_step
+    from .jobconfig import load_job_config
+
+    dist.init_process_group("gloo")
+    ckpt_pg = dist.new_group(backend="gloo")  # the async saves' collectives run beside FSDP's
+    rank = dist.get_rank()
+    cfg = load_job_config(args.config)
+    d = Path(args.dir)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model, opt = _build(mesh, HIDDEN)
+    _train_step(model, opt, 0)  # materialise optimizer state so there is something to load into
+    report: dict = {"rank": rank, "attempt": args.attempt, "step": 0, "boot_s": time.time() - args.born}
+    t0 = time.perf_counter()
+    try:
+        reader = TieredReader(cfg)
+    except NoCheckpointError:
+        reader = None
+    start = 0
+    if reader is not None:
+        sd = _state(model, opt, -1)
+        dcp.load(sd, storage_reader=reader)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        start = sd["step"]
+        truth = {}
+        with contextlib.suppress(FileNotFoundError), open(d / f"truth.rank{rank}.jsonl") as f:
+            for line in f:
+                rec = json.loads(line)
+                truth[rec["step"]] = rec["hash"]
+        report.update(
+            step=start,
+            tiers=reader.tiers,
+            load_s=time.perf_counter() - t0,
+            match=truth.get(start) == _state_hash(_state(model, opt, start)),
+        )
+    report["time"] = time.time()
+    (d / f"resume.{args.attempt}.rank{rank}.json").write_text(json.dumps(report))
+    pending = None
+    step = start
+    while not (d / "stop").exists():
+        step += 1
+        _train_step(model, opt, step)
+        sd = _state(model, opt, step)
+        with open(d / f"truth.rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
+        t = time.perf_counter()
+        if pending is not None:
+            pending.result()  # save N is committed before save N+1 starts
+        fut = dcp.async_save(sd, storage_writer=TieredWriter(cfg, step=step), process_group=ckpt_pg)
+        stall = time.perf_counter() - t
+        pending = fut
+        with open(d / f"progress.rank{rank}", "w") as f:
+            f.write(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
+        with open(d / f"steps.rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), "stall": stall}) + "\n")
+    if pending is not None:
+        pending.result()
+    shutdown(wait=False)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+@dataclass
+class Event:
+    """One fault and what became of it."""
+
+    fault: str
+    at: float  # seconds into the drill
+    detail: str = ""
+    expected: int | None = None  # the newest committed step before the fault
+    resumed: int | None = None
+    tiers: list[int] = field(default_factory=list)  # read from on resume
+    match: bool | None = None
+    recovery_s: float | None = None  # fault to state restored (restart included)
+    load_s: float | None = None  # the load alone (slowest rank)
+    boot_s: float | None = None  # process start to ready to load: imports, process group, model
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.problems)
+
+
+@dataclass
+class DrillReport:
+    seconds: float
+    steps: int  # saves started, over all attempts
+    events: list[Event]
+    bucket: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(e.lost for e in self.events)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["lost"] = [asdict(e) for e in self.events if e.lost]
+        return d
+
+
+class Drill:
+    def __init__(self, workdir: str, ram: str, seconds: float, seed: int, faults: list[str]) -> None:
+        self.dir, self.ram, self.seconds = workdir, ram, seconds
+        self.rng = random.Random(seed)
+        self.faults = faults
+        self.procs: list[subprocess.Popen] = []
+        self.attempt = 0
+        self.emulator = self.proxy = None
+        self.notes: list[str] = []
+        self.t0 = time.monotonic()
+
+    # -- set-up
+
+    def start_bucket(self) -> tuple[str, dict]:
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
+        try:
+            from .fakegcs import Emulator, FaultProxy
+
+            self.emulator = Emulator(log_path=f"{self.dir}/fake-gcs-server.log").start()
+            self.emulator.create_bucket("drill")
+            self.proxy = FaultProxy(self.emulator.url, lifetime=self.seconds + 600)
+        except (RuntimeError, OSError) as e:
+            self.notes.append(f"no fake-gcs-server ({e}): the bucket is a shared directory, no outages")
+            if "outage" in self.faults:
+                self.faults = [f for f in self.faults if f != "outage"] or ["kill"]
+            return f"{self.dir}/bucket", {}
+        opts = {**self.emulator.storage_options(self.proxy.url), "retry_timeout": 3.0, "idle_timeout": 5.0}
+        return "gs://drill/ckpt", opts
+
+    def stop_bucket(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.emulator is not None:
+            self.emulator.stop()
+
+    # -- the job
+
+    def launch(self) -> None:
+        port = _free_port()
+        self.procs = []
+        for rank in range(WORLD):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(WORLD),
+                LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            )
+            cmd = [sys.executable, "-m", "tiered_dcp.drill", "--worker", "--dir", self.dir]
+            cmd += ["--config", self.config_path, "--attempt", str(self.attempt)]
+            with open(f"{self.dir}/stderr.{self.attempt}.rank{rank}", "wb") as err:
+                self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+
+    def crash(self, first: int | None = None) -> None:
+        """SIGKILL the ranks (``first`` before the others), as a crash and torchrun's stop."""
+        order = list(range(WORLD)) if first is None else [first] + [r for r in range(WORLD) if r != first]
+        for r in order:
+            if self.procs[r].poll() is None:
+                os.kill(self.procs[r].pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def died(self) -> str | None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is not None:
+                err = Path(f"{self.dir}/stderr.{self.attempt}.rank{r}").read_text(errors="replace")
+                return f"rank {r} exited with {p.returncode} unasked:\n{err[-3000:]}"
+        return None
+
+    def progress(self, rank: int) -> int:
+        try:
+            return int(Path(f"{self.dir}/progress.rank{rank}").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def committed(self) -> int:
+        """The newest step whose save returned on every rank (0: none), or the bucket's newest."""
+        from .api import status
+
+        saved = min(self.progress(r) for r in range(WORLD)) - 1
+        bucket = [r.step for r in status(self.cfg) if r.tier_index == 2 and r.state == "committed"]
+        return max([saved, *bucket, 0])
+
+    def wait_resumed(self, event: Event, fault_time: float) -> None:
+        """Wait for every rank's resume report of this attempt; check it against ``event.expected``."""
+        deadline = time.monotonic() + RESUME_TIMEOUT
+        paths = [Path(f"{self.dir}/resume.{self.attempt}.rank{r}.json") for r in range(WORLD)]
+        while not all(p.exists() for p in paths):
+            why = self.died()
+            if why or time.monotonic() > deadline:
+                event.problems.append(why or f"the restarted job did not resume in {RESUME_TIMEOUT:.0f} s")
+                return
+            time.sleep(0.05)
+        reports = [json.loads(p.read_text()) for p in paths]
+        event.resumed = min(r["step"] for r in reports)
+        event.tiers = sorted({t for r in reports for t in r.get("tiers", [])})
+        event.match = all(r.get("match", r["step"] == 0) for r in reports)
+        event.recovery_s = round(max(r["time"] for r in reports) - fault_time, 3)
+        event.load_s = round(max(r.get("load_s", 0.0) for r in reports), 3)
+        event.boot_s = round(max(r["boot_s"] for r in reports), 3)
+        if len({r["step"] for r in reports}) > 1:
+            event.problems.append(f"ranks resumed from different steps {[r['step'] for r in reports]}")
+        if event.expected is not None and event.resumed < event.expected:
+            event.problems.append(
+                f"resumed from step {event.resumed}, older than committed step {event.expected}"
+            )
+        if not event.match:
+            event.problems.append(f"the state restored at step {event.resumed} differs from the one saved")
+
+    def restart(self, event: Event, fault_time: float) -> None:
+        self.attempt += 1
+        self.launch()
+        self.wait_resumed(event, fault_time)
+
+    # -- faults
+
+    def fault_kill(self, event: Event) -> None:
+        victim = self.rng.randrange(WORLD)
+        event.detail = f"rank {victim} SIGKILLed at step {self.progress(victim)}"
+        fault_time = time.time()
+        self.crash(first=victim)
+        event.expected = self.committed()
+        self.restart(event, fault_time)
+
+    def fault_wipe(self, event: Event) -> None:
+        from . import runtime
+
+        node = self.rng.randrange(WORLD)  # one rank per node: the node's rank is `node`
+        fault_time = time.time()
+        self.crash()
+        event.expected = self.committed()
+        rd = runtime.rundir(self.cfg, node)
+        pid = runtime.writer_pid(rd)
+        if pid is not None and runtime.pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # the node's writer process dies with it
+        for tier in self.cfg.tiers:
+            if not tier.is_shared:
+                shutil.rmtree(tier.root(node, node), ignore_errors=True)
+        shutil.rmtree(rd, ignore_errors=True)
+        event.detail = f"node {node} lost (ranks killed, its writer killed, its RAM and SSD roots wiped)"
+        self.restart(event, fault_time)
+
+    def fault_flip(self, event: Event) -> None:
+        from .catalog import TierView
+        from .storage.format import part_key
+        from .verify import verify_step
+
+        fault_time = time.time()
+        self.crash()
+        event.expected = self.committed()
+        view = TierView(self.cfg, 0, 0, 0)
+        steps = sorted(view.committed())
+        if not steps:
+            event.detail = "nothing committed on node 0's RAM tier to damage"
+            self.restart(event, fault_time)
+            return
+        step = steps[-1]
+        path = Path(self.cfg.tiers[0].root(0, 0)) / part_key(self.cfg.namespace, step, 0)
+        with open(path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(size // 2)
+            b = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([b[0] ^ 0xFF]))
+        checks = verify_step(self.cfg, step, 0, 0)
+        seen = any(not c.ok for c in checks if c.tier_index == 0)
+        event.detail = (
+            f"byte {size // 2} of step {step}'s part on node 0's RAM tier flipped; verify saw it: {seen}"
+        )
+        if not seen:
+            event.problems.append(f"verify did not see the flipped byte in {path}")
+        self.restart(event, fault_time)
+
+    def fault_outage(self, event: Event) -> None:
+        from .api import status
+
+        def bucket_newest() -> int:
+            return max(
+                [r.step for r in status(self.cfg) if r.tier_index == 2 and r.state == "committed"] + [0]
+            )
+
+        length = self.rng.uniform(3, 6)
+        before = min(self.progress(r) for r in range(WORLD))
+        self.proxy.inject(("503", 1))
+        start = time.time()
+        while time.time() - start < length and not self.died():
+            time.sleep(0.05)
+        self.proxy.inject()
+        end = time.time()
+        during = min(self.progress(r) for r in range(WORLD)) - before
+        newest = bucket_newest()
+        event.detail = (
+            f"bucket answered 503 to every request for {length:.1f} s; {during} steps trained meanwhile"
+        )
+        deadline = time.monotonic() + 90
+        while bucket_newest() <= newest:
+            why = self.died()
+            if why or time.monotonic() > deadline:
+                event.problems.append(
+                    why or "no newer step committed on the bucket within 90 s of the outage"
+                )
+                return
+            time.sleep(0.1)
+        event.recovery_s = round(time.time() - end, 3)
+        stalls, before_it = [], []
+        for r in range(WORLD):
+            with contextlib.suppress(OSError), open(f"{self.dir}/steps.rank{r}.jsonl") as f:
+                for line in f:
+                    rec = json.loads(line)
+                    if start <= rec["time"] <= end + 1:
+                        stalls.append(rec["stall"])
+                    elif start - 10 <= rec["time"] < start:
+                        before_it.append(rec["stall"])
+        if stalls:
+            event.detail += f"; the loop's longest save wait meanwhile {max(stalls):.2f} s"
+            if before_it:
+                event.detail += f" (median {sorted(before_it)[len(before_it) // 2]:.2f} s in the 10 s before)"
+
+    # -- the run
+
+    def run(self) -> DrillReport:
+        from .jobconfig import load_job_config
+
+        bucket, opts = self.start_bucket()
+        self.config_path = write_config(self.dir, self.ram, bucket, opts)
+        self.cfg = load_job_config(self.config_path)
+        events: list[Event] = []
+        cycle: list[str] = []
+        try:
+            self.launch()
+            first = Event("start", 0.0)
+            self.wait_resumed(first, time.time())
+            if first.problems:
+                events.append(first)
+                return self.report(events, bucket)
+            self.t0 = time.monotonic()  # the faults' clock starts once the job trains
+            while not events or time.monotonic() - self.t0 < self.seconds:  # one fault at least
+                pause = time.monotonic() + self.rng.uniform(2, 5)
+                while time.monotonic() < pause:
+                    why = self.died()
+                    if why:
+                        events.append(Event("none", time.monotonic() - self.t0, problems=[why]))
+                        return self.report(events, bucket)
+                    time.sleep(0.05)
+                if not cycle:
+                    cycle = self.rng.sample(self.faults, len(self.faults))
+                event = Event(cycle.pop(), round(time.monotonic() - self.t0, 1))
+                getattr(self, f"fault_{event.fault}")(event)
+                events.append(event)
+                _print_event(event)
+                if any(e.problems for e in events if e.fault != "outage" and e.resumed is None):
+                    break  # the job is not running: nothing more to drill
+            Path(f"{self.dir}/stop").touch()
+            deadline = time.monotonic() + 60
+            while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.stop_bucket()
+        return self.report(events, bucket)
+
+    def report(self, events: list[Event], bucket: str) -> DrillReport:
+        steps = 0
+        for r in range(WORLD):
+            with contextlib.suppress(OSError), open(f"{self.dir}/steps.rank{r}.jsonl") as f:
+                steps = max(steps, sum(1 for _ in f))
+        return DrillReport(round(time.monotonic() - self.t0, 1), steps, events, bucket, self.notes)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _print_event(e: Event) -> None:
+    verdict = "LOST: " + "; ".join(e.problems) if e.problems else "ok"
+    line = f"  [{e.at:6.1f}s] {e.fault:<6} {e.detail}"
+    if e.resumed is not None:
+        line += (
+            f"\n           resumed from step {e.resumed} (committed: {e.expected}) off tier(s) {e.tiers}, "
+            f"state {'exact' if e.match else 'DIFFERENT'}; "
+            f"recovered in {e.recovery_s:.1f} s (process start {e.boot_s:.1f} s, load {e.load_s:.2f} s)"
+        )
+    elif e.recovery_s is not None:
+        line += f"\n           a newer step committed on the bucket {e.recovery_s:.1f} s after the outage"
+    print(f"{line}\n           {verdict}", flush=True)
+
+
+def run_drill(
+    seconds: float, workdir: str | None = None, seed: int | None = None, faults: list[str] | None = None
+) -> DrillReport:
+    """Run the drill for ``seconds`` of faults and return its report (``report.ok``: nothing lost)."""
+    from . import runtime
+    from .api import writer_status
+    from .jobconfig import load_job_config
+
+    faults = list(faults or FAULTS)
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        raise ValueError(f"unknown fault(s) {sorted(unknown)}; choose from {list(FAULTS)}")
+    seed = seed if seed is not None else random.randrange(1 << 30)
+    own_dir = workdir is None
+    workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tiered-dcp-drill-"))
+    os.makedirs(workdir, exist_ok=True)
+    for stale in Path(workdir).iterdir():  # a previous drill's tiers, logs and stop file
+        if stale.name in ("ram", "ssd", "bucket") or stale.name.startswith(_OWN_FILES):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    ram = f"{workdir}/ram"
+    if own_dir and os.access("/dev/shm", os.W_OK):
+        ram = tempfile.mkdtemp(prefix="tiered-dcp-drill-", dir="/dev/shm")
+    drill = Drill(workdir, ram, seconds, seed, faults)
+    for bucket in ("gs://drill/ckpt", f"{workdir}/bucket"):  # a previous drill's queues and records
+        jd = runtime.job_dir(load_job_config(write_config(workdir, ram, bucket, {})))
+        if not any(runtime.writer_running(rd) for rd in jd.glob("rank_*")):
+            shutil.rmtree(jd, ignore_errors=True)
+    print(
+        f"tiered-dcp drill: {WORLD} ranks on 2 simulated nodes, {seconds:.0f} s of faults {faults}, "
+        f"seed {seed}"
+    )
+    try:
+        report = drill.run()
+    finally:
+        cfg = getattr(drill, "cfg", None)
+        if cfg is not None:
+            deadline = time.time() + 15  # the writers exit once their trainers are gone
+            while any(w.running for w in writer_status(cfg)) and time.time() < deadline:
+                time.sleep(0.05)
+            for w in writer_status(cfg):  # still running: a writer stuck on a dead bucket
+                if w.running and w.pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w.pid, signal.SIGKILL)
+            if own_dir:
+                shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(ram, ignore_errors=True)
+    report.notes.append(f"seed {seed}")
+    return report
+
+
+def print_report(report: DrillReport) -> None:
+    faults = [e for e in report.events if e.fault != "none"]
+    restarts = [e for e in faults if e.recovery_s is not None and e.resumed is not None]
+    print(
+        f"\n  {len(faults)} faults in {report.seconds:.0f} s, {report.steps} saves (bucket: {report.bucket})"
+    )
+    for kind in FAULTS:
+        es = [e for e in restarts if e.fault == kind]
+        if es:
+            rec = sorted(e.recovery_s for e in es)  # type: ignore[type-var]
+            print(
+                f"    {kind:<6} x{len(es)}: recovery {rec[0]:.1f}-{rec[-1]:.1f} s (fault to state restored)"
+            )
+    outages = sorted(e.recovery_s for e in faults if e.fault == "outage" and e.recovery_s is not None)
+    if outages:
+        print(
+            f"    outage x{len(outages)}: a newer step committed on the bucket "
+            f"{outages[0]:.1f}-{outages[-1]:.1f} s after"
+        )
+    for note in report.notes:
+        print(f"  note: {note}")
+    lost = [e for e in report.events if e.lost]
+    if lost:
+        print("\n  FAILED: " + " | ".join(f"{e.fault} at {e.at:.0f}s: {'; '.join(e.problems)}" for e in lost))
+    else:
+        print("\n  OK: nothing committed was lost; every restart restored exactly the state saved")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=float, default=5.0, help="how long to inject faults (default 5)")
+    p.add_argument("--seconds", type=float, help="the same in seconds (overrides --minutes)")
+    p.add_argument(
+        "--faults", default=",".join(FAULTS), help=f"which, comma-separated (default {','.join(FAULTS)})"
+    )
+    p.add_argument("--seed", type=int, help="the schedule's random seed (default: a fresh one, printed)")
+    p.add_argument("--dir", help="where the tiers go (default: a temporary directory, RAM tier in /dev/shm)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON at the end")
+
+
+def command(args: argparse.Namespace) -> int:
+    seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    report = run_drill(seconds, args.dir, args.seed, [f for f in args.faults.split(",") if f])
+    print_report(report)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    return 0 if report.ok else 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="tiered-dcp drill worker (started by `tiered-dcp drill`)")
+    p.add_argument("--worker", action="store_true", required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--attempt", type=int, required=True)
+    born = time.time()  # before torch is imported: the restart's own cost is reported
+    code = 0
+    try:
+        args = p.parse_args()
+        args.born = born
+        worker(args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip the interpreter's teardown: seconds of garbage collection over torch
+
+
+if __name__ == "__main__":
+    main()
