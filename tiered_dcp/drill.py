@@ -142,8 +142,9 @@ def worker(args: argparse.Namespace) -> None:
         fut = dcp.async_save(sd, storage_writer=TieredWriter(cfg, step=step), process_group=ckpt_pg)
         stall = time.perf_counter() - t
         pending = fut
-        with open(d / f"progress.rank{rank}", "w") as f:
-            f.write(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
+        tmp = d / f".progress.rank{rank}.tmp"  # replaced whole: a reader never sees it empty
+        tmp.write_text(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
+        os.replace(tmp, d / f"progress.rank{rank}")
         with open(d / f"steps.rank{rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "time": time.time(), "stall": stall}) + "\n")
     if pending is not None:
