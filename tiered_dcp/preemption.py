@@ -1,13 +1,21 @@
-"""Preemption: a SIGTERM lets the async saves in flight finish before the process ends.
+"""Preemption: a SIGTERM lets the async saves in flight finish, then ends the process or
+lets the loop take one last (emergency) save.
 
 Installed (in the main thread) by the first async save whose writer has
-``handle_sigterm=True``, the default. On SIGTERM it waits up to ``WAIT_SECONDS`` for every
+``handle_sigterm=True``, the default, or by the first ``preemption_requested()`` /
+``on_preemption()`` call. On SIGTERM it waits up to ``WAIT_SECONDS`` for every
 staged save of this process to finish its upload (committed on its fastest tier and
 handed to the writer process, which then finishes the slower tiers on its own), then
 passes the signal on: to the handler that was there before, or, if that was the default,
 by restoring the default and raising the signal again so the process ends exactly as it
 would have. A sync ``dcp.save`` runs in the main thread, where the handler runs too, so it
 cannot be waited for; the previous step stays loadable.
+
+A loop that asks ``preemption_requested()`` (or registered ``on_preemption``) takes the end
+into its own hands: the handler then records the request, runs the callbacks and returns
+instead of ending the process, so that the loop can save its current step at the next step
+boundary (``TieredWriter(config, step, emergency=True)``) and exit. Several ranks must
+agree on the step that is saved, so ``preemption_requested`` asks the process group.
 """
 
 from __future__ import annotations
@@ -17,7 +25,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from .staging import POOL
 
@@ -27,6 +39,9 @@ WAIT_SECONDS = float(os.environ.get("TIERED_DCP_SIGTERM_WAIT", "300"))
 
 _previous: Any = None
 _installed = False
+_deferred = False  # the loop saves and exits itself: the handler does not end the process
+_requested = False
+_callbacks: list[Callable[[], None]] = []
 
 
 def install() -> bool:
@@ -51,19 +66,69 @@ def uninstall() -> None:
         _installed = False
 
 
+def _local_request(deferred: bool) -> bool:
+    """Install the handler (in deferring mode if asked); whether this process got a SIGTERM."""
+    global _deferred
+    if deferred and not _deferred:
+        if not install():
+            raise RuntimeError(
+                "tiered_dcp: preemption_requested()/on_preemption() must first be called from the main "
+                "thread, where Python runs signal handlers"
+            )
+        _deferred = True
+    return _requested
+
+
+def preemption_requested(group: Any = None) -> bool:
+    """True once this job was told to stop (SIGTERM): save the current step and exit.
+
+    The first call installs the SIGTERM handler in deferring mode: a SIGTERM then lets the
+    saves in flight finish and returns, instead of ending the process. With a process group
+    every rank must call this at the same points (e.g. once per step): the answer is agreed
+    over ``group`` (default: the default group), so all ranks save the same step.
+    """
+    mine = _local_request(deferred=True)
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    backend = str(dist.get_backend(group))
+    on_cuda = "nccl" in backend and "gloo" not in backend
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def on_preemption(callback: Callable[[], None]) -> None:
+    """Run ``callback()`` when a SIGTERM arrives (after the saves in flight finished).
+
+    It runs in the main thread, inside the signal handler, between two bytecodes of the
+    loop: keep it short (set a flag, log). Registering one installs the handler in
+    deferring mode, as ``preemption_requested`` does: the process is not ended.
+    """
+    _local_request(deferred=True)
+    _callbacks.append(callback)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    global _requested
+    first = not _requested
+    _requested = True
     pending = POOL.in_flight()
     if pending:
-        log.warning("SIGTERM: finishing %d checkpoint save(s) in flight before exiting", pending)
+        log.warning("SIGTERM: finishing %d checkpoint save(s) in flight", pending)
         started = time.monotonic()
         if POOL.wait_idle(WAIT_SECONDS):
             log.warning("SIGTERM: in-flight save(s) finished in %.1f s", time.monotonic() - started)
         else:
-            log.error("SIGTERM: save(s) still in flight after %.0f s; exiting anyway", WAIT_SECONDS)
+            log.error("SIGTERM: save(s) still in flight after %.0f s; going on anyway", WAIT_SECONDS)
+    if _deferred and first:
+        log.warning("SIGTERM: preemption requested; the loop saves its step at its next step boundary")
+        for callback in _callbacks:
+            callback()
     previous = _previous
     if callable(previous):
         previous(signum, frame)
-    elif previous == signal.SIG_IGN:
+    elif previous == signal.SIG_IGN or _deferred:
         return
     else:  # the default action: end the process the way SIGTERM would have
         uninstall()

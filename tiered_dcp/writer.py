@@ -109,8 +109,10 @@ class TieredWriter(StorageWriter, AsyncStager):
     before changing the state. ``handle_sigterm`` finishes in-flight async saves when the
     process is told to stop (``preemption``). ``staging_slots`` bounds the staged copies in
     memory; ``max_pending`` bounds how far a rank's writer may fall behind per tier before a
-    save waits for it. DCP's ``checkpoint_id`` names a step (``checkpoint_id``). Cheap to
-    pickle, so DCP's PROCESS async mode can ship it.
+    save waits for it. ``emergency=True`` (the last save before a preemption) sends the step
+    to every tier, whatever their ``every``: committed on the fastest, then the writer
+    process copies it down, also after the trainer exited. DCP's ``checkpoint_id`` names a
+    step (``checkpoint_id``). Cheap to pickle, so DCP's PROCESS async mode can ship it.
     """
 
     _synchronize_after_execute = False
@@ -124,6 +126,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         handle_sigterm: bool = True,
         staging_slots: int = 2,
         max_pending: int = MAX_PENDING,
+        emergency: bool = False,
     ) -> None:
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredWriter: config must be a TieredConfig, got {type(config).__name__}")
@@ -133,6 +136,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TieredWriter: {name}={value!r} must be an integer >= 1")
         self.config = config
+        self.emergency = bool(emergency)
         self._target(step)
         self.save_id = new_id()
         check_cliques(_world_size(), config.replication_factor, config.replication_jump)
@@ -149,13 +153,14 @@ class TieredWriter(StorageWriter, AsyncStager):
         self._world: list[int] | None = None
 
     def _target(self, step: int) -> None:
-        """Save ``step``: on the tiers that take it."""
-        tiers = self.config.tiers_for(step)
+        """Save ``step``: on the tiers that take it (every tier for an emergency save)."""
+        tiers = list(range(len(self.config.tiers))) if self.emergency else self.config.tiers_for(step)
         if not tiers:
             schedule = ", ".join(f"{t.path} every={t.every}" for t in self.config.tiers)
             raise ValueError(
                 f"TieredWriter: no tier takes step {step} ({schedule}); save a step that one "
-                "of these divides, or add a tier with every=1"
+                "of these divides, add a tier with every=1, or pass emergency=True for a last "
+                "save before a preemption"
             )
         self.step = step
         self.tier_indexes = tiers
