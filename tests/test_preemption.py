@@ -20,23 +20,33 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def start(mode: str, root: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "preemption_worker.py"), mode, root],
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """The trainer, its stderr in a file (a pipe nobody reads could fill and stall it)."""
+    name = f"{root}/stderr.{(env or {}).get('RANK', 0)}"
+    with open(name, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "preemption_worker.py"), mode, root],
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    proc.stderr_file = name  # type: ignore[attr-defined]
+    return proc
 
 
-def wait_for_line(proc: subprocess.Popen, line: str, timeout: float = 180) -> None:
+def stderr_of(proc: subprocess.Popen) -> str:
+    with open(proc.stderr_file) as f:  # type: ignore[attr-defined]
+        return f.read()[-4000:]
+
+
+def wait_for_line(proc: subprocess.Popen, line: str, timeout: float = 300) -> None:
     """Read the trainer's output until ``line`` (it prints one line per save)."""
     deadline = time.monotonic() + timeout
     seen = []
     while time.monotonic() < deadline:
         got = proc.stdout.readline()
         if not got:
-            raise AssertionError(f"trainer ended before {line!r}: {seen} {proc.stderr.read()[-3000:]}")
+            raise AssertionError(f"trainer ended before {line!r}: {seen} {stderr_of(proc)}")
         seen.append(got.strip())
         if got.strip() == line:
             return
@@ -45,10 +55,10 @@ def wait_for_line(proc: subprocess.Popen, line: str, timeout: float = 180) -> No
 
 def finish(proc: subprocess.Popen) -> int:
     """The trainer's exit: status 0 and its emergency step."""
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 0, out + err[-4000:]
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + stderr_of(proc)
     found = re.findall(r"^emergency (\d+)$", out, re.M)
-    assert len(found) == 1, out + err[-4000:]
+    assert len(found) == 1, out + stderr_of(proc)
     return int(found[0])
 
 

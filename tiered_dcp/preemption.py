@@ -12,9 +12,10 @@ would have. A sync ``dcp.save`` runs in the main thread, where the handler runs 
 cannot be waited for; the previous step stays loadable.
 
 A loop that asks ``preemption_requested()`` (or registered ``on_preemption``) takes the end
-into its own hands: the handler then records the request, runs the callbacks and returns
-instead of ending the process, so that the loop can save its current step at the next step
-boundary (``TieredWriter(config, step, emergency=True)``) and exit. Several ranks must
+into its own hands: the handler then records the request, runs the callbacks and returns at
+once instead of waiting and ending the process, so that the loop can wait for its pending
+async save, save its current step at the next step boundary
+(``TieredWriter(config, step, emergency=True)``) and exit. Several ranks must
 agree on the step that is saved, so ``preemption_requested`` asks the process group.
 """
 
@@ -82,8 +83,9 @@ def _local_request(deferred: bool) -> bool:
 def preemption_requested(group: Any = None) -> bool:
     """True once this job was told to stop (SIGTERM): save the current step and exit.
 
-    The first call installs the SIGTERM handler in deferring mode: a SIGTERM then lets the
-    saves in flight finish and returns, instead of ending the process. With a process group
+    The first call installs the SIGTERM handler in deferring mode: a SIGTERM then only
+    records the request (the loop waits for its pending async save before the emergency
+    save), instead of ending the process. With a process group
     every rank must call this at the same points (e.g. once per step): the answer is agreed
     over ``group`` (default: the default group), so all ranks save the same step.
     """
@@ -99,7 +101,7 @@ def preemption_requested(group: Any = None) -> bool:
 
 
 def on_preemption(callback: Callable[[], None]) -> None:
-    """Run ``callback()`` when a SIGTERM arrives (after the saves in flight finished).
+    """Run ``callback()`` when a SIGTERM arrives.
 
     It runs in the main thread, inside the signal handler, between two bytecodes of the
     loop: keep it short (set a flag, log). Registering one installs the handler in
@@ -113,22 +115,29 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     global _requested
     first = not _requested
     _requested = True
+    if _deferred:
+        # No wait here: the loop waits for its own async save before the emergency save. The
+        # handler may have interrupted the loop inside async_save, holding the staged copy that
+        # keeps that save counted in flight, so waiting here could only time out.
+        if first:
+            log.warning("SIGTERM: preemption requested; the loop saves its step at its next step boundary")
+            for callback in _callbacks:
+                callback()
+        if callable(_previous):
+            _previous(signum, frame)
+        return
     pending = POOL.in_flight()
     if pending:
-        log.warning("SIGTERM: finishing %d checkpoint save(s) in flight", pending)
+        log.warning("SIGTERM: finishing %d checkpoint save(s) in flight before exiting", pending)
         started = time.monotonic()
         if POOL.wait_idle(WAIT_SECONDS):
             log.warning("SIGTERM: in-flight save(s) finished in %.1f s", time.monotonic() - started)
         else:
-            log.error("SIGTERM: save(s) still in flight after %.0f s; going on anyway", WAIT_SECONDS)
-    if _deferred and first:
-        log.warning("SIGTERM: preemption requested; the loop saves its step at its next step boundary")
-        for callback in _callbacks:
-            callback()
+            log.error("SIGTERM: save(s) still in flight after %.0f s; exiting anyway", WAIT_SECONDS)
     previous = _previous
     if callable(previous):
         previous(signum, frame)
-    elif previous == signal.SIG_IGN or _deferred:
+    elif previous == signal.SIG_IGN:
         return
     else:  # the default action: end the process the way SIGTERM would have
         uninstall()
