@@ -18,6 +18,7 @@ from .errors import CheckpointCorruptError, NoCheckpointError, SnapshotError, Ti
 if TYPE_CHECKING:
     from .api import WriterInfo, export, latest_step, shutdown, status, wait_for, writer_status
     from .catalog import StepState
+    from .preemption import on_preemption, preemption_requested
     from .reader import TieredReader
     from .writer import TieredWriter
 
@@ -28,6 +29,8 @@ _LAZY = {
     "WriterInfo": ".api",
     "export": ".api",
     "latest_step": ".api",
+    "on_preemption": ".preemption",
+    "preemption_requested": ".preemption",
     "shutdown": ".api",
     "status": ".api",
     "wait_for": ".api",
@@ -47,6 +50,8 @@ __all__ = [
     "WriterInfo",
     "export",
     "latest_step",
+    "on_preemption",
+    "preemption_requested",
     "shutdown",
     "status",
     "wait_for",

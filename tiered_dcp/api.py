@@ -103,16 +103,25 @@ def _tier_index(config: TieredConfig, tier: int | str) -> int:
 
 
 def wait_for(
-    config: TieredConfig, step: int, tier: int | str | None = None, timeout: float | None = None
+    config: TieredConfig,
+    step: int,
+    tier: int | str | None = None,
+    timeout: float | None = None,
+    *,
+    emergency: bool = False,
 ) -> None:
     """Wait until ``step`` is committed (and complete) on ``tier`` (default: every tier taking it).
 
     Raises ``TimeoutError`` after ``timeout`` seconds, and ``TieredCheckpointError`` as soon
     as a writer process reports that it could not write the step to one of those tiers.
+    ``emergency=True``: the step was an emergency save, which every tier takes.
     """
-    targets = config.tiers_for(step) if tier is None else [_tier_index(config, tier)]
+    if tier is not None:
+        targets = [_tier_index(config, tier)]
+    else:
+        targets = list(range(len(config.tiers))) if emergency else config.tiers_for(step)
     for t in targets:
-        if not config.tiers[t].takes(step):
+        if not emergency and not config.tiers[t].takes(step):
             raise ValueError(
                 f"tier {config.tiers[t].path} (every={config.tiers[t].every}) never takes step {step}"
             )

@@ -6,6 +6,10 @@ same bytes on every tier and checkpoints do not depend on this package's class n
 Reading it back admits only DCP's metadata classes and plain data (``_MetadataUnpickler``).
 Formats 1 and 2 kept each item's full record there instead; where such a step has no index
 next to a part, ``legacy_index`` rebuilds one from those records.
+
+torch >= 2.15 pickles a sixth field in ``TensorProperties`` (the tensor's ``strides``),
+which older torch's ``__setstate__`` refuses; under such a torch the unpickler reads it
+with ``_NewerTensorProperties``, which drops the strides (no older torch uses them).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorProperties
 
 from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import ItemInfo, ItemKey, PartIndex, Record, metadata_key, step_dir
@@ -98,6 +102,21 @@ def legacy_index(md: Metadata, namespace: str, step: int, rank: int) -> PartInde
     return PartIndex.of(rank, [(k, r) for k, r in recs if r.rank == rank])
 
 
+class _NewerTensorProperties(TensorProperties):
+    """Reads a ``TensorProperties`` pickled by torch >= 2.15 under an older torch.
+
+    Its state then has a sixth entry, the strides, that this torch has no field for: it is
+    dropped and the object becomes a plain ``TensorProperties`` again.
+    """
+
+    def __setstate__(self, state: tuple) -> None:
+        super().__setstate__(tuple(state[:5]))
+        self.__class__ = TensorProperties  # type: ignore[assignment]
+
+
+_TORCH_KNOWS_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata classes, torch's dtypes, layouts and sizes, and plain data.
 
@@ -120,6 +139,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == self._DCP:
             found = getattr(sys.modules[self._DCP], name, None)
+            if found is TensorProperties and not _TORCH_KNOWS_STRIDES:
+                return _NewerTensorProperties  # written by torch >= 2.15: its strides are dropped
             if isinstance(found, type) and found.__module__ == self._DCP:  # its records and enums
                 return found
         if module == "torch" and isinstance(

@@ -1,13 +1,22 @@
-"""Preemption: a SIGTERM lets the async saves in flight finish before the process ends.
+"""Preemption: a SIGTERM lets the async saves in flight finish, then ends the process or
+lets the loop take one last (emergency) save.
 
 Installed (in the main thread) by the first async save whose writer has
-``handle_sigterm=True``, the default. On SIGTERM it waits up to ``WAIT_SECONDS`` for every
+``handle_sigterm=True``, the default, or by the first ``preemption_requested()`` /
+``on_preemption()`` call. On SIGTERM it waits up to ``WAIT_SECONDS`` for every
 staged save of this process to finish its upload (committed on its fastest tier and
 handed to the writer process, which then finishes the slower tiers on its own), then
 passes the signal on: to the handler that was there before, or, if that was the default,
 by restoring the default and raising the signal again so the process ends exactly as it
 would have. A sync ``dcp.save`` runs in the main thread, where the handler runs too, so it
 cannot be waited for; the previous step stays loadable.
+
+A loop that asks ``preemption_requested()`` (or registered ``on_preemption``) takes the end
+into its own hands: the handler then records the request, runs the callbacks and returns at
+once instead of waiting and ending the process, so that the loop can wait for its pending
+async save, save its current step at the next step boundary
+(``TieredWriter(config, step, emergency=True)``) and exit. Several ranks must
+agree on the step that is saved, so ``preemption_requested`` asks the process group.
 """
 
 from __future__ import annotations
@@ -17,7 +26,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from .staging import POOL
 
@@ -27,6 +40,9 @@ WAIT_SECONDS = float(os.environ.get("TIERED_DCP_SIGTERM_WAIT", "300"))
 
 _previous: Any = None
 _installed = False
+_deferred = False  # the loop saves and exits itself: the handler does not end the process
+_requested = False
+_callbacks: list[Callable[[], None]] = []
 
 
 def install() -> bool:
@@ -51,7 +67,65 @@ def uninstall() -> None:
         _installed = False
 
 
+def _local_request(deferred: bool) -> bool:
+    """Install the handler (in deferring mode if asked); whether this process got a SIGTERM."""
+    global _deferred
+    if deferred and not _deferred:
+        if not install():
+            raise RuntimeError(
+                "tiered_dcp: preemption_requested()/on_preemption() must first be called from the main "
+                "thread, where Python runs signal handlers"
+            )
+        _deferred = True
+    return _requested
+
+
+def preemption_requested(group: Any = None) -> bool:
+    """True once this job was told to stop (SIGTERM): save the current step and exit.
+
+    The first call installs the SIGTERM handler in deferring mode: a SIGTERM then only
+    records the request (the loop waits for its pending async save before the emergency
+    save), instead of ending the process. With a process group
+    every rank must call this at the same points (e.g. once per step): the answer is agreed
+    over ``group`` (default: the default group), so all ranks save the same step.
+    """
+    mine = _local_request(deferred=True)
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    backend = str(dist.get_backend(group))
+    on_cuda = "nccl" in backend and "gloo" not in backend
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def on_preemption(callback: Callable[[], None]) -> None:
+    """Run ``callback()`` when a SIGTERM arrives.
+
+    It runs in the main thread, inside the signal handler, between two bytecodes of the
+    loop: keep it short (set a flag, log). Registering one installs the handler in
+    deferring mode, as ``preemption_requested`` does: the process is not ended.
+    """
+    _local_request(deferred=True)
+    _callbacks.append(callback)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    global _requested
+    first = not _requested
+    _requested = True
+    if _deferred:
+        # No wait here: the loop waits for its own async save before the emergency save. The
+        # handler may have interrupted the loop inside async_save, holding the staged copy that
+        # keeps that save counted in flight, so waiting here could only time out.
+        if first:
+            log.warning("SIGTERM: preemption requested; the loop saves its step at its next step boundary")
+            for callback in _callbacks:
+                callback()
+        if callable(_previous):
+            _previous(signum, frame)
+        return
     pending = POOL.in_flight()
     if pending:
         log.warning("SIGTERM: finishing %d checkpoint save(s) in flight before exiting", pending)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -32,6 +32,7 @@ from tiered_dcp.storage.format import IndexCache, ItemInfo, PartIndex, Record, m
 from . import metadata as md_blob
 from . import transport, user_values
 from .catalog import StepCopy, TierView, complete_steps, describe_search, views
+from .checkpoint_id import new_id, step_id, step_of
 from .cluster import (
     ClusterCopy,
     PeerExchange,
@@ -78,6 +79,7 @@ class TieredReader(StorageReader):
             raise ValueError(f"TieredReader: step must be None or an integer >= 0, got {step!r}")
         self.config = config
         self._started = time.perf_counter()  # a load's duration is recorded (``records``)
+        self.load_id = new_id()  # DCP's StorageMeta.load_id of the metadata it reads
         rank, up = _dist_rank()
         self.rank, self.node = rank, node_of(rank)
         self._dist = up and not no_dist
@@ -295,12 +297,36 @@ class TieredReader(StorageReader):
         """Indexes of the tiers holding the chosen step complete, fastest first."""
         return sorted({c.tier_index for c in self._cluster} | {c.tier_index for c in self._copies})
 
+    @property
+    def checkpoint_id(self) -> str:
+        """The chosen step's id (``<namespace>/step_<12 digits>``)."""
+        return step_id(self.config.namespace, self.step)
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        pass
+        """A new load; ``checkpoint_id`` (from ``dcp.load``), if given, names the step to load.
+
+        Another step than the one chosen is chosen again as the constructor does (agreed by
+        every rank; ``NoCheckpointError`` if it is not complete anywhere). Anything but a
+        step (``checkpoint_id.step_of``) raises ValueError.
+        """
+        self.load_id = new_id()
+        if checkpoint_id is not None:
+            step = step_of(self.config.namespace, checkpoint_id, "TieredReader")
+            if step != self.step:
+                self._leases.release()  # the step chosen before is not read after all
+                self.__init__(self.config, step, no_dist=not self._dist)  # type: ignore[misc]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """False: a step is found through a TieredConfig, which no checkpoint_id alone carries."""
         return False
+
+    def _with_load_id(self, md: Metadata) -> Metadata:
+        """DCP's convention (FileSystemReader): the metadata read carries this load's id."""
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
     def _load_metadata(self, copy: StepCopy) -> Metadata | None:
         if self._cluster_md is not None and copy.tier_index in {cc.tier_index for cc in self._cluster}:
@@ -322,11 +348,11 @@ class TieredReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._cluster_md is not None:
-            return self._cluster_md
+            return self._with_load_id(self._cluster_md)
         for copy in self._copies:
             md = self._load_metadata(copy)
             if md is not None:
-                return md
+                return self._with_load_id(md)
         why = "; ".join(self._bad_metadata.values())
         if all(w.startswith("removed") for w in self._bad_metadata.values()):
             raise NoCheckpointError(

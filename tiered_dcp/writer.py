@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -33,6 +33,7 @@ from tiered_dcp.storage.format import failed_key, index_key, part_key, pin_key
 
 from . import dedup, preemption, scores, transport
 from .catalog import TierView, bounded
+from .checkpoint_id import new_id, step_id, step_of
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
 from .errors import TieredCheckpointError
@@ -133,7 +134,10 @@ class TieredWriter(StorageWriter, AsyncStager):
     before changing the state. ``handle_sigterm`` finishes in-flight async saves when the
     process is told to stop (``preemption``). ``staging_slots`` bounds the staged copies in
     memory; ``max_pending`` bounds how far a rank's writer may fall behind per tier before a
-    save waits for it. Cheap to pickle, so DCP's PROCESS async mode can ship it.
+    save waits for it. ``emergency=True`` (the last save before a preemption) sends the step
+    to every tier, whatever their ``every``: committed on the fastest, then the writer
+    process copies it down, also after the trainer exited. DCP's ``checkpoint_id`` names a
+    step (``checkpoint_id``). Cheap to pickle, so DCP's PROCESS async mode can ship it.
     """
 
     _synchronize_after_execute = False
@@ -147,6 +151,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         handle_sigterm: bool = True,
         staging_slots: int = 2,
         max_pending: int = MAX_PENDING,
+        emergency: bool = False,
     ) -> None:
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredWriter: config must be a TieredConfig, got {type(config).__name__}")
@@ -156,14 +161,9 @@ class TieredWriter(StorageWriter, AsyncStager):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TieredWriter: {name}={value!r} must be an integer >= 1")
         self.config = config
-        self.step = step
-        self.tier_indexes = config.tiers_for(step)
-        if not self.tier_indexes:
-            schedule = ", ".join(f"{t.path} every={t.every}" for t in config.tiers)
-            raise ValueError(
-                f"TieredWriter: no tier takes step {step} ({schedule}); save a step that one "
-                "of these divides, or add a tier with every=1"
-            )
+        self.emergency = bool(emergency)
+        self._target(step)
+        self.save_id = new_id()
         check_cliques(_world_size(), config.replication_factor, config.replication_jump)
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
@@ -178,6 +178,24 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.node = node_of(0)
         self.is_coordinator = True
         self._world: list[int] | None = None
+
+    def _target(self, step: int) -> None:
+        """Save ``step``: on the tiers that take it (every tier for an emergency save)."""
+        tiers = list(range(len(self.config.tiers))) if self.emergency else self.config.tiers_for(step)
+        if not tiers:
+            schedule = ", ".join(f"{t.path} every={t.every}" for t in self.config.tiers)
+            raise ValueError(
+                f"TieredWriter: no tier takes step {step} ({schedule}); save a step that one "
+                "of these divides, add a tier with every=1, or pass emergency=True for a last "
+                "save before a preemption"
+            )
+        self.step = step
+        self.tier_indexes = tiers
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The step's id (``<namespace>/step_<12 digits>``, its directory in every tier)."""
+        return step_id(self.config.namespace, self.step)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_world": None}
@@ -210,11 +228,26 @@ class TieredWriter(StorageWriter, AsyncStager):
     # -- StorageWriter ------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new save: ``checkpoint_id`` (from ``dcp.save``), if given, names its step.
+
+        It may only be a step (``checkpoint_id.step_of``): an int, its digits, or this
+        writer's ``checkpoint_id`` form; anything else (a directory) raises ValueError.
+        """
         self._world = None
+        self.save_id = new_id()
+        if checkpoint_id is not None:
+            self._target(step_of(self.config.namespace, checkpoint_id, "TieredWriter"))
+            self._waited = False  # a new save: it waits for a writer that fell behind afresh
+            self.handoff_wait = 0.0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """False: a step is placed by a TieredConfig, which no checkpoint_id alone carries."""
         return False
+
+    def storage_meta(self) -> StorageMeta:
+        """What DCP records of this save (in its Metadata): the step's id and a fresh save id."""
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives") is False:
@@ -331,6 +364,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                     f"TieredWriter needs a SavePlanner that keeps its global Metadata in .metadata "
                     f"(DefaultSavePlanner and its subclasses do); {type(planner).__name__} does not"
                 )
+            md.storage_meta = self.storage_meta()
             return md
 
         commit_everywhere(
@@ -354,6 +388,7 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit a shared first tier (node-local ones are committed in ``write_data``)."""
+        metadata.storage_meta = self.storage_meta()
         first = self._first()
         if not first.placement.commits_in_finish:
             return
