@@ -2,14 +2,13 @@
 
 import json
 import math
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from test_cli_export import cli
 
 from tiered_dcp import TieredReader, TieredWriter, shutdown, wait_for
 from tiered_dcp.goodput import (
@@ -74,15 +73,6 @@ def test_analyze_best_beats_neighbours_and_current():
     assert two.goodput_current == pytest.approx(want)
     with pytest.raises(ValueError, match="mtbf"):
         TierCosts("x", 1, 1, 0)
-
-
-def cli(*args, check=True):
-    r = subprocess.run(
-        [sys.executable, "-m", "tiered_dcp.cli", *args], capture_output=True, text=True, timeout=300
-    )
-    if check:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
 
 
 def test_cli_single_tier_json_and_plot(tmp_path):

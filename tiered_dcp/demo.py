@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 WORLD = 2
 NAMES = ["RAM", "SSD", "bucket"]
@@ -658,16 +660,26 @@ def main() -> None:
     p.add_argument("--phase", required=True)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--scene", choices=["kill", "node-loss"], default="kill")
-    code = 0
-    try:
+
+    def work() -> None:
         args = p.parse_args()
         (node_loss_worker if args.scene == "node-loss" else worker)(args)
+
+    run_worker(work)
+
+
+def run_worker(work: Callable[[], object]) -> NoReturn:
+    """Run a worker process's ``work`` and exit with 0, or 1 and its traceback, skipping the
+    interpreter's teardown (seconds of garbage collection over torch)."""
+    code = 0
+    try:
+        work()
     except BaseException:
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip the interpreter's teardown: seconds of garbage collection over torch
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -602,17 +601,14 @@ def main() -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--attempt", type=int, required=True)
     born = time.time()  # before torch is imported: the restart's own cost is reported
-    code = 0
-    try:
+    from .demo import run_worker
+
+    def work() -> None:
         args = p.parse_args()
         args.born = born
         worker(args)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip the interpreter's teardown: seconds of garbage collection over torch
+
+    run_worker(work)
 
 
 if __name__ == "__main__":

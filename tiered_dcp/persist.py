@@ -44,6 +44,7 @@ from . import dedup
 from .catalog import StepCopy, TierView, read_metadata_blob
 from .config import TieredConfig
 from .placement import nodes_of
+from .private_dir import mkdir_private
 from .records import record
 from .runtime import HEALTHY, POLL, Job, health_name, job_name, pid_alive, queued, write_json
 
@@ -225,7 +226,7 @@ class Persister:
             )
         h.state, h.error = state, error
         record = {"tier": target, "state": state, "since": h.since, "error": error}
-        (self.rd / "health").mkdir(exist_ok=True)
+        mkdir_private(self.rd / "health")
         write_json(self.rd / "health" / health_name(target), record)
 
     def writing(self, target: int, step: int | None, store: Storage | None = None) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import TieredConfig, node_of
+from .private_dir import mkdir_private
 from .runtime import job_dir
 
 log = logging.getLogger("tiered_dcp")
@@ -51,13 +52,13 @@ def record(config: TieredConfig, kind: str, rank: int, step: int, **fields: Any)
     line = {"kind": kind, "rank": rank, "node": node_of(rank), "step": step, "time": time.time(), **fields}
     path = records_dir(config) / f"rank_{rank:05d}.jsonl"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        mkdir_private(path.parent)  # the runtime directory's rule: 0700, files 0600
         try:
             if path.stat().st_size > ROTATE_BYTES:
                 os.replace(path, path.with_name(path.name + ".1"))
         except FileNotFoundError:
             pass
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, (json.dumps(line) + "\n").encode())
         finally:
