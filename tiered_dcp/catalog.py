@@ -35,7 +35,7 @@ from tiered_dcp.storage.format import is_pin as _is_pin
 from tiered_dcp.storage.local import DIRTY
 
 from .config import Tier, TieredConfig
-from .leases import live_leases, owner_alive
+from .leases import leased, owner_alive
 from .placement import Placement, nodes_of, placement_for
 
 log = logging.getLogger("tiered_dcp")
@@ -379,7 +379,7 @@ class TierView:
     def held(self, store: Storage, step: int) -> bool:
         """Whether a writer process (a pin) or a reader (a live lease) still needs the step."""
         names = store.list(step_dir(self.config.namespace, step))
-        return any(_is_pin(n) for n in names) or bool(live_leases(store, self.config.namespace, step, names))
+        return any(_is_pin(n) for n in names) or leased(store, self.config.namespace, step, names)
 
     def abandoned(self, store: Storage, step: int) -> bool:
         """Whether an uncommitted step will never be committed: its save recorded a failure,

@@ -44,10 +44,10 @@ def owner_alive(data: bytes) -> bool:
     return owners.owner_alive(data, unreadable=True)
 
 
-def live_leases(store: Storage, namespace: str, step: int, names: list[str] | None = None) -> list[str]:
-    """The live leases on ``step`` in ``store`` (``names``: its directory, if already listed)."""
+def leased(store: Storage, namespace: str, step: int, names: list[str] | None = None) -> bool:
+    """Whether a live lease holds ``step`` in ``store`` (``names``: its directory, if already
+    listed). Stops at the first live one: one read in the usual case, however many readers."""
     sdir = step_dir(namespace, step)
-    live = []
     for name in names if names is not None else store.list(sdir):
         if not is_lease(name):
             continue
@@ -56,8 +56,8 @@ def live_leases(store: Storage, namespace: str, step: int, names: list[str] | No
         except FileNotFoundError:
             continue  # released while we looked
         if owner_alive(data):
-            live.append(name)
-    return live
+            return True
+    return False
 
 
 class Leases:
