@@ -62,9 +62,11 @@ def test_every_load_beside_a_job_with_keep_1_succeeds_and_is_one_step(tmp_path):
     seen.append(load_newest(cfg))
     assert seen[-1] == 100 and len(seen) >= 10, seen
     assert seen == sorted(seen)  # each load took the newest step at its time
-    # nothing was left behind by the readers: one step, no lease
-    assert os.listdir(root / "job") == ["step_000000000100"]
-    assert not [n for n in os.listdir(root / "job/step_000000000100") if n.startswith("lease.")]
+    # the readers left no lease, and at most the one step a reader held at the job's last
+    # commit (it goes at the tier's next commit; there is none)
+    left = sorted(os.listdir(root / "job"))
+    assert left in (["step_000000000100"], ["step_000000000099", "step_000000000100"]), left
+    assert not [n for d in left for n in os.listdir(root / "job" / d) if n.startswith("lease.")]
 
 
 def save(cfg: TieredConfig, step: int) -> None:
