@@ -39,7 +39,7 @@ import xxhash
 
 from . import owners
 from .base import Buffer, Storage
-from .codec import ChecksumMismatch, Encoder, decode_chunk, encode_block, read_block
+from .codec import ChecksumMismatch, Encoder, checksum, decode_chunk, encode_block, read_block
 from .format import (
     BLOCK_HEADER,
     GC_LEASE,
@@ -60,11 +60,25 @@ MIN_BLOCKED = 64 << 10  # smaller items stay in the part file (a block file each
 LEASE_TTL = 600.0  # seconds after which a lease is presumed left by a dead GC on another host
 LEASE_POLL = 0.05
 THREADS = 8  # block checks and writes in flight per part (a bucket answers each in ~ms)
+PARALLEL_HASH = 256 << 10  # chunks from this size are hashed on the pool's threads
 
 
 def block_id(raw: Buffer) -> str:
     """A block's name: the xxh3-128 of its raw bytes, 32 hex digits."""
     return xxhash.xxh3_128_hexdigest(raw)
+
+
+def fingerprints(chunks: list[memoryview], named: list[bool]) -> list[tuple[int, str | None]]:
+    """Each chunk's checksum, and its block id where ``named``: large chunks are hashed on
+    the blocks' threads (xxhash releases the GIL on large buffers, so this scales with the
+    cores), small ones inline (a thread hop would cost more than their hash)."""
+
+    def one(chunk: memoryview, name: bool) -> tuple[int, str | None]:
+        return checksum(chunk), block_id(chunk) if name else None
+
+    big = [i for i, c in enumerate(chunks) if len(c) >= PARALLEL_HASH]
+    futures = {i: pool().submit(one, chunks[i], named[i]) for i in big} if len(big) > 1 else {}
+    return [futures[i].result() if i in futures else one(c, named[i]) for i, c in enumerate(chunks)]
 
 
 def blocked(kind: str, raw_length: int) -> bool:

@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from tiered_dcp.planners.save import plan_global, tag_local_plan
 from tiered_dcp.storage import blocks
-from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, checksum, make_record, split
+from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.format import failed_key, index_key, part_key, pin_key
 
 from . import dedup, preemption, scores, transport
@@ -63,7 +63,8 @@ class RawItem:
 def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False) -> list[RawItem]:
     """Each write item's bytes, chunked and checksummed (with dedup, large tensors cut into
     blocks and each named: this runs in the save's async part, off the training stall)."""
-    items = []
+    items: list[RawItem] = []
+    cuts: list[bool] = []
     for item in plan.items:
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
@@ -76,8 +77,15 @@ def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False)
             extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
         cut = as_blocks and blocks.blocked(extra["kind"], len(view))
         chunks = split(view, blocks.BLOCK_BYTES if cut else CHUNK_BYTES)
-        ids = [blocks.block_id(c) for c in chunks] if cut else None
-        items.append(RawItem(item.index, chunks, [checksum(c) for c in chunks], extra, owner, ids))
+        items.append(RawItem(item.index, chunks, [], extra, owner, [] if cut else None))
+        cuts.extend([cut] * len(chunks))
+    prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], cuts))
+    for it in items:
+        for _ in it.chunks:
+            h, name = next(prints)
+            it.hashes.append(h)
+            if it.ids is not None:
+                it.ids.append(name)
     return items
 
 
