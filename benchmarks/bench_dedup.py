@@ -117,6 +117,14 @@ def bench_embedding(base: str, mib: int) -> None:
                 f"   {how:<11} rows, dedup={dedup!s:<5}: second save writes {written / MiB:7.2f} MiB "
                 f"({written / table.numel() / 4:.3f} of the table)"
             )
+        touched = {
+            kib: len(set((idx * dim * 4 // (kib << 10)).tolist())) * (kib << 10) / (rows * dim * 4)
+            for kib in (1024, 256, 64, 16)
+        }
+        print(
+            f"   {how:<11} rows: share of blocks holding a changed row, by block size: "
+            + ", ".join(f"{kib} KiB {share:.3f}" for kib, share in touched.items())
+        )
 
 
 def zstd_ext_size(base: str, sd: dict) -> tuple[int, float]:
