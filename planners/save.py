@@ -112,14 +112,22 @@ def dedup_plans(plans: list[SavePlan]) -> list[SavePlan]:
     return out
 
 
-def plan_global(plans: list[SavePlan]) -> tuple[list[SavePlan], list[int] | None]:
+def plan_global(
+    plans: list[SavePlan], known_world: list[int] | None = None
+) -> tuple[list[SavePlan], list[int] | None]:
     """Every rank's plan with the save's world in it; and that world.
 
     Plans without ``storage_data`` are DCP's cached plans (unchanged since the last save):
-    they are returned as they are, with no world.
+    they are returned as they are; the others get ``known_world`` (the world of the last
+    full plan), if given, which is then the world returned.
     """
     if any(p.storage_data is None for p in plans):
-        return plans, None
+        if known_world is None:
+            return plans, None
+        return [_with_world(p, known_world) if p.storage_data is not None else p for p in plans], known_world
     world = world_of(plans)
-    tagged = [dataclasses.replace(p, storage_data={**p.storage_data, "world": world}) for p in plans]
-    return tagged, world
+    return [_with_world(p, world) for p in plans], world
+
+
+def _with_world(plan: SavePlan, world: list[int]) -> SavePlan:
+    return dataclasses.replace(plan, storage_data={**plan.storage_data, "world": world})

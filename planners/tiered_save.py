@@ -19,7 +19,7 @@ import xxhash
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.codec import split
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from tiered_dcp.tensors import as_cpu_contiguous, byte_view
@@ -40,8 +40,10 @@ class TieredSavePlanner(DefaultSavePlanner):
 
     block_ids: dict[MetadataIndex, list[str]]
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self.block_ids = {}
 
     def create_local_plan(self) -> SavePlan:

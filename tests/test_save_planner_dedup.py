@@ -6,6 +6,7 @@ import glob
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
@@ -72,9 +73,13 @@ def shared(root, dedup=True) -> TieredConfig:
     return TieredConfig("run", [Tier(f"{root}/bucket", shared=True)], dedup=dedup)
 
 
-def _save(rank, world, root, planner_kind, dedup, steps=(1, 2)):
-    cfg = shared(root, dedup)
-    planner = {"tiered": TieredSavePlanner, "stock": DefaultSavePlanner}[planner_kind]
+def two_tiers(root) -> TieredConfig:
+    return TieredConfig(
+        "run", [Tier(f"{root}/ram/{{node}}"), Tier(f"{root}/bucket", shared=True)], dedup=True
+    )
+
+
+def _save_twice(rank, root, cfg, planner=TieredSavePlanner, steps=(1, 2)):
     for step in steps:
         if step == 2:  # async_save: the planner hashes the staged copy in the save's background part
             dcp.async_save(
@@ -86,39 +91,7 @@ def _save(rank, world, root, planner_kind, dedup, steps=(1, 2)):
         load_exactly(cfg, rank, step)
 
 
-def test_bytes_two_ranks_hold_are_written_once_and_both_steps_load(tmp_path):
-    run_ranks(_save, 2, str(tmp_path), "tiered", True)
-    bucket = tmp_path / "bucket"
-    # rep (1 MiB), emb (2 MiB: emb0 == emb1), own0 and own1 of two steps (4 x 1 MiB): one block file each
-    assert len(block_files(bucket)) == 1 + 2 + 4
-    for step in (1, 2):
-        idx = indexes(bucket, step)
-        emb = {r: records(idx[r]).get(f"emb{q}") for r in idx for q in (0, 1) if f"emb{q}" in records(idx[r])}
-        assert len(emb) == 1, "emb0 and emb1 are recorded by the one rank writing their bytes"
-        (writer,) = emb
-        recs = records(idx[writer])
-        assert recs["emb0"]["blocks"] == recs["emb1"]["blocks"] and recs["emb0"]["rank"] == writer
-        other = 1 - writer
-        assert not refs(bucket, step, other) & set(recs["emb0"]["blocks"]), "the other rank did not put them"
-        written = sum(d["written"] for d in idx.values())
-        new = 2 * MiB if step == 1 else 0  # own0 and own1 change every step
-        expected = (1 + 2) * MiB + new if step == 1 else 2 * MiB
-        assert expected <= written < expected + 64 * 1024, (step, written)
-    # a load by one process alone (another world: resharded routing) is exact too
-    for rank in (0, 1):
-        load_exactly(shared(tmp_path), rank, 2, no_dist=True)
-
-
-def test_stock_planner_writes_them_from_both_ranks(tmp_path):
-    run_ranks(_save, 2, str(tmp_path), "stock", True, (1,))
-    bucket = tmp_path / "bucket"
-    idx = indexes(bucket, 1)
-    emb = records(idx[0])["emb0"]["blocks"]
-    assert records(idx[1])["emb1"]["blocks"] == emb  # the same blocks, recorded by each rank
-    assert set(emb) <= refs(bucket, 1, 0) and set(emb) <= refs(bucket, 1, 1)  # and put by each
-
-
-def _spread(rank, world, root):
+def _spread(rank, root):
     cfg = shared(root)
     sd = {f"a{rank}": vec(7, 2), f"b{rank}": vec(8, 2)}  # both ranks hold both contents
     dcp.save(sd, storage_writer=TieredWriter(cfg, 1), planner=TieredSavePlanner())
@@ -127,44 +100,106 @@ def _spread(rank, world, root):
     assert all(torch.equal(target[k], sd[k]) for k in sd)
 
 
-def test_the_writes_are_spread_over_the_ranks(tmp_path):
-    run_ranks(_spread, 2, str(tmp_path))
-    idx = indexes(tmp_path / "bucket", 1)
-    written = {r: d["written"] for r, d in idx.items()}
+def _node_local(rank, root):
+    cfg = two_tiers(root)
+    _save_twice(rank, root, cfg)  # each rank's own root, then its peer for what lives on the other node
+    wait_for(cfg, 2, timeout=60)
+    torch.distributed.barrier()
+    for step in (1, 2):
+        load_exactly(TieredConfig("run", [cfg.tiers[1]], dedup=True), rank, step)  # the writer process's copy
+
+
+def _cached_state(rank: int, step: int) -> dict:
+    """emb0 == emb1 at steps 1 and 3, not at step 2: the items stay, the bytes do not."""
+    return {f"emb{rank}": vec(2 if rank == 0 or step != 2 else 3), f"own{rank}": vec(10 + rank)}
+
+
+def _plan_caching(rank, root):
+    cfg = shared(root)
+    planner, writer = TieredSavePlanner(enable_plan_caching=True), TieredWriter(cfg, 1)
+    for step in (1, 2, 3, 4):
+        dcp.save(_cached_state(rank, step), storage_writer=writer, planner=planner, checkpoint_id=step)
+    for step in (1, 2, 3, 4):
+        want = _cached_state(rank, step)
+        target = {k: torch.zeros_like(v) for k, v in want.items()}
+        dcp.load(target, storage_reader=TieredReader(cfg, step=step))
+        assert all(torch.equal(target[k], want[k]) for k in want), (rank, step)
+
+
+def _job(rank, world, root):
+    """Every save of this file's tests, in one pair of processes (two nodes: a rank each)."""
+    _save_twice(rank, f"{root}/tiered", shared(f"{root}/tiered"))
+    _save_twice(rank, f"{root}/stock", shared(f"{root}/stock"), DefaultSavePlanner, (1,))
+    _save_twice(rank, f"{root}/nodedup", shared(f"{root}/nodedup", dedup=False), steps=(1,))
+    _spread(rank, f"{root}/spread")
+    _node_local(rank, f"{root}/local")
+    _plan_caching(rank, f"{root}/cached")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planner")
+    run_ranks(_job, 2, str(root), env={"LOCAL_WORLD_SIZE": 1})
+    return root
+
+
+def test_bytes_two_ranks_hold_are_written_once_and_both_steps_load(saved):
+    bucket = saved / "tiered" / "bucket"
+    # rep (1 MiB), emb (2 MiB: emb0 == emb1), own0 and own1 of two steps (4 x 1 MiB): one block file each
+    assert len(block_files(bucket)) == 1 + 2 + 4
+    for step in (1, 2):
+        idx = indexes(bucket, step)
+        holders = [r for r, d in idx.items() if {"emb0", "emb1"} & set(records(d))]
+        assert len(holders) == 1, "emb0 and emb1 are recorded by the one rank writing their bytes"
+        writer = holders[0]
+        recs = records(idx[writer])
+        assert recs["emb0"]["blocks"] == recs["emb1"]["blocks"] and recs["emb0"]["rank"] == writer
+        assert not refs(bucket, step, 1 - writer) & set(recs["emb0"]["blocks"]), "the other rank put none"
+        written = sum(d["written"] for d in idx.values())
+        expected = (1 + 2 + 2) * MiB if step == 1 else 2 * MiB  # own0 and own1 change every step
+        assert expected <= written < expected + 64 * 1024, (step, written)
+    for rank in (0, 1):  # one process alone (another world: resharded routing) loads exactly too
+        load_exactly(shared(saved / "tiered"), rank, 2, no_dist=True)
+    # DCP's own planner: the same blocks, recorded and put by each rank (written twice when both
+    # ranks look before either wrote)
+    stock = saved / "stock" / "bucket"
+    idx = indexes(stock, 1)
+    emb = records(idx[0])["emb0"]["blocks"]
+    assert records(idx[1])["emb1"]["blocks"] == emb
+    assert set(emb) <= refs(stock, 1, 0) and set(emb) <= refs(stock, 1, 1)
+    assert (1 + 2 + 2) * MiB <= sum(d["written"] for d in idx.values())
+
+
+def test_the_writes_are_spread_over_the_ranks(saved):
+    bucket = saved / "spread" / "bucket"
+    written = {r: d["written"] for r, d in indexes(bucket, 1).items()}
     assert all(2 * MiB <= w < 2 * MiB + 4096 for w in written.values()), written  # each wrote one of two
-    assert len(block_files(tmp_path / "bucket")) == 4
+    assert len(block_files(bucket)) == 4
 
 
-def test_without_dedup_the_planner_plans_as_dcp_does(tmp_path):
-    run_ranks(_save, 2, str(tmp_path), "tiered", False, (1,))
-    bucket = tmp_path / "bucket"
+def test_without_dedup_the_planner_plans_as_dcp_does(saved):
+    bucket = saved / "nodedup" / "bucket"
     assert not block_files(bucket)
     idx = indexes(bucket, 1)
     assert "emb0" in records(idx[0]) and "emb1" in records(idx[1])  # each rank wrote its own
     assert sum(d["size"] for d in idx.values()) >= (1 + 2 * 2 + 2) * MiB
 
 
-def _node_local(rank, world, root):
-    cfg = TieredConfig("run", [Tier(f"{root}/ram/{{node}}"), Tier(f"{root}/bucket", shared=True)], dedup=True)
-    for step in (1, 2):
-        dcp.save(state(rank, step), storage_writer=TieredWriter(cfg, step), planner=TieredSavePlanner())
-    wait_for(cfg, 2, timeout=60)
-    torch.distributed.barrier()
-    for step in (1, 2):
-        load_exactly(cfg, rank, step)  # each rank's own root, then its peer for what lives there
-        load_exactly(TieredConfig("run", [cfg.tiers[1]], dedup=True), rank, step)  # the writer process's copy
-
-
-def test_node_local_tier_and_its_writer_process(tmp_path):
-    run_ranks(_node_local, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1})  # two nodes
-    ram0, ram1 = tmp_path / "ram" / "0", tmp_path / "ram" / "1"
-    idx = {**indexes(ram0, 1), **indexes(ram1, 1)}
+def test_node_local_tier_and_its_writer_process(saved):
+    ram = saved / "local" / "ram"
+    idx = {**indexes(ram / "0", 1), **indexes(ram / "1", 1)}
     holders = [r for r, d in idx.items() if {"emb0", "emb1"} & set(records(d))]
-    assert len(holders) == 1  # the emb bytes live on one node only
+    assert len(holders) == 1  # the emb bytes live on one node only, and were loaded from there by both
     emb = set(records(idx[holders[0]])["emb0"]["blocks"])
-    assert emb <= block_files(tmp_path / "ram" / str(holders[0]))
-    assert not emb & block_files(tmp_path / "ram" / str(1 - holders[0]))
-    assert len(block_files(tmp_path / "bucket")) == 1 + 2 + 4
+    assert emb <= block_files(ram / str(holders[0])) and not emb & block_files(ram / str(1 - holders[0]))
+    assert len(block_files(saved / "local" / "bucket")) == 1 + 2 + 4
+
+
+def test_plan_caching_reuses_no_plan_whose_bytes_changed(saved):
+    bucket = saved / "cached" / "bucket"
+    emb = [{r: records(d) for r, d in indexes(bucket, step).items()} for step in (1, 2, 3)]
+    together = [sum("emb0" in recs and "emb1" in recs for recs in e.values()) for e in emb]
+    assert together == [1, 0, 1]  # aliased, then each rank its own, then aliased again (all loaded exactly)
 
 
 # -- the pass, as a pure function ----------------------------------------------------------

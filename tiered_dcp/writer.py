@@ -284,10 +284,11 @@ class TieredWriter(StorageWriter, AsyncStager):
         return tag_local_plan(plan, self.rank, self.node, self._as_blocks(self._first()))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """The save plan passes (``planners.save``: the world, then dedup's hook)."""
-        plans, world = plan_global(plans)
-        if world is not None:  # else DCP's plan cache: unchanged since last time
-            self._world = world
+        """The save's world in every plan (``planners.save``); with DCP's plan cache, the
+        world of this process's last full plan (DCP's cache is per process too)."""
+        plans, world = plan_global(plans, _LAST_WORLD.get(len(plans)))
+        if world is not None:
+            self._world = _LAST_WORLD[len(plans)] = world
         return plans
 
     def _first(self) -> TierView:
@@ -477,6 +478,8 @@ def _current_rank() -> int:
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
+
+_LAST_WORLD: dict[int, list[int]] = {}  # world size -> the rank -> node layout of the last full plan
 
 _STAGING_THREAD: ThreadPoolExecutor | None = None
 
