@@ -5,6 +5,7 @@ the plan pass itself is checked as the pure function it is."""
 import glob
 import json
 import os
+import traceback
 
 import pytest
 import torch
@@ -126,25 +127,45 @@ def _plan_caching(rank, root):
         assert all(torch.equal(target[k], want[k]) for k in want), (rank, step)
 
 
+SCENARIOS = {
+    "tiered": lambda rank, root: _save_twice(rank, root, shared(root)),
+    "stock": lambda rank, root: _save_twice(rank, root, shared(root), DefaultSavePlanner, (1,)),
+    "nodedup": lambda rank, root: _save_twice(rank, root, shared(root, dedup=False), steps=(1,)),
+    "spread": _spread,
+    "local": _node_local,
+    "cached": _plan_caching,
+}
+
+
 def _job(rank, world, root):
-    """Every save of this file's tests, in one pair of processes (two nodes: a rank each)."""
-    _save_twice(rank, f"{root}/tiered", shared(f"{root}/tiered"))
-    _save_twice(rank, f"{root}/stock", shared(f"{root}/stock"), DefaultSavePlanner, (1,))
-    _save_twice(rank, f"{root}/nodedup", shared(f"{root}/nodedup", dedup=False), steps=(1,))
-    _spread(rank, f"{root}/spread")
-    _node_local(rank, f"{root}/local")
-    _plan_caching(rank, f"{root}/cached")
+    """Every save of this file's tests, in one pair of processes (two nodes: a rank each);
+    what failed, per scenario."""
+    failed = {}
+    for name, scenario in SCENARIOS.items():
+        try:
+            scenario(rank, f"{root}/{name}")
+        except Exception:
+            failed[name] = traceback.format_exc()
+        torch.distributed.barrier()
+    return failed
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("planner")
-    run_ranks(_job, 2, str(root), env={"LOCAL_WORLD_SIZE": 1})
-    return root
+    return root, run_ranks(_job, 2, str(root), env={"LOCAL_WORLD_SIZE": 1})
 
 
-def test_bytes_two_ranks_hold_are_written_once_and_both_steps_load(saved):
-    bucket = saved / "tiered" / "bucket"
+def ran(run, scenario: str):
+    """The root of a scenario that saved and loaded exactly on both ranks."""
+    root, failed = run
+    for rank, f in enumerate(failed):
+        assert scenario not in f, f"rank {rank}:\n{f[scenario]}"
+    return root / scenario
+
+
+def test_bytes_two_ranks_hold_are_written_once_and_both_steps_load(run):
+    bucket = ran(run, "tiered") / "bucket"
     # rep (1 MiB), emb (2 MiB: emb0 == emb1), own0 and own1 of two steps (4 x 1 MiB): one block file each
     assert len(block_files(bucket)) == 1 + 2 + 4
     for step in (1, 2):
@@ -159,10 +180,10 @@ def test_bytes_two_ranks_hold_are_written_once_and_both_steps_load(saved):
         expected = (1 + 2 + 2) * MiB if step == 1 else 2 * MiB  # own0 and own1 change every step
         assert expected <= written < expected + 64 * 1024, (step, written)
     for rank in (0, 1):  # one process alone (another world: resharded routing) loads exactly too
-        load_exactly(shared(saved / "tiered"), rank, 2, no_dist=True)
+        load_exactly(shared(ran(run, "tiered")), rank, 2, no_dist=True)
     # DCP's own planner: the same blocks, recorded and put by each rank (written twice when both
     # ranks look before either wrote)
-    stock = saved / "stock" / "bucket"
+    stock = ran(run, "stock") / "bucket"
     idx = indexes(stock, 1)
     emb = records(idx[0])["emb0"]["blocks"]
     assert records(idx[1])["emb1"]["blocks"] == emb
@@ -170,33 +191,33 @@ def test_bytes_two_ranks_hold_are_written_once_and_both_steps_load(saved):
     assert (1 + 2 + 2) * MiB <= sum(d["written"] for d in idx.values())
 
 
-def test_the_writes_are_spread_over_the_ranks(saved):
-    bucket = saved / "spread" / "bucket"
+def test_the_writes_are_spread_over_the_ranks(run):
+    bucket = ran(run, "spread") / "bucket"
     written = {r: d["written"] for r, d in indexes(bucket, 1).items()}
     assert all(2 * MiB <= w < 2 * MiB + 4096 for w in written.values()), written  # each wrote one of two
     assert len(block_files(bucket)) == 4
 
 
-def test_without_dedup_the_planner_plans_as_dcp_does(saved):
-    bucket = saved / "nodedup" / "bucket"
+def test_without_dedup_the_planner_plans_as_dcp_does(run):
+    bucket = ran(run, "nodedup") / "bucket"
     assert not block_files(bucket)
     idx = indexes(bucket, 1)
     assert "emb0" in records(idx[0]) and "emb1" in records(idx[1])  # each rank wrote its own
     assert sum(d["size"] for d in idx.values()) >= (1 + 2 * 2 + 2) * MiB
 
 
-def test_node_local_tier_and_its_writer_process(saved):
-    ram = saved / "local" / "ram"
+def test_node_local_tier_and_its_writer_process(run):
+    ram = ran(run, "local") / "ram"
     idx = {**indexes(ram / "0", 1), **indexes(ram / "1", 1)}
     holders = [r for r, d in idx.items() if {"emb0", "emb1"} & set(records(d))]
     assert len(holders) == 1  # the emb bytes live on one node only, and were loaded from there by both
     emb = set(records(idx[holders[0]])["emb0"]["blocks"])
     assert emb <= block_files(ram / str(holders[0])) and not emb & block_files(ram / str(1 - holders[0]))
-    assert len(block_files(saved / "local" / "bucket")) == 1 + 2 + 4
+    assert len(block_files(ran(run, "local") / "bucket")) == 1 + 2 + 4
 
 
-def test_plan_caching_reuses_no_plan_whose_bytes_changed(saved):
-    bucket = saved / "cached" / "bucket"
+def test_plan_caching_reuses_no_plan_whose_bytes_changed(run):
+    bucket = ran(run, "cached") / "bucket"
     emb = [{r: records(d) for r, d in indexes(bucket, step).items()} for step in (1, 2, 3)]
     together = [sum("emb0" in recs and "emb1" in recs for recs in e.values()) for e in emb]
     assert together == [1, 0, 1]  # aliased, then each rank its own, then aliased again (all loaded exactly)
