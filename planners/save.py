@@ -93,9 +93,13 @@ def dedup_plans(plans: list[SavePlan]) -> list[SavePlan]:
         kept.append([item for item in p.items if item.index not in grouped])
         load[rank] += sum(item.tensor_storage_size() or 1 for item in kept[rank])
     aliases: list[list[Alias]] = [[] for _ in plans]
-    order = sorted(groups.items(), key=lambda kv: -kv[0].nbytes)  # largest first: the spread evens out
+    holders_of = {
+        key: sorted({r for ranks in members.values() for r in ranks}) for key, members in groups.items()
+    }
+    # content one rank alone holds first (it has no choice), then the largest first: the spread evens out
+    order = sorted(groups.items(), key=lambda kv: (len(holders_of[kv[0]]) > 1, -kv[0].nbytes))
     for key, members in order:
-        holders = sorted({r for ranks in members.values() for r in ranks})
+        holders = holders_of[key]
         writer = min(holders, key=lambda r: (load[r], r))
         source = next(index for index, ranks in members.items() if writer in ranks)
         load[writer] += key.nbytes
