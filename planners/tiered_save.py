@@ -52,7 +52,7 @@ class TieredSavePlanner(DefaultSavePlanner):
         content = {item.index: key for item in full.items if (key := self._content(item)) is not None}
         full = dataclasses.replace(full, storage_data={**(full.storage_data or {}), CONTENT: content})
         self.plan = full
-        if not self._enable_plan_caching:
+        if not _caching(self):
             return full
         cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
         if not plan.usable and cached is not None and (cached.storage_data or {}).get(CONTENT) == content:
@@ -82,8 +82,12 @@ class TieredSavePlanner(DefaultSavePlanner):
         return dedup_plans(global_plan), metadata
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        caching = self._enable_plan_caching
-        before = SavePlanner._cached_global_plan.get(self._cached_plans_key) if caching else None
+        if not hasattr(DefaultSavePlanner, "_create_global_plan"):  # older torch (untested here)
+            plans, metadata = super().create_global_plan(all_plans)
+            if not _caching(self):  # its cache would keep the plans before the pass: no dedup then
+                self.global_plan = plans = dedup_plans(plans)
+            return plans, metadata
+        before = SavePlanner._cached_global_plan.get(self._cached_plans_key) if _caching(self) else None
         delta, metadata = super().create_global_plan(all_plans)
         if before is not None:  # DCP compares items only: a plan whose aliases changed is sent again
             delta = [
@@ -91,6 +95,11 @@ class TieredSavePlanner(DefaultSavePlanner):
                 for d, old, new in zip(delta, before, self.global_plan, strict=True)
             ]
         return delta, metadata
+
+
+def _caching(planner: DefaultSavePlanner) -> bool:
+    """Whether DCP's plan cache is on (torch versions without one have no such setting)."""
+    return bool(getattr(planner, "_enable_plan_caching", False))
 
 
 def _aliases(plan: SavePlan) -> list:
