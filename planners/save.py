@@ -4,25 +4,54 @@
 (``tag_local_plan``); ``prepare_global_plan`` (coordinator) runs ``plan_global`` over every
 rank's plan. Nothing here reads or writes storage: a pass sees plans, returns plans.
 
-Where content-hash dedup plugs in: ``dedup_plans``, today the identity. The dedup issue
-fills it: with each write item's content hash in its plan (computed in
-``prepare_local_plan`` from the staged bytes and carried in the plan's ``storage_data``),
-it drops from every plan the items whose bytes an earlier committed step (or another rank
-of this one) already stored, and tells the writing rank the ``Record`` to reuse: a record
-names its file (``storage.format.Record.file``), so it may point into that step's part or
-a shared block file. The layout of block files belongs to ``storage/format.py``, not here.
+Content-hash dedup across ranks (``dedup_plans``) runs in ``TieredSavePlanner``'s global
+plan, after DCP built the step's Metadata from every item: each local plan carries, in
+``storage_data[CONTENT]``, a content key of each large tensor item its rank holds
+(``ContentKey``: xxh3-128 over its blocks, dtype, byte length); the writer says in
+``storage_data[DEDUP]`` that it stores such items as blocks and can write aliases. The
+pass keeps one item per distinct content, on the holder with the fewest bytes planned so
+far (largest first: the writes are spread), removes the others from every plan, and tells
+the writing rank their ``ALIASES``: each becomes a record of its own pointing at the same
+blocks (``TieredWriter.write_data``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+
+CONTENT = "content"  # local plans: {MetadataIndex: ContentKey} of every large tensor item the rank holds
+DEDUP = "dedup"  # the writer stores large tensor items as blocks and writes ``ALIASES``
+ALIASES = "aliases"  # global plans: [Alias] whose bytes this rank writes under another item
 
 
-def tag_local_plan(plan: SavePlan, rank: int, node: int) -> SavePlan:
-    """This rank's plan, telling the coordinator which rank and node it comes from."""
-    return dataclasses.replace(plan, storage_data={"rank": rank, "node": node})
+class ContentKey(NamedTuple):
+    """An item's bytes: equal keys, equal bytes (128-bit hashes), equal dtype and length."""
+
+    digest: str  # xxh3-128 of the item's block ids (``storage.blocks``), 32 hex digits
+    dtype: str
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Alias:
+    """An item whose bytes this rank writes under ``source``: its record points at them."""
+
+    index: MetadataIndex
+    shape: tuple[int, ...]
+    source: MetadataIndex
+
+
+def tag_local_plan(plan: SavePlan, rank: int, node: int, dedup: bool = False) -> SavePlan:
+    """This rank's plan, telling the coordinator which rank and node it comes from, and
+    whether its writer can write aliases (``dedup``); the planner's content keys stay."""
+    data = {k: v for k, v in (plan.storage_data or {}).items() if k == CONTENT}  # the planner's
+    return dataclasses.replace(
+        plan, storage_data={**data, "rank": rank, "node": node, **({DEDUP: True} if dedup else {})}
+    )
 
 
 def world_of(plans: list[SavePlan]) -> list[int]:
@@ -34,18 +63,75 @@ def world_of(plans: list[SavePlan]) -> list[int]:
 
 
 def dedup_plans(plans: list[SavePlan]) -> list[SavePlan]:
-    """The dedup pass (see the module's docstring); the identity until dedup lands."""
-    return plans
+    """The content dedup pass (see the module's docstring): the identity unless every plan
+    has content keys and a writer that writes aliases.
+
+    ``plans`` are DCP's global plans (replicated items of one fqn already kept on one rank
+    by DCP); their ``CONTENT`` still names every large item each rank holds, so an item
+    may move to any rank holding its bytes. The result has no ``CONTENT`` (the ranks do
+    not need it back) and, on each rank writing some, its ``ALIASES``.
+    """
+    if not plans or not all(
+        p.storage_data and p.storage_data.get(DEDUP) and CONTENT in p.storage_data for p in plans
+    ):
+        return plans
+    contents: list[dict[MetadataIndex, ContentKey]] = [p.storage_data[CONTENT] for p in plans]
+    items: dict[MetadataIndex, WriteItem] = {}  # every planned item, as DCP's global plan has it
+    for p in plans:
+        for item in p.items:
+            items.setdefault(item.index, item)
+    # the bytes of each content, and who holds which item of it
+    groups: dict[ContentKey, dict[MetadataIndex, list[int]]] = {}
+    for rank, content in enumerate(contents):
+        for index, key in content.items():
+            if index in items:
+                groups.setdefault(key, {}).setdefault(index, []).append(rank)
+    grouped = {index for members in groups.values() for index in members}
+    load = [0] * len(plans)
+    kept: list[list[WriteItem]] = []
+    for rank, p in enumerate(plans):
+        kept.append([item for item in p.items if item.index not in grouped])
+        load[rank] += sum(item.tensor_storage_size() or 1 for item in kept[rank])
+    aliases: list[list[Alias]] = [[] for _ in plans]
+    holders_of = {
+        key: sorted({r for ranks in members.values() for r in ranks}) for key, members in groups.items()
+    }
+    # content one rank alone holds first (it has no choice), then the largest first: the spread evens out
+    order = sorted(groups.items(), key=lambda kv: (len(holders_of[kv[0]]) > 1, -kv[0].nbytes))
+    for key, members in order:
+        holders = holders_of[key]
+        writer = min(holders, key=lambda r: (load[r], r))
+        source = next(index for index, ranks in members.items() if writer in ranks)
+        load[writer] += key.nbytes
+        kept[writer].append(items[source])
+        aliases[writer] += [
+            Alias(index, tuple(items[index].tensor_data.chunk.sizes), source)
+            for index in members
+            if index != source
+        ]
+    out = []
+    for p, mine, alias in zip(plans, kept, aliases, strict=True):
+        data = {k: v for k, v in p.storage_data.items() if k != CONTENT}
+        out.append(dataclasses.replace(p, items=mine, storage_data={**data, ALIASES: alias}))
+    return out
 
 
-def plan_global(plans: list[SavePlan]) -> tuple[list[SavePlan], list[int] | None]:
-    """Every rank's plan with the save's world in it, after the dedup pass; and that world.
+def plan_global(
+    plans: list[SavePlan], known_world: list[int] | None = None
+) -> tuple[list[SavePlan], list[int] | None]:
+    """Every rank's plan with the save's world in it; and that world.
 
     Plans without ``storage_data`` are DCP's cached plans (unchanged since the last save):
-    they are returned as they are, with no world.
+    they are returned as they are; the others get ``known_world`` (the world of the last
+    full plan), if given, which is then the world returned.
     """
     if any(p.storage_data is None for p in plans):
-        return plans, None
+        if known_world is None:
+            return plans, None
+        return [_with_world(p, known_world) if p.storage_data is not None else p for p in plans], known_world
     world = world_of(plans)
-    tagged = [dataclasses.replace(p, storage_data={**p.storage_data, "world": world}) for p in plans]
-    return dedup_plans(tagged), world
+    return [_with_world(p, world) for p in plans], world
+
+
+def _with_world(plan: SavePlan, world: list[int]) -> SavePlan:
+    return dataclasses.replace(plan, storage_data={**plan.storage_data, "world": world})

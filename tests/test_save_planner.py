@@ -10,7 +10,7 @@ def test_global_pass_gives_every_plan_the_world():
     out, world = plan_global(plans)
     assert world == [0, 0, 1, 1]
     assert [p.storage_data for p in out] == [{"rank": r, "node": r // 2, "world": world} for r in range(4)]
-    assert dedup_plans(out) == out  # the hook dedup will fill: the identity today
+    assert dedup_plans(out) == out  # no content keys (no TieredSavePlanner): the identity
 
 
 def test_cached_plans_pass_through_and_a_wrong_order_is_refused():

@@ -1,6 +1,7 @@
 """tiered-dcp: a tiered storage backend for torch.distributed.checkpoint.
 
 dcp.save(state, storage_writer=TieredWriter(config, step=step))
+dcp.save(state, storage_writer=TieredWriter(config, step=step), planner=TieredSavePlanner())
 dcp.load(state, storage_reader=TieredReader(config))
 
 The public names load on first use (PEP 562), so that a process that needs only the
@@ -18,6 +19,7 @@ from .errors import CheckpointCorruptError, NoCheckpointError, SnapshotError, Ti
 if TYPE_CHECKING:
     from .api import WriterInfo, export, latest_step, shutdown, status, wait_for, writer_status
     from .catalog import StepState
+    from .planners.tiered_save import TieredSavePlanner
     from .preemption import on_preemption, preemption_requested
     from .reader import TieredReader
     from .writer import TieredWriter
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "StepState": ".catalog",
     "TieredReader": ".reader",
+    "TieredSavePlanner": ".planners.tiered_save",
     "TieredWriter": ".writer",
     "WriterInfo": ".api",
     "export": ".api",
@@ -46,6 +49,7 @@ __all__ = [
     "TieredCheckpointError",
     "TieredConfig",
     "TieredReader",
+    "TieredSavePlanner",
     "TieredWriter",
     "WriterInfo",
     "export",

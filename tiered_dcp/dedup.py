@@ -11,6 +11,7 @@ Torch-free: the writer process uses it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,10 +46,18 @@ def put_items(
     write_refs(store, ns, step, rank, (b for it in items.values() for b in it.ids))
     wait_for_gc(store, ns)  # after the list: a GC from now on keeps these blocks
     put = BlockPut(store, ns, Encoder(view.tier.compression), skip)
+    once: dict[str, Future] = {}  # a block two items use (an alias, a repeat) is put once
+
+    def submit(
+        block: str, raw: Buffer | None, dtype: str | None, fetch: Callable[[], bytes] | None
+    ) -> Future:
+        if block not in once:
+            once[block] = pool().submit(put.put, block, raw, dtype, fetch)
+        return once[block]
+
     futures = {
         key: [
-            pool().submit(
-                put.put,
+            submit(
                 block,
                 raw,
                 it.facts.get("dtype"),

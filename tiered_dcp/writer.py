@@ -10,10 +10,11 @@ which fills in the slower tiers taking it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_dcp.planners.save import plan_global, tag_local_plan
+from tiered_dcp.planners.save import ALIASES, Alias, plan_global, tag_local_plan
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.format import failed_key, index_key, part_key, pin_key
@@ -64,7 +65,8 @@ def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False)
     """Each write item's bytes, chunked and checksummed (with dedup, large tensors cut into
     blocks and each named: this runs in the save's async part, off the training stall)."""
     items: list[RawItem] = []
-    cuts: list[bool] = []
+    named: list[bool] = []  # per chunk: whether its block id is still to compute
+    known: dict[MetadataIndex, list[str]] = getattr(planner, "block_ids", None) or {}
     for item in plan.items:
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
@@ -77,24 +79,34 @@ def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False)
             extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
         cut = as_blocks and blocks.blocked(extra["kind"], len(view))
         chunks = split(view, blocks.BLOCK_BYTES if cut else CHUNK_BYTES)
-        items.append(RawItem(item.index, chunks, [], extra, owner, [] if cut else None))
-        cuts.extend([cut] * len(chunks))
-    prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], cuts))
+        ids = None
+        if cut:  # named by the planner already (``TieredSavePlanner``), else below
+            ids = known.get(item.index)
+            if ids is None or len(ids) != len(chunks):
+                ids = []
+        items.append(RawItem(item.index, chunks, [], extra, owner, ids))
+        named.extend([ids == []] * len(chunks))
+    prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], named))
     for it in items:
+        fresh = it.ids == []
         for _ in it.chunks:
             h, name = next(prints)
             it.hashes.append(h)
-            if it.ids is not None:
+            if fresh:
                 it.ids.append(name)
     return items
 
 
-def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> SavedPart:
+def encode_part(
+    view: TierView, step: int, rank: int, items: list[RawItem], aliases: Sequence[Alias] = ()
+) -> SavedPart:
     """This rank's part for one tier, in memory: its records and stored chunks in file order.
 
     Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
     chunks are held until the part and its replicas are written. Items cut into blocks
     (dedup) are put into the root's block store here (``dedup``); the part keeps the rest.
+    Each of ``aliases`` (the save planner's: items of any rank with the same bytes as one
+    of ``items``) gets a record of its own naming the same blocks.
     """
     enc = Encoder(view.tier.compression)
     key = part_key(view.config.namespace, step, rank)
@@ -120,6 +132,14 @@ def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> S
         part.records[it.index] = rec
         part.stored += stored
         offset += rec.length
+    for alias in aliases:
+        source = part.records[alias.source]
+        if source.blocks is None:
+            raise TieredCheckpointError(
+                f"step {step}: item {alias.index.fqn!r} was planned as an alias of {alias.source.fqn!r}, "
+                "which is not stored as blocks here (TieredSavePlanner plans aliases only for them)"
+            )
+        part.records[alias.index] = dataclasses.replace(source, shape=alias.shape)
     return part
 
 
@@ -271,17 +291,24 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return tag_local_plan(plan, self.rank, self.node)
+        return tag_local_plan(plan, self.rank, self.node, self._as_blocks(self._first()))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """The save plan passes (``planners.save``: the world, then dedup's hook)."""
-        plans, world = plan_global(plans)
-        if world is not None:  # else DCP's plan cache: unchanged since last time
-            self._world = world
+        """The save's world in every plan (``planners.save``); with DCP's plan cache, the
+        world of this process's last full plan (DCP's cache is per process too)."""
+        plans, world = plan_global(plans, _LAST_WORLD.get(len(plans)))
+        if world is not None:
+            self._world = _LAST_WORLD[len(plans)] = world
         return plans
 
     def _first(self) -> TierView:
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
+
+    def _as_blocks(self, first: TierView) -> bool:
+        """Dedup on the save path where no replica is swapped (replicas carry the part file)."""
+        return self.config.dedup and (
+            first.placement.commits_in_finish or self.config.replication_factor == 1
+        )
 
     def _wait_for_writer(self, rank: int) -> None:
         """Before this step is staged or written: wait if the writer fell too far behind."""
@@ -300,11 +327,8 @@ class TieredWriter(StorageWriter, AsyncStager):
             self._wait_for_writer(self.rank)
         started = time.perf_counter()
         first = self._first()
-        # dedup on the save path where no replica is swapped (replicas carry the part file)
-        as_blocks = self.config.dedup and (
-            first.placement.commits_in_finish or self.config.replication_factor == 1
-        )
-        items = resolve_items(plan, planner, as_blocks)
+        items = resolve_items(plan, planner, self._as_blocks(first))
+        aliases = (plan.storage_data or {}).get(ALIASES, [])
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
         world = (plan.storage_data or {}).get("world") or [self.node]
@@ -313,14 +337,14 @@ class TieredWriter(StorageWriter, AsyncStager):
             if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
                 with _failing_save(first, self.step):
                     _pin(first, self.step, self.rank, slower)
-                    part = encode_part(first, self.step, self.rank, items)
+                    part = encode_part(first, self.step, self.rank, items, aliases)
                     t0 = time.perf_counter()
                     write_part(first, self.step, part)
                     self._write_seconds = time.perf_counter() - t0
                 records = part.records
             else:
                 _pin(first, self.step, self.rank, slower)
-                records = self._write_node_local(first, items, world, planner, name)
+                records = self._write_node_local(first, items, aliases, world, planner, name)
         except BaseException as e:
             _abandon(first, self.step, self.rank, slower, e)
             raise
@@ -330,27 +354,29 @@ class TieredWriter(StorageWriter, AsyncStager):
             for target in slower:
                 handle.enqueue(Job(self.step, first.index, target, self.rank, self.node, time.time()))
             handle.ensure(self.owner_pid or os.getpid())  # after: a writer is there for these jobs
-        results = [
-            WriteResult(
-                index=it.index,
-                size_in_bytes=sum(len(c) for c in it.chunks),
-                storage_data=records[it.index],
-            )
-            for it in items
+        results = [  # the plan's items, and the aliases the planner gave this rank
+            WriteResult(index=index, size_in_bytes=rec.raw_length, storage_data=rec)
+            for index, rec in records.items()
         ]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def _write_node_local(
-        self, first: TierView, items: list[RawItem], world: list[int], planner: SavePlanner, name: str
+        self,
+        first: TierView,
+        items: list[RawItem],
+        aliases: list[Alias],
+        world: list[int],
+        planner: SavePlanner,
+        name: str,
     ) -> Records:
         """Write the part and its replicas, then commit the step in every root (``replicate``)."""
         records: Records = {}
         error: BaseException | None = None
         swap = None
         try:
-            part = encode_part(first, self.step, self.rank, items)
+            part = encode_part(first, self.step, self.rank, items, aliases)
             records = part.records
             if self.config.replication_factor > 1:  # the transfer runs while the part is written
                 swap = Swap(first, self.step, part, world, name).start()
@@ -462,6 +488,8 @@ def _current_rank() -> int:
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
+
+_LAST_WORLD: dict[int, list[int]] = {}  # world size -> the rank -> node layout of the last full plan
 
 _STAGING_THREAD: ThreadPoolExecutor | None = None
 
