@@ -81,12 +81,15 @@ def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False)
     return items
 
 
-def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> SavedPart:
+def encode_part(
+    view: TierView, step: int, rank: int, items: list[RawItem], replicated: bool = False
+) -> SavedPart:
     """This rank's part for one tier, in memory: its records and stored chunks in file order.
 
     Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
     chunks are held until the part and its replicas are written. Items cut into blocks
-    (dedup) are put into the root's block store here (``dedup``); the part keeps the rest.
+    (dedup) are put into the root's block store here (``dedup``); the part keeps the rest,
+    and, when ``replicated``, the block files written, for the peers that lack them.
     """
     enc = Encoder(view.tier.compression)
     key = part_key(view.config.namespace, step, rank)
@@ -99,7 +102,8 @@ def encode_part(view: TierView, step: int, rank: int, items: list[RawItem]) -> S
         if it.ids is not None
     }
     if as_blocks:
-        part.records, put = dedup.put_items(view, step, rank, as_blocks)
+        kept = part.blocks if replicated else None
+        part.records, put = dedup.put_items(view, step, rank, as_blocks, kept=kept)
         part.written_blocks = put.written_bytes
     offset = 0
     for it in items:
@@ -173,6 +177,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
         self._write_seconds = 0.0  # this rank's part written to the first tier (``records``)
+        self.sent_bytes = 0  # bytes this rank sent its clique's peers for their replicas (``records``)
         self._waited = False
         self.rank = 0
         self.node = node_of(0)
@@ -291,12 +296,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         if not self._waited:  # a sync save: nothing was staged
             self._wait_for_writer(self.rank)
         started = time.perf_counter()
+        self.sent_bytes = 0
         first = self._first()
-        # dedup on the save path where no replica is swapped (replicas carry the part file)
-        as_blocks = self.config.dedup and (
-            first.placement.commits_in_finish or self.config.replication_factor == 1
-        )
-        items = resolve_items(plan, planner, as_blocks)
+        items = resolve_items(plan, planner, self.config.dedup)
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
         world = (plan.storage_data or {}).get("world") or [self.node]
@@ -341,16 +343,18 @@ class TieredWriter(StorageWriter, AsyncStager):
         records: Records = {}
         error: BaseException | None = None
         swap = None
+        replicated = self.config.replication_factor > 1
         try:
-            part = encode_part(first, self.step, self.rank, items)
+            part = encode_part(first, self.step, self.rank, items, replicated)
             records = part.records
-            if self.config.replication_factor > 1:  # the transfer runs while the part is written
+            if replicated:  # the transfer runs while the part is written
                 swap = Swap(first, self.step, part, world, name).start()
             t0 = time.perf_counter()
             write_part(first, self.step, part)
             self._write_seconds = time.perf_counter() - t0
             if swap is not None:
                 swap.finish()
+                self.sent_bytes = swap.sent
             del part
         except Exception as e:  # told to every rank, so that none waits for this one
             error = e
@@ -380,6 +384,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             "write_s": round(self._write_seconds, 6),
             "commit_s": round(commit_seconds, 6),
             "handoff_s": round(self.handoff_wait, 6),
+            "sent": self.sent_bytes,
         }
         if self.stage_seconds is not None:
             fields["stage_s"] = round(self.stage_seconds, 6)
