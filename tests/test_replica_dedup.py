@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from tiered_dcp.storage.format import is_block_id, read_index
 from tiered_dcp.storage.local import LocalStorage
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -225,10 +226,36 @@ def test_flipped_byte_in_a_replica_block_is_caught_and_read_from_the_peer(root):
 
 def test_keep_one_leaves_about_one_step_of_blocks_on_every_root(tmp_path):
     # the backbone changes every step: each step is all new blocks, the older ones go
-    run_ranks(_save, WORLD, str(tmp_path), [1, 2, 3, 4], True, 1, env=NODES)  # step 4 loads too
+    run_ranks(_save, WORLD, str(tmp_path), [1, 2, 3], True, 1, env=NODES)  # step 3 loads too
     for node in (0, 1):
         ram = tmp_path / f"ram/{node}"
-        assert sorted(os.listdir(ram / "job")) == ["blocks", "step_000000000004"], node
+        assert sorted(os.listdir(ram / "job")) == ["blocks", "step_000000000003"], node
         assert len(block_files(ram)) == 2 * (6 + 1), node
         held = sum(size for _, size in files(ram).values())
         assert 2 * PART <= held < 2.1 * PART, (node, held)
+
+
+def _save_catching(rank, world, root, step):
+    cfg = make_config(root)
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        dcp.save(state(step, mesh), storage_writer=TieredWriter(cfg, step=step))
+    except CheckpointException as e:  # what each rank was told
+        return str(e)
+    return None
+
+
+def test_a_damaged_block_sent_to_a_peer_is_caught_on_arrival(root):
+    # node 1 replaced (empty): rank 0 sends it the frozen blocks it holds, read from its root,
+    # where one of them is damaged: the peer's check on arrival fails the save
+    shutil.rmtree(root / "ram/1")
+    index = read_index(LocalStorage(str(root / "ram/0")), "job", 2, 0)
+    block = next(b for k, r in index.records.items() if "backbone" in k.fqn for b in r.blocks)
+    victim = root / f"ram/0/job/blocks/{block[:2]}/{block}"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    victim.write_bytes(data)
+    errors = run_ranks(_save_catching, WORLD, str(root), 3, env=NODES)
+    assert all(e is not None and "rank 0's part arrived damaged" in e and block in e for e in errors), errors
+    assert not (root / "ram/1/job/blocks" / block[:2] / block).exists()
+    assert not (root / "ram/0/job/step_000000000003/COMMITTED").exists()

@@ -30,7 +30,15 @@ from tiered_dcp.storage.blocks import (
     write_refs,
 )
 from tiered_dcp.storage.codec import ChecksumMismatch, Encoder, decode_chunk
-from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Record, block_key, blocks_dir, parse_block_header
+from tiered_dcp.storage.format import (
+    BLOCK_HEADER,
+    Chunk,
+    Record,
+    block_key,
+    blocks_dir,
+    is_block_id,
+    parse_block_header,
+)
 
 from .catalog import TierView
 
@@ -118,8 +126,13 @@ def block_record(
 
 
 def block_ids(records: Mapping[K, Record]) -> list[str]:
-    """The distinct blocks a part's records use, in the order they first appear."""
-    return list(dict.fromkeys(b for rec in records.values() for b in rec.blocks or ()))
+    """The distinct blocks a part's records use, in the order they first appear (a peer's
+    records name them: each must be a block id, as it becomes a file name)."""
+    ids = list(dict.fromkeys(b for rec in records.values() for b in rec.blocks or ()))
+    bad = [b for b in ids if not is_block_id(b)]
+    if bad:
+        raise ValueError(f"not a block id: {bad[0]!r}")
+    return ids
 
 
 def block_chunks(records: Mapping[K, Record]) -> dict[str, Chunk]:
@@ -156,7 +169,10 @@ def land_block(view: TierView, block: str, data: memoryview, chunk: Chunk) -> He
     except ValueError as e:
         raise ChecksumMismatch(f"block {block}: {e}") from e
     raw = bytearray(n)
-    decode_chunk(codec, data[BLOCK_HEADER:], n, memoryview(raw), 0, h)
+    try:
+        decode_chunk(codec, data[BLOCK_HEADER:], n, memoryview(raw), 0, h)
+    except ChecksumMismatch as e:
+        raise ChecksumMismatch(f"block {block}: {e}") from e
     if block_id(raw) != block:
         raise ChecksumMismatch(f"block {block}: its bytes have another id")
     view.own.write(block_key(blocks_dir(view.config.namespace), block), [data])

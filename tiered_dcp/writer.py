@@ -177,7 +177,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
         self._write_seconds = 0.0  # this rank's part written to the first tier (``records``)
-        self.sent_bytes = 0  # bytes this rank sent its clique's peers for their replicas (``records``)
+        # bytes this rank sent its clique's peers for their replicas (also in ``records``; in
+        # DCP's PROCESS async mode, set on the copy of the writer that process saves with)
+        self.sent_bytes = 0
         self._waited = False
         self.rank = 0
         self.node = node_of(0)
