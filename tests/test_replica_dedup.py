@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
+from tiered_dcp.verify import verify_step
 
 NODES = {"LOCAL_WORLD_SIZE": 1}
 WORLD = 2
@@ -168,6 +169,9 @@ def test_second_save_sends_and_writes_only_the_changed_blocks(saved):
                 index = read_index(store, "job", step, rank)
                 assert index.size < 64 << 10  # the part file keeps the small items only
                 assert sum(len(r.blocks or ()) for r in index.records.values()) == 7, (node, step, rank)
+    for step in (1, 2):  # every block of every copy, replicas included, reads back right
+        checks = verify_step(make_config(str(root)), step)
+        assert [c.ok for c in checks] == [True] and len(checks[0].roots) == 2, [c.problems for c in checks]
 
 
 def _lose_node_then_save_again(rank, world, root):
@@ -216,6 +220,9 @@ def test_flipped_byte_in_a_replica_block_is_caught_and_read_from_the_peer(root):
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x5A
     victim.write_bytes(data)
+    for step in (1, 2):  # verify reads the replica's blocks: both steps report the damage there
+        problems = [p for c in verify_step(make_config(str(root)), step) for p in c.problems]
+        assert problems and all("ram/0" in p for p in problems), (step, problems)
     # every rank loads whole tensors: rank 0 reads rank 1's items from its own root first
     results = run_ranks(_load_whole, WORLD, str(root), [1, 2], env=NODES)
     for step, (tiers, lines) in zip((1, 2), results[0], strict=True):
