@@ -137,15 +137,15 @@ def block_ids(records: Mapping[K, Record]) -> list[str]:
 
 def block_chunks(records: Mapping[K, Record]) -> dict[str, Chunk]:
     """Each block of a part: (stored length in the root the records describe, raw length, checksum)."""
-    return {b: c for rec in records.values() for b, c in zip(rec.blocks or (), rec.chunks, strict=False)}
+    blocked = (rec for rec in records.values() if rec.blocks is not None)
+    return {b: c for rec in blocked for b, c in zip(rec.blocks or (), rec.chunks, strict=True)}
 
 
 def holdings(view: TierView, ids: Iterable[str]) -> dict[str, Held | None]:
     """Which of ``ids`` the view's own root holds, and how (checked in parallel)."""
     unique = list(dict.fromkeys(ids))
     bdir = blocks_dir(view.config.namespace)
-    found = pool().map(lambda b: held(view.own, bdir, b), unique)
-    return {b: None if got is None else (got[0], got[1]) for b, got in zip(unique, found, strict=True)}
+    return dict(zip(unique, pool().map(lambda b: held(view.own, bdir, b), unique), strict=True))
 
 
 def block_file(view: TierView, kept: Mapping[str, list[Buffer]], block: str) -> list[Buffer] | None:
