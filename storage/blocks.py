@@ -241,9 +241,17 @@ class BlockPut:
     they are neither checked nor written here.
     """
 
-    def __init__(self, store: Storage, namespace: str, encoder: Encoder, skip: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        store: Storage,
+        namespace: str,
+        encoder: Encoder,
+        skip: Iterable[str] = (),
+        kept: dict[str, list[Buffer]] | None = None,
+    ) -> None:
         self.store, self.dir, self.enc = store, blocks_dir(namespace), encoder
         self.skip = set(skip)
+        self.kept = kept  # if given: each block file written, as written (the replicas send them)
         self.result = PutResult()
         self._lock = threading.Lock()
 
@@ -263,8 +271,11 @@ class BlockPut:
         view = memoryview(raw if raw is not None else fetch()).cast("B")
         codec = self.enc.choose(view, dtype)
         stored = self.enc.encode_as(view, codec)
-        n = self.store.write(block_key(self.dir, block), encode_block(codec, stored))
+        data = encode_block(codec, stored)
+        n = self.store.write(block_key(self.dir, block), data)
         with self._lock:
+            if self.kept is not None:
+                self.kept[block] = data
             self.result.written_blocks += 1
             self.result.written_bytes += n
         return n - BLOCK_HEADER, codec

@@ -12,7 +12,8 @@ Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
 - ``save``: ``tier`` (the fastest tier taking the step), ``bytes`` (this rank's part),
   ``stage_s`` (the copy ``async_save`` waits for; absent for a sync save), ``write_s`` (the
   part written to that tier), ``commit_s`` (``write_data`` to the step's commit there, or to
-  the part being written on a shared tier), ``handoff_s`` (waits for a writer that fell behind);
+  the part being written on a shared tier), ``handoff_s`` (waits for a writer that fell behind),
+  ``sent`` (bytes sent to clique peers for their replicas: part files and the blocks they lacked);
 - ``persist``: ``tier`` (the slower tier), ``bytes``, ``write_s`` (this rank's parts copied),
   ``latency_s`` (from the save's hand-off to the outcome), ``state``;
 - ``load``: ``tiers`` (read from), ``seconds`` (reader constructed to last item read).

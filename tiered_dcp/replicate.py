@@ -2,7 +2,9 @@
 
 After a rank writes its part to a node-local tier it swaps parts with its clique peers
 (``cliques``) over a gloo group of their own (``transport``): each peer's part lands,
-verified, in this rank's own root, with its index. Then the ranks agree through the job's
+verified, in this rank's own root, with its index. With dedup a part's large tensors are
+blocks (``dedup``): a peer's root claims those its part uses and receives only the ones
+it lacks, into its own block store. Then the ranks agree through the job's
 store that every part and replica is clean; the coordinator publishes the step's metadata
 and marker, and one rank per root writes both there and prunes that root. Every node thus
 holds the metadata, and a marker on any node means the step was complete everywhere.
@@ -20,11 +22,12 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from tiered_dcp.storage.base import Buffer, Reservation
+from tiered_dcp.storage.blocks import pool
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum, verify_stored
-from tiered_dcp.storage.format import Marker, PartInfo, part_key
+from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Marker, PartInfo, part_key
 from tiered_dcp.storage.format import write_index as write_part_index
 
-from . import transport
+from . import dedup, transport
 from .catalog import TierView
 from .cliques import clique
 from .errors import TieredCheckpointError
@@ -43,6 +46,17 @@ class SavedPart:
     records: Records
     stored: list[Buffer]
     written_blocks: int = 0  # bytes of new blocks written for it (dedup)
+    blocks: dict[str, list[Buffer]] = dataclasses.field(default_factory=dict)  # block files it wrote
+
+
+@dataclass
+class Landing:
+    """A peer's part arriving in this root: its part file, and the blocks this root lacked."""
+
+    rank: int
+    records: Records  # as the peer's root holds them
+    part: Reservation
+    blocks: dict[str, memoryview]  # block id -> its file's bytes (header, stored), as sent
 
 
 def write_index(view: TierView, step: int, rank: int, records: Records, written: int | None = None) -> None:
@@ -54,8 +68,9 @@ def write_index(view: TierView, step: int, rank: int, records: Records, written:
 
 
 def stored_chunk_sizes(records: Records) -> list[int]:
-    """The stored length of every chunk of a part, in file order."""
-    return [c[0] for rec in sorted(records.values(), key=lambda r: r.offset) for c in rec.chunks]
+    """The stored length of every chunk of a part file, in file order (blocks are not in it)."""
+    in_file = sorted((r for r in records.values() if r.blocks is None), key=lambda r: r.offset)
+    return [c[0] for rec in in_file for c in rec.chunks]
 
 
 class Swap:
@@ -64,6 +79,11 @@ class Swap:
     ``start`` posts the transfers (they run in gloo's threads while the rank writes its own
     part); ``finish`` waits, verifies every replica against its checksums and renames it
     clean with its index. Any failure discards the landed replicas.
+
+    What travels to a peer is its part file, then the block files its root lacks: the peer
+    first claims every block the part uses (``dedup.claim``: its list before the GC lease,
+    as a save does), then says which it lacks, so the blocks it holds are never sent.
+    ``sent`` counts the bytes this rank sent.
     """
 
     def __init__(self, view: TierView, step: int, part: SavedPart, world: list[int], name: str) -> None:
@@ -73,9 +93,11 @@ class Swap:
         self.world, self.name = world, name
         replication = (cfg.replication_factor, cfg.replication_jump)
         self.takes = view.placement.parts_written_by(part.rank, dict(enumerate(world)), replication)[1:]
-        self.landed: list[tuple[int, Records, Reservation]] = []
+        self.landed: list[Landing] = []
+        self.here: dict[str, dedup.Held | None] = {}  # the blocks the peers' parts use, in this root
         self.group: Group | None = None
         self.works: list[Any] = []
+        self.sent = 0
 
     def start(self) -> Swap:
         view, part = self.view, self.part
@@ -88,43 +110,104 @@ class Swap:
         try:
             self.group = Group(name, self.members, part.rank, view.config.peer_timeout)
             infos = [records_from_json(b) for b in self.group.allgather(records_to_json(part.records))]
+            peers = {q: recs for q, recs in zip(self.members, infos, strict=True) if q in self.takes}
+            wanted = self._claim(peers)  # this rank, or a member writing into this same root: not in peers
+            asks = self.group.allgather(json.dumps({str(q): ids for q, ids in wanted.items()}).encode())
+            mine = dedup.block_chunks(part.records)
             sends, recvs = [], []
-            for q, records in zip(self.members, infos, strict=True):
-                if q not in self.takes:
-                    continue  # this rank, or a member writing into this same root
+            for q, records in peers.items():
+                asked = json.loads(asks[self.members.index(q)]).get(str(part.rank), [])
                 sends += [(q, as_bytes_tensor(c)) for c in part.stored]
-                size = sum(r.length for r in records.values())
+                sends += [(q, as_bytes_tensor(b)) for block in asked for b in self._block_file(block, mine)]
+                size = sum(r.part_length for r in records.values())
                 res = view.own.reserve(part_key(view.config.namespace, self.step, q), size)
-                self.landed.append((q, records, res))
+                landing = Landing(q, records, res, {})
+                self.landed.append(landing)
                 pos = 0
                 for n in stored_chunk_sizes(records):
                     recvs.append((q, as_bytes_tensor(res.view[pos : pos + n])))
                     pos += n
+                recvs += [(q, as_bytes_tensor(b)) for b in self._land_blocks(landing, wanted[q])]
+            self.sent = sum(t.numel() for _, t in sends)
             self.works = self.group.post(sends, recvs)
         except BaseException:
             self.abort()
             raise
         return self
 
+    def _claim(self, peers: dict[int, Records]) -> dict[int, list[str]]:
+        """Claim in this root the blocks each peer's part uses; those it lacks, each asked of
+        one peer only."""
+        wanted: dict[int, list[str]] = {}
+        asked: set[str] = set()
+        for q, records in peers.items():
+            ids = dedup.block_ids(records)
+            if ids:
+                dedup.claim(self.view, self.step, q, ids)
+                self.here.update(dedup.holdings(self.view, (b for b in ids if b not in self.here)))
+            wanted[q] = [b for b in ids if self.here[b] is None and b not in asked]
+            asked.update(wanted[q])
+        return wanted
+
+    def _block_file(self, block: str, mine: dict[str, Chunk]) -> list[Buffer]:
+        """A block a peer asked for, as this root holds it: header, then stored bytes. Zeros
+        of its length where it cannot be read, so that the peer's check fails."""
+        n = mine[block][0]
+        got = dedup.block_file(self.view, self.part.blocks, block)
+        if got is None or [len(memoryview(b).cast("B")) for b in got] != [BLOCK_HEADER, n]:
+            return [bytes(BLOCK_HEADER), bytes(n)]
+        return got
+
+    def _land_blocks(self, landing: Landing, ids: list[str]) -> list[memoryview]:
+        """Buffers for the blocks asked of a peer: each block's header and stored bytes."""
+        chunks = dedup.block_chunks(landing.records)
+        buf = memoryview(bytearray(sum(BLOCK_HEADER + chunks[b][0] for b in ids)))
+        out, pos = [], 0
+        for b in ids:
+            end = pos + BLOCK_HEADER + chunks[b][0]
+            landing.blocks[b] = buf[pos:end]
+            out += [buf[pos : pos + BLOCK_HEADER], buf[pos + BLOCK_HEADER : end]]
+            pos = end
+        return out
+
     def finish(self) -> None:
         try:
             assert self.group is not None
             self.group.wait(self.works)
             self.works = []
-            for q, records, res in self.landed:
-                for rec in records.values():
+            for land in self.landed:
+                for rec in land.records.values():
+                    if rec.blocks is not None:
+                        continue
                     try:
-                        verify_stored(rec, res.view[rec.offset : rec.offset + rec.length])
+                        verify_stored(rec, land.part.view[rec.offset : rec.offset + rec.length])
                     except ChecksumMismatch as e:
-                        raise TieredCheckpointError(
-                            f"step {self.step}: the replica of rank {q}'s part arrived damaged: {e}"
-                        ) from e
-            for q, records, res in self.landed:
-                res.commit()
-                write_index(self.view, self.step, q, records)
+                        raise self._damaged(land.rank, e) from e
+            self._write_blocks()
+            ns = self.view.config.namespace
+            for land in self.landed:
+                land.part.commit()
+                records = dedup.as_held(ns, land.records, self.here)
+                write_index(self.view, self.step, land.rank, records, sum(map(len, land.blocks.values())))
             self.landed.clear()
         finally:
             self.abort()
+
+    def _write_blocks(self) -> None:
+        """Every block that arrived, verified and written into this root (in parallel)."""
+        futures = []
+        for land in self.landed:
+            chunks = dedup.block_chunks(land.records)
+            for b, data in land.blocks.items():
+                futures.append((land.rank, b, pool().submit(dedup.land_block, self.view, b, data, chunks[b])))
+        for q, b, fut in futures:
+            try:
+                self.here[b] = fut.result()
+            except ChecksumMismatch as e:
+                raise self._damaged(q, e) from e
+
+    def _damaged(self, q: int, e: Exception) -> TieredCheckpointError:
+        return TieredCheckpointError(f"step {self.step}: the replica of rank {q}'s part arrived damaged: {e}")
 
     def abort(self) -> None:
         """Drop the group (peers see it close) and any replica not committed yet."""
@@ -132,8 +215,8 @@ class Swap:
             self.group.close()
             self.group = None
         self.works = []
-        for _, _, res in self.landed:
-            res.discard()
+        for land in self.landed:
+            land.part.discard()
         self.landed.clear()
 
 

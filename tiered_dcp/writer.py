@@ -98,13 +98,19 @@ def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False)
 
 
 def encode_part(
-    view: TierView, step: int, rank: int, items: list[RawItem], aliases: Sequence[Alias] = ()
+    view: TierView,
+    step: int,
+    rank: int,
+    items: list[RawItem],
+    aliases: Sequence[Alias] = (),
+    replicated: bool = False,
 ) -> SavedPart:
     """This rank's part for one tier, in memory: its records and stored chunks in file order.
 
     Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
     chunks are held until the part and its replicas are written. Items cut into blocks
-    (dedup) are put into the root's block store here (``dedup``); the part keeps the rest.
+    (dedup) are put into the root's block store here (``dedup``); the part keeps the rest,
+    and, when ``replicated``, the block files written, for the peers that lack them.
     Each of ``aliases`` (the save planner's: items of any rank with the same bytes as one
     of ``items``) gets a record of its own naming the same blocks.
     """
@@ -119,7 +125,8 @@ def encode_part(
         if it.ids is not None
     }
     if as_blocks:
-        part.records, put = dedup.put_items(view, step, rank, as_blocks)
+        kept = part.blocks if replicated else None
+        part.records, put = dedup.put_items(view, step, rank, as_blocks, kept=kept)
         part.written_blocks = put.written_bytes
     offset = 0
     for it in items:
@@ -201,6 +208,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
         self._write_seconds = 0.0  # this rank's part written to the first tier (``records``)
+        # bytes this rank sent its clique's peers for their replicas (also in ``records``; in
+        # DCP's PROCESS async mode, set on the copy of the writer that process saves with)
+        self.sent_bytes = 0
         self._waited = False
         self.rank = 0
         self.node = node_of(0)
@@ -305,10 +315,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
 
     def _as_blocks(self, first: TierView) -> bool:
-        """Dedup on the save path where no replica is swapped (replicas carry the part file)."""
-        return self.config.dedup and (
-            first.placement.commits_in_finish or self.config.replication_factor == 1
-        )
+        """Whether the save path stores large items as blocks on ``first`` (replicas too:
+        a peer is sent only the blocks it lacks)."""
+        return self.config.dedup
 
     def _wait_for_writer(self, rank: int) -> None:
         """Before this step is staged or written: wait if the writer fell too far behind."""
@@ -326,6 +335,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         if not self._waited:  # a sync save: nothing was staged
             self._wait_for_writer(self.rank)
         started = time.perf_counter()
+        self.sent_bytes = 0
         first = self._first()
         items = resolve_items(plan, planner, self._as_blocks(first))
         aliases = (plan.storage_data or {}).get(ALIASES, [])
@@ -375,16 +385,18 @@ class TieredWriter(StorageWriter, AsyncStager):
         records: Records = {}
         error: BaseException | None = None
         swap = None
+        replicated = self.config.replication_factor > 1
         try:
-            part = encode_part(first, self.step, self.rank, items, aliases)
+            part = encode_part(first, self.step, self.rank, items, aliases, replicated)
             records = part.records
-            if self.config.replication_factor > 1:  # the transfer runs while the part is written
+            if replicated:  # the transfer runs while the part is written
                 swap = Swap(first, self.step, part, world, name).start()
             t0 = time.perf_counter()
             write_part(first, self.step, part)
             self._write_seconds = time.perf_counter() - t0
             if swap is not None:
                 swap.finish()
+                self.sent_bytes = swap.sent
             del part
         except Exception as e:  # told to every rank, so that none waits for this one
             error = e
@@ -414,6 +426,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             "write_s": round(self._write_seconds, 6),
             "commit_s": round(commit_seconds, 6),
             "handoff_s": round(self.handoff_wait, 6),
+            "sent": self.sent_bytes,
         }
         if self.stage_seconds is not None:
             fields["stage_s"] = round(self.stage_seconds, 6)
