@@ -110,6 +110,11 @@ def _node_local(rank, root):
     assert not wrong, wrong
 
 
+def _replicated(rank, root):
+    cfg = TieredConfig("run", [Tier(f"{root}/ram/{{node}}")], dedup=True, replication_factor=2)
+    _save_twice(rank, root, cfg)  # aliases travel to the peer with the part's records
+
+
 def _cached_state(rank: int, step: int) -> dict:
     """emb0 == emb1 at steps 1, 3 and 4, not at step 2: the items stay, the bytes do not.
     Rank 0's plan is then [emb0] at every step, with emb1 as an alias or without."""
@@ -133,6 +138,7 @@ SCENARIOS = {
     "nodedup": lambda rank, root: _save_twice(rank, root, shared(root, dedup=False), steps=(1,)),
     "spread": _spread,
     "local": _node_local,
+    "replicated": _replicated,
     "cached": _plan_caching,
 }
 
@@ -220,6 +226,18 @@ def test_node_local_tier_and_its_writer_process(run):
     # the writer processes put each block once, though two records of one part name it
     written = sum(d["written"] for d in indexes(bucket, 1).values())
     assert (1 + 2 + 2) * MiB <= written < (1 + 2 + 2) * MiB + 64 * 1024, written
+
+
+def test_replicas_carry_the_aliases(run):
+    ram = ran(run, "replicated") / "ram"
+    for node in (0, 1):  # each node holds both parts: the emb bytes once, named by both records
+        idx = indexes(ram / str(node), 1)
+        holders = [r for r, d in idx.items() if {"emb0", "emb1"} & set(records(d))]
+        assert len(idx) == 2 and len(holders) == 1
+        recs = records(idx[holders[0]])
+        assert recs["emb0"]["blocks"] == recs["emb1"]["blocks"]
+        assert set(recs["emb0"]["blocks"]) <= block_files(ram / str(node))
+        assert len(block_files(ram / str(node))) == 1 + 2 + 4
 
 
 def test_plan_caching_reuses_no_plan_whose_bytes_changed(run):
