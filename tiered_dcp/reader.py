@@ -288,11 +288,11 @@ class TieredReader(StorageReader):
                         "step %d: metadata on rank %d differs from its marker's checksum", self.step, src
                     )
                     blob = None
-            box = [blob]
-            dist.broadcast_object_list(box, src=src)
-            if box[0] is not None:
+            flagged = None if src != self.rank else b"\x00" if blob is None else b"\x01" + blob
+            got = broadcast_bytes(flagged, src=src)  # bytes, loaded below through the allowlist
+            if got[:1] == b"\x01":
                 try:
-                    return md_blob.loads(box[0])
+                    return md_blob.loads(got[1:])
                 except ChecksumMismatch as e:  # every rank sees the same bytes: all try the next
                     refused.append(f"{self._urls[cc.tier_index][src].rstrip('/')}/{key}: {e}")
                     log.warning("step %d: %s", self.step, refused[-1])
