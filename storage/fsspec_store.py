@@ -102,7 +102,7 @@ class FsspecStorage(Storage):
                 else:
                     raise
         files = ((e["name"].rstrip("/"), e) for e in entries if e.get("type") != "directory")
-        yield {name.rsplit("/", 1)[-1]: int(e["size"]) for name, e in files if name != path}
+        yield dict(sorted((name.rsplit("/", 1)[-1], int(e["size"])) for name, e in files if name != path))
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -27,6 +27,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_requests import measure  # noqa: E402
 
 
+@pytest.mark.parametrize("kind", ["local", "memory", "gcs"])
+def test_list_sizes_names_objects_and_sizes_in_one_listing(kind, tmp_path, gcs_bucket, fault_proxy):
+    if kind == "local":
+        store = open_storage(str(tmp_path / "root"))
+    elif kind == "memory":
+        store = open_storage(f"memory://sizes-{os.getpid()}/root")
+    else:
+        store = open_storage(f"{gcs_bucket.url}/root", gcs_bucket.via(fault_proxy.url))
+    store.write("d/b", [b"12345"])
+    store.write("d/a", [b""])
+    store.write("d/sub/c", [b"xy"])
+    assert store.list_sizes("d") == {"a": 0, "b": 5}  # a sub-directory is no object here
+    assert store.list_sizes("nothing") == {}
+    assert [list(page) for page in store.list_pages("d")] == [["a", "b"]]
+    if kind == "gcs":
+        fault_proxy.reset_kinds()
+        store.list_sizes("d")
+        assert fault_proxy.reset_kinds() == {"list": 1}
+
+
 def per_rank(row: dict, op: str) -> float:
     return sum(row[op].values()) / row["ranks"]
 
