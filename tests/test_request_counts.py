@@ -59,8 +59,9 @@ def test_bucket_requests_per_rank_do_not_grow_with_the_ranks(gcs_emulator):
         # (two: the lease's marker checks), indexes and data read by the ranks needing them
         assert load.get("list", 0) <= 3 and load.get("info", 0) <= 2, row
         assert load.get("read", 0) <= 2 + 4 * n, row  # marker, metadata; per rank <= 2 indexes, 2 items
-        # save with persistence: one listing per writer, retention's once; no index read back
-        assert save.get("list", 0) <= n + 2 and save.get("info", 0) == 0 and save.get("read", 0) <= 1, row
+        # save with persistence: one listing per writer, and retention's (writers finishing at
+        # once may each commit: a listing and a marker read each); no index read back
+        assert save.get("list", 0) <= 2 * n + 1 and save.get("info", 0) == 0 and save.get("read", 0) <= n, row
     assert per_rank(one, "load") <= 12 and per_rank(one, "save") <= 30
     assert per_rank(three, "load") <= per_rank(one, "load")  # what rank 0 does for all spreads out
     assert per_rank(three, "save") <= 1.25 * per_rank(one, "save")

@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from tiered_dcp.storage.format import Marker, PartInfo, index_key, part_key, step_dir
+from tiered_dcp.storage.format import Marker, PartInfo, index_key, marker_key, part_key, step_dir
 
 from .cliques import clique
 from .config import Tier
@@ -151,6 +151,12 @@ class SharedPlacement(Placement):
                 seen += 1
         if any(index(r) not in listed or part(r) not in listed for r in ranks):
             return None
+        # Writers finishing together may all see every index: one that finds this save
+        # committed already leaves the commit (and its retention) to the writer that did it.
+        if _name(marker_key(ns, step)) in listed:
+            done = dst.read_marker(dst.own, step)
+            if done is not None and done.metadata_xxh3 == copy.marker.metadata_xxh3:
+                return None
         parts = [PartInfo(p.rank, p.node, listed[part(p.rank)]) for p in copy.marker.parts]
         return dataclasses.replace(copy.marker, parts=parts, created=time.time())
 
