@@ -47,6 +47,20 @@ def broadcast_bytes(blob: bytes | None, src: int = 0) -> bytes:
     return buf.numpy().tobytes()
 
 
+def all_gather_bytes(blob: bytes) -> list[bytes]:
+    """Every rank's ``blob``, in rank order, as bytes (never unpickled)."""
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(blob)], dtype=torch.int64))
+    longest = max(int(n) for n in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if blob:
+        mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [out[r][: int(sizes[r])].numpy().tobytes() for r in range(world)]
+
+
 def shared_steps(tier_views: list[TierView], step: int | None) -> dict[int, list[StepCopy]]:
     """Each shared tier's newest complete step (or ``step``), found by rank 0 and given to all.
 

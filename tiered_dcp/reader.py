@@ -10,6 +10,7 @@ naming the bad file.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -39,11 +40,13 @@ from .cluster import (
     PeerRequest,
     check_raw,
     cluster_copies,
+    holdings_from_json,
+    holdings_to_json,
     own_holdings,
     read_raw,
 )
 from .config import TieredConfig, node_of
-from .discovery import all_read, broadcast_bytes, shared_steps
+from .discovery import all_gather_bytes, all_read, broadcast_bytes, shared_steps
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .leases import Leases
 from .records import record
@@ -204,12 +207,12 @@ class TieredReader(StorageReader):
         lost: dict[int, dict[int, list[int]]] = {}
         if not pooled:
             return found, cluster, lost
-        mine = {v.index: (v.own.url, own_holdings(v)) for v in pooled}
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        mine = {str(v.index): [v.own.url, holdings_to_json(own_holdings(v))] for v in pooled}
+        gathered = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]  # JSON, no pickle
         for v in pooled:
-            self._urls[v.index] = {r: g[v.index][0] for r, g in enumerate(gathered)}
-            cluster[v.index], lost[v.index] = cluster_copies(v.index, [g[v.index][1] for g in gathered])
+            got = [g[str(v.index)] for g in gathered]
+            self._urls[v.index] = {r: str(url) for r, (url, _) in enumerate(got)}
+            cluster[v.index], lost[v.index] = cluster_copies(v.index, [holdings_from_json(h) for _, h in got])
         return found, cluster, lost
 
     def _release(self) -> None:
