@@ -13,7 +13,7 @@ native failures at its boundary (``with self.errors(key):``) into the kinds of
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from types import TracebackType
 
@@ -69,6 +69,22 @@ class Storage(ABC):
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Names directly under ``prefix`` (empty when it does not exist)."""
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Objects directly under ``prefix`` with their sizes (sub-directories left out).
+
+        One listing where the backend can (a bucket's answers carry sizes), so that whether a
+        step is whole is known without asking after each object in turn."""
+        out: dict[str, int] = {}
+        for page in self.list_pages(prefix):
+            out.update(page)
+        return out
+
+    def list_pages(self, prefix: str) -> Iterator[dict[str, int]]:
+        """``list_sizes`` page by page, in name order where the backend pages (a bucket: 1,000
+        names a page), so a caller looking for a gap can stop at the first page showing one."""
+        sizes = ((n, self.size(f"{prefix}/{n}" if prefix else n)) for n in self.list(prefix))
+        yield {n: s for n, s in sizes if s is not None}
 
     @abstractmethod
     def delete(self, key: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import fsspec
@@ -88,6 +88,21 @@ class FsspecStorage(Storage):
                     return []
                 raise
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path})
+
+    def list_pages(self, prefix: str) -> Iterator[dict[str, int]]:
+        """One listing with details (gcsfs, s3fs: one request a page, sizes included)."""
+        path = self._path(prefix)
+        self.fs.invalidate_cache(path)
+        with self.errors(prefix):
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except OSError as e:
+                if _missing(e):
+                    entries = []
+                else:
+                    raise
+        files = ((e["name"].rstrip("/"), e) for e in entries if e.get("type") != "directory")
+        yield dict(sorted((name.rsplit("/", 1)[-1], int(e["size"])) for name, e in files if name != path))
 
     def delete(self, key: str) -> None:
         path = self._path(key)

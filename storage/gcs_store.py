@@ -477,21 +477,24 @@ class GCSStorage(Storage):
                 return None
         return int(info["size"])
 
+    async def _page(self, prefix: str, delimiter: str | None, token: str | None, sizes: bool = False) -> dict:
+        """One page (up to 1,000 names) of the objects under ``prefix``, in name order."""
+        url = f"{self._bucket_url()}/o"
+        fields = "items(name,size)" if sizes else "items(name)"
+        params = {"prefix": prefix, "fields": f"{fields},prefixes,nextPageToken", "maxResults": 1000}
+        if delimiter:
+            params["delimiter"] = delimiter
+        if token:
+            params["pageToken"] = token
+        return await self._call(self._where(prefix), lambda p, q=params: self._send(p, "GET", url, params=q))
+
     async def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
         """Object names and (with a delimiter) sub-prefixes under ``prefix``, every page."""
-        url = f"{self._bucket_url()}/o"
         names: list[str] = []
         prefixes: list[str] = []
         token = None
         while True:
-            params = {"prefix": prefix, "fields": "items(name),prefixes,nextPageToken", "maxResults": 1000}
-            if delimiter:
-                params["delimiter"] = delimiter
-            if token:
-                params["pageToken"] = token
-            page = await self._call(
-                self._where(prefix), lambda p, q=params: self._send(p, "GET", url, params=q)
-            )
+            page = await self._page(prefix, delimiter, token)
             names += [item["name"] for item in page.get("items", [])]
             prefixes += page.get("prefixes", [])
             token = page.get("nextPageToken")
@@ -506,6 +509,20 @@ class GCSStorage(Storage):
         found = {n[len(base) :].rstrip("/") for n in [*names, *prefixes]}
         found.discard("")
         return sorted(found)
+
+    def list_pages(self, prefix: str) -> Iterator[dict[str, int]]:
+        """One request a page, names and sizes together (no object-info call per object)."""
+        base = self._name(prefix)
+        base = f"{base}/" if base else ""
+        token = None
+        while True:
+            with self.errors(prefix):
+                page = self._run(self._page(base, "/", token, sizes=True))
+            items = ((item["name"][len(base) :], int(item.get("size", 0))) for item in page.get("items", []))
+            yield {n: size for n, size in items if n and "/" not in n}
+            token = page.get("nextPageToken")
+            if not token:
+                return
 
     async def _delete_object(self, name: str) -> None:
         url = self._object_url(name)

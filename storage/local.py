@@ -14,7 +14,7 @@ import mmap
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .base import Buffer, Reservation, Storage
@@ -195,6 +195,16 @@ class LocalStorage(Storage):
                 return sorted(os.listdir(self._path(prefix)))
             except (FileNotFoundError, NotADirectoryError):
                 return []
+
+    def list_pages(self, prefix: str) -> Iterator[dict[str, int]]:
+        sizes: dict[str, int] = {}
+        with self.errors(prefix):
+            try:
+                with os.scandir(self._path(prefix)) as entries:
+                    sizes = {e.name: e.stat().st_size for e in entries if e.is_file()}
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        yield dict(sorted(sizes.items()))
 
     def delete(self, key: str) -> None:
         path = self._path(key)

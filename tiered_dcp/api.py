@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass, field
 
 from . import runtime
-from .catalog import StepState, TierView, complete_steps, views
+from .catalog import StepState, TierView, loadable_steps, views
 from .config import TieredConfig, here
 from .errors import TieredCheckpointError
 
 
 def latest_step(config: TieredConfig) -> int | None:
     """The newest step complete on some tier, as seen from this process (no collectives)."""
-    steps = complete_steps(views(config, *here()))
+    steps = loadable_steps(views(config, *here()), None)  # a bucket: its newest complete step only
     return max(steps) if steps else None
 
 

@@ -18,6 +18,7 @@ from typing import TypeVar
 from tiered_dcp.storage import Storage, blocks, open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.format import (
+    METADATA,
     BadIndex,
     IndexCache,
     Marker,
@@ -29,6 +30,7 @@ from tiered_dcp.storage.format import (
     metadata_key,
     parse_step_dir,
     part_key,
+    part_name,
     step_dir,
 )
 from tiered_dcp.storage.format import is_pin as _is_pin
@@ -131,6 +133,10 @@ class TierView:
         self.unreachable: str | None = None  # why a shared tier is skipped by this view's queries
         self._listed: dict[str, list[str]] = {}  # a shared tier's first listing, until used
         self._answered = False  # the shared tier answered this view's first question in time
+        # (root url, step) -> the step directory's objects and sizes, as listed when the step
+        # was found (``newest_complete``) or handed over by the rank that found it: a load
+        # asks a shared tier for no object's size
+        self.listings: dict[tuple[str, int], dict[str, int]] = {}
 
     def answer(self, fn: Callable[[], T], empty: T) -> T:
         """``fn()``; on a shared tier, ``empty`` when it does not answer.
@@ -219,7 +225,11 @@ class TierView:
 
         Formats 1 and 2 wrote no index next to some parts: the marker's size holds there.
         """
-        size = store.size(part_key(self.config.namespace, marker.step, rank))
+        listed = self.listings.get((store.url, marker.step))
+        if listed is not None:
+            size = listed.get(part_name(rank))
+        else:
+            size = store.size(part_key(self.config.namespace, marker.step, rank))
         if size is None:
             return False
         index = self.part_index(store, marker, rank)
@@ -239,8 +249,17 @@ class TierView:
         stores = self.holders(marker, rank)
         return next((s for s in stores if self.part_present(s, marker, rank)), stores[0])
 
-    def missing(self, store: Storage, marker: Marker) -> list[str]:
-        """What a committed copy lacks to be loadable from here (empty when complete)."""
+    def missing(self, store: Storage, marker: Marker, sizes: dict[str, int] | None = None) -> list[str]:
+        """What a committed copy lacks to be loadable from here (empty when complete).
+
+        On a shared tier (format 3), from one listing of the step's directory (``sizes``, else
+        listed here): every part the size its marker says, with its index beside it; the
+        index itself is read (and checked against the part) by the rank that reads the part.
+        """
+        if not self.placement.pooled and marker.has_indexes:
+            if sizes is None:
+                sizes = store.list_sizes(step_dir(self.config.namespace, marker.step))
+            return self._missing_listed(store, marker, sizes)
         step = marker.step
         problems = []
         md_key = metadata_key(self.config.namespace, step)
@@ -252,6 +271,37 @@ class TierView:
                 where = " or ".join(s.describe(part_key(self.config.namespace, step, p.rank)) for s in stores)
                 problems.append(f"{where} missing or wrong size")
         return problems
+
+    def _missing_listed(self, store: Storage, marker: Marker, sizes: dict[str, int]) -> list[str]:
+        ns, step = self.config.namespace, marker.step
+        problems = []
+        if sizes.get(METADATA) != marker.metadata_size:
+            problems.append(f"{store.describe(metadata_key(ns, step))} missing or wrong size")
+        for p in marker.parts:
+            index = index_key(ns, step, p.rank).rsplit("/", 1)[1]
+            if sizes.get(part_name(p.rank)) != p.size or index not in sizes:
+                problems.append(f"{store.describe(part_key(ns, step, p.rank))} missing or wrong size")
+        return problems
+
+    def newest_complete(self, step: int | None = None) -> dict[int, StepCopy]:
+        """A shared tier's newest complete step (or ``step``, if complete), found with few
+        requests however many ranks saved it: the namespace listing, then newest first one
+        marker read and one listing of the step's directory (names and sizes) per step until
+        a complete one. That listing is kept (``listings``) for the load's reads."""
+        return self.answer(lambda: self._newest_complete(step), {})
+
+    def _newest_complete(self, step: int | None) -> dict[int, StepCopy]:
+        store = self.own
+        steps = self.step_dirs(store)
+        for s in sorted(steps, reverse=True) if step is None else [s for s in steps if s == step]:
+            marker = self.read_marker(store, s)
+            if marker is None:
+                continue
+            sizes = store.list_sizes(step_dir(self.config.namespace, s))
+            if not self.missing(store, marker, sizes):
+                self.listings[(store.url, s)] = sizes
+                return {s: StepCopy(self.index, s, marker, store)}
+        return {}
 
     def committed(self) -> dict[int, StepCopy]:
         """Every step with a commit marker visible from here (complete or not)."""
@@ -347,7 +397,8 @@ class TierView:
         store = self.own
         ns = self.config.namespace
         committed = {}
-        for step in self.step_dirs(store):
+        listed = self.step_dirs(store)  # one listing of the namespace per commit
+        for step in listed:
             marker = self.read_marker(store, step)
             if marker is not None:
                 committed[step] = marker
@@ -369,7 +420,7 @@ class TierView:
                 continue
             store.delete(step_dir(ns, step))
             deleted += 1
-        for step in self.step_dirs(store):
+        for step in listed:
             if step < newest and step not in committed and self.abandoned(store, step):
                 store.delete(step_dir(ns, step))
                 deleted += 1
@@ -423,6 +474,18 @@ def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None
     """Every tier seen from (node, rank), sharing ``indexes`` (one operation's) if given."""
     indexes = indexes if indexes is not None else IndexCache()
     return [TierView(config, i, node, rank, indexes) for i in range(len(config.tiers))]
+
+
+def loadable_steps(tier_views: Iterable[TierView], step: int | None) -> dict[int, list[StepCopy]]:
+    """What a load chooses from: every complete step of the node-local tiers, and the newest
+    complete step (or ``step``) of each shared one (``newest_complete``: no more is needed to
+    choose the newest, and a bucket is asked little), fastest tier first."""
+    out: dict[int, list[StepCopy]] = {}
+    for view in tier_views:
+        copies = view.complete() if view.placement.pooled else view.newest_complete(step)
+        for s, copy in copies.items():
+            out.setdefault(s, []).append(copy)
+    return out
 
 
 def complete_steps(tier_views: Iterable[TierView]) -> dict[int, list[StepCopy]]:

@@ -67,6 +67,18 @@ def own_holdings(view: TierView) -> dict[int, Holding]:
     return out
 
 
+def holdings_to_json(holdings: dict[int, Holding]) -> dict[str, list]:
+    """A rank's holdings as plain data, for the all-gather: what a peer sends is never code."""
+    return {str(s): [h.ident, h.world_size, sorted(h.parts), h.metadata] for s, h in holdings.items()}
+
+
+def holdings_from_json(doc: dict[str, list]) -> dict[int, Holding]:
+    return {
+        int(s): Holding(int(i), int(w), {int(p) for p in parts}, bool(m))
+        for s, (i, w, parts, m) in doc.items()
+    }
+
+
 def cluster_copies(
     tier_index: int, gathered: list[dict[int, Holding]]
 ) -> tuple[dict[int, ClusterCopy], dict]:

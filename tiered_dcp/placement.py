@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from tiered_dcp.storage.format import Marker, PartInfo, index_key, read_index
+from tiered_dcp.storage.format import Marker, PartInfo, index_key, marker_key, part_key, step_dir
 
 from .cliques import clique
 from .config import Tier
@@ -129,15 +129,35 @@ class SharedPlacement(Placement):
         return not view.missing(view.own, marker)  # every part and the metadata
 
     def copied_marker(self, src: TierView, dst: TierView, copy: StepCopy) -> Marker | None:
-        """Every rank's index is in the root: this writer was the last; the sizes are this tier's."""
+        """Every rank's index is in the root: this writer was the last; the sizes are this tier's.
+
+        Learnt from one listing of the step's directory (names and sizes; an index is written
+        after its part, so a listed index means its part is whole at the listed size), read
+        page by page in name order and given up at the first page that shows a rank's index
+        missing: a writer that is not the last usually stops after one page, the last one
+        reads ceil(2N / 1000) pages. No index is read, and nothing is polled.
+        """
         ns, step = dst.config.namespace, copy.step
-        sizes = {}
-        for p in copy.marker.parts:
-            try:
-                sizes[p.rank] = read_index(dst.own, ns, step, p.rank).size
-            except FileNotFoundError:
+        index, part = (lambda r: _name(index_key(ns, step, r))), (lambda r: _name(part_key(ns, step, r)))
+        ranks = sorted((p.rank for p in copy.marker.parts), key=index)  # as the listing orders them
+        listed: dict[str, int] = {}
+        seen = 0
+        for page in dst.own.list_pages(step_dir(ns, step)):
+            listed.update(page)
+            last = max(page, default="")
+            while seen < len(ranks) and index(ranks[seen]) <= last:
+                if index(ranks[seen]) not in listed:
+                    return None  # that rank's writer is not done: it (or a later one) commits
+                seen += 1
+        if any(index(r) not in listed or part(r) not in listed for r in ranks):
+            return None
+        # Writers finishing together may all see every index: one that finds this save
+        # committed already leaves the commit (and its retention) to the writer that did it.
+        if _name(marker_key(ns, step)) in listed:
+            done = dst.read_marker(dst.own, step)
+            if done is not None and done.metadata_xxh3 == copy.marker.metadata_xxh3:
                 return None
-        parts = [PartInfo(p.rank, p.node, sizes[p.rank]) for p in copy.marker.parts]
+        parts = [PartInfo(p.rank, p.node, listed[part(p.rank)]) for p in copy.marker.parts]
         return dataclasses.replace(copy.marker, parts=parts, created=time.time())
 
 
@@ -186,6 +206,11 @@ class NodeLocalPlacement(Placement):
         if not all(dst.own.exists(index_key(ns, step, rank)) for rank in held):
             return None
         return dataclasses.replace(copy.marker, created=time.time())
+
+
+def _name(key: str) -> str:
+    """The last component of a key: the name a listing of its directory gives."""
+    return key.rsplit("/", 1)[1]
 
 
 def placement_for(tier: Tier) -> Placement:

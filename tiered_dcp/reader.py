@@ -10,6 +10,7 @@ naming the bad file.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -31,7 +32,7 @@ from tiered_dcp.storage.format import IndexCache, ItemInfo, PartIndex, Record, m
 
 from . import metadata as md_blob
 from . import transport, user_values
-from .catalog import StepCopy, TierView, complete_steps, describe_search, views
+from .catalog import StepCopy, TierView, describe_search, loadable_steps, read_metadata_blob, views
 from .checkpoint_id import new_id, step_id, step_of
 from .cluster import (
     ClusterCopy,
@@ -39,10 +40,13 @@ from .cluster import (
     PeerRequest,
     check_raw,
     cluster_copies,
+    holdings_from_json,
+    holdings_to_json,
     own_holdings,
     read_raw,
 )
 from .config import TieredConfig, node_of
+from .discovery import all_gather_bytes, all_read, broadcast_bytes, shared_steps
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .leases import Leases
 from .records import record
@@ -86,6 +90,7 @@ class TieredReader(StorageReader):
         self._views = {v.index: v for v in views(config, self.node, rank, IndexCache())}  # one per load
         self._metadata: dict[int, Metadata | None] = {}
         self._bad_metadata: dict[int, str] = {}
+        self._by_ident: dict[int, Metadata] = {}  # metadata checksum -> the metadata loaded from it
         self._held: dict[tuple[str, int, int], PartIndex | None] = {}  # (root, tier, part) -> index
         self._cluster: list[ClusterCopy] = []
         self._cluster_md: Metadata | None = None
@@ -107,7 +112,7 @@ class TieredReader(StorageReader):
                     "just as this reader opened it; ask for a newer step, or keep more steps on the tier"
                 )
             log.info("step %d was removed just as it was opened; choosing the newest step again", self.step)
-            self._leases.release()
+            self._release()
         else:
             raise NoCheckpointError(
                 f"namespace {config.namespace!r}: the newest step was removed {CHOICES} times in a row just "
@@ -126,6 +131,7 @@ class TieredReader(StorageReader):
                         raise
                     log.warning("%s; loading step %d from a shared tier instead", e, self.step)
                     self._cluster, self._own = [], {}
+            self._share_shared_metadata()
         own = self._own if self._dist else {}
         self._copy_at = {c.tier_index: c for c in self._copies} | own  # tier -> the copy read there
         self._sources = self._plan_sources()
@@ -136,10 +142,10 @@ class TieredReader(StorageReader):
         """Find the step to load (``step``, or the newest complete one) and its copies."""
         lost: dict[int, dict[int, list[int]]] = {}
         if self._dist:
-            found, cluster, lost = self._pool()
+            found, cluster, lost = self._pool(step)
             self._group_name = transport.next_name(self.config.namespace, "load")
         else:
-            found, cluster = complete_steps(self._views.values()), {}
+            found, cluster = loadable_steps(self._views.values(), step), {}
         in_cluster = {s for copies in cluster.values() for s in copies}
         loadable = set(found) | in_cluster
         ns = self.config.namespace
@@ -160,13 +166,20 @@ class TieredReader(StorageReader):
     def _lease(self, found: dict[int, list[StepCopy]], cluster: dict[int, dict[int, ClusterCopy]]) -> bool:
         """Lease the chosen step in every root this rank reads it from (``leases``), so that
         retention leaves it alone until the read is done; False (on every rank) when it was
-        removed before the leases were in place."""
+        removed before the leases were in place. With a process group, a shared tier gets one
+        lease for the whole load, rank 0's, given back when every rank has read (``all_read``).
+        """
         self._leases = Leases(self.config.namespace, self.step)
+        self._job_leases = Leases(self.config.namespace, self.step)  # rank 0's, on shared tiers
         weakref.finalize(self, self._leases.release)
+        weakref.finalize(self, self._job_leases.release)
         ok = True
         for copy in found.get(self.step, []):
             view = self._views[copy.tier_index]
-            ok = self._leases.take(copy.store) and ok
+            if not self._dist:
+                ok = self._leases.take(copy.store) and ok
+            elif self.rank == 0:
+                ok = self._job_leases.take(copy.store) and ok
             for root in [] if self._dist else view.scan_roots():  # alone, it may read every root
                 if root is not copy.store and view.read_marker(root, self.step) is not None:
                     self._leases.take(root)
@@ -183,29 +196,28 @@ class TieredReader(StorageReader):
 
     # -- choosing the step -------------------------------------------------------------
 
-    def _pool(self) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
-        """Every rank's holdings, pooled: shared steps all agree on, node-local steps by union."""
-        mine: dict[int, Any] = {}
-        shared = {v.index: v.complete() for v in self._views.values() if not v.placement.pooled}
-        for v in self._views.values():
-            mine[v.index] = (v.own.url, own_holdings(v)) if v.placement.pooled else sorted(shared[v.index])
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        found: dict[int, list[StepCopy]] = {}
+    def _pool(
+        self, step: int | None
+    ) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
+        """Every rank's holdings, pooled: node-local steps by union; shared tiers' newest
+        complete step as rank 0 found it (``discovery``: the bucket is asked once per load)."""
+        found = shared_steps(list(self._views.values()), step)
+        pooled = [v for v in self._views.values() if v.placement.pooled]
         cluster: dict[int, dict[int, ClusterCopy]] = {}
         lost: dict[int, dict[int, list[int]]] = {}
-        for v in self._views.values():
-            if not v.placement.pooled:
-                common = set.intersection(*(set(g[v.index]) for g in gathered))
-                for s, copy in shared[v.index].items():
-                    if s in common:
-                        found.setdefault(s, []).append(copy)
-            else:
-                self._urls[v.index] = {r: g[v.index][0] for r, g in enumerate(gathered)}
-                cluster[v.index], lost[v.index] = cluster_copies(v.index, [g[v.index][1] for g in gathered])
-        for s in found:
-            found[s].sort(key=lambda c: c.tier_index)
+        if not pooled:
+            return found, cluster, lost
+        mine = {str(v.index): [v.own.url, holdings_to_json(own_holdings(v))] for v in pooled}
+        gathered = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]  # JSON, no pickle
+        for v in pooled:
+            got = [g[str(v.index)] for g in gathered]
+            self._urls[v.index] = {r: str(url) for r, (url, _) in enumerate(got)}
+            cluster[v.index], lost[v.index] = cluster_copies(v.index, [holdings_from_json(h) for _, h in got])
         return found, cluster, lost
+
+    def _release(self) -> None:
+        self._leases.release()
+        self._job_leases.release()
 
     def _plan_sources(self) -> Sources:
         """What the load planner needs to route items: the chosen step's copies, as seen here."""
@@ -279,11 +291,11 @@ class TieredReader(StorageReader):
                         "step %d: metadata on rank %d differs from its marker's checksum", self.step, src
                     )
                     blob = None
-            box = [blob]
-            dist.broadcast_object_list(box, src=src)
-            if box[0] is not None:
+            flagged = None if src != self.rank else b"\x00" if blob is None else b"\x01" + blob
+            got = broadcast_bytes(flagged, src=src)  # bytes, loaded below through the allowlist
+            if got[:1] == b"\x01":
                 try:
-                    return md_blob.loads(box[0])
+                    return md_blob.loads(got[1:])
                 except ChecksumMismatch as e:  # every rank sees the same bytes: all try the next
                     refused.append(f"{self._urls[cc.tier_index][src].rstrip('/')}/{key}: {e}")
                     log.warning("step %d: %s", self.step, refused[-1])
@@ -291,6 +303,48 @@ class TieredReader(StorageReader):
             f"step {self.step}: its metadata is damaged on every node holding it"
             + "".join(f"; {r}" for r in refused)
         )
+
+    def _share_shared_metadata(self) -> None:
+        """The chosen step's metadata on its shared tiers: read by rank 0, broadcast as raw
+        bytes, loaded by every rank (allowlisted), first copy that is good; a copy holding
+        the metadata already loaded (same checksum) is not read again."""
+        for copy in self._copies:
+            if self._known_metadata(copy) is not None:
+                return  # the cluster's: the same bytes
+            blob, why = None, ""
+            if self.rank == 0:
+                try:
+                    blob = b"\x01" + read_metadata_blob(copy)
+                except (OSError, ChecksumMismatch) as e:
+                    blob = b"\x00" + self._unusable(copy, e).encode()
+            got = broadcast_bytes(blob)
+            md = None
+            if got[:1] == b"\x01":
+                try:
+                    md = md_blob.loads(got[1:])
+                except ChecksumMismatch as e:
+                    why = f"{copy.store.describe(metadata_key(self.config.namespace, self.step))}: {e}"
+            else:
+                why = got[1:].decode("utf-8", "replace")
+            if md is None:
+                self._bad_metadata[copy.tier_index] = why
+                log.warning("step %d: metadata unusable (%s); trying the next tier", self.step, why)
+            self._metadata[copy.tier_index] = md
+            if md is not None:
+                self._by_ident[copy.marker.metadata_xxh3] = md
+                return
+
+    def _known_metadata(self, copy: StepCopy) -> Metadata | None:
+        """Metadata already loaded from bytes with this copy's checksum (the same on every tier)."""
+        ident = copy.marker.metadata_xxh3
+        if self._cluster_md is not None and self._cluster and self._cluster[0].ident == ident:
+            return self._cluster_md
+        return self._by_ident.get(ident)
+
+    def _unusable(self, copy: StepCopy, e: Exception) -> str:
+        view = self._views[copy.tier_index]
+        removed = isinstance(e, FileNotFoundError) and view.read_marker(copy.store, self.step) is None
+        return f"removed from tier {copy.tier_index} (no longer committed there)" if removed else str(e)
 
     @property
     def tiers(self) -> list[int]:
@@ -313,7 +367,7 @@ class TieredReader(StorageReader):
         if checkpoint_id is not None:
             step = step_of(self.config.namespace, checkpoint_id, "TieredReader")
             if step != self.step:
-                self._leases.release()  # the step chosen before is not read after all
+                self._release()  # the step chosen before is not read after all
                 self.__init__(self.config, step, no_dist=not self._dist)  # type: ignore[misc]
 
     @classmethod
@@ -332,17 +386,15 @@ class TieredReader(StorageReader):
         if self._cluster_md is not None and copy.tier_index in {cc.tier_index for cc in self._cluster}:
             return self._cluster_md  # the same bytes on every node and node-local tier
         if copy.tier_index not in self._metadata:
-            md = None
+            md = self._known_metadata(copy)
             try:
-                md = md_blob.load_metadata(copy)
+                md = md or md_blob.load_metadata(copy)
             except (OSError, ChecksumMismatch) as e:
-                view = self._views[copy.tier_index]
-                removed = isinstance(e, FileNotFoundError) and view.read_marker(copy.store, self.step) is None
-                why = (
-                    f"removed from tier {copy.tier_index} (no longer committed there)" if removed else str(e)
-                )
+                why = self._unusable(copy, e)
                 self._bad_metadata[copy.tier_index] = why
                 log.warning("step %d: metadata unusable (%s); trying the next tier", self.step, why)
+            if md is not None:
+                self._by_ident[copy.marker.metadata_xxh3] = md
             self._metadata[copy.tier_index] = md
         return self._metadata[copy.tier_index]
 
@@ -580,6 +632,8 @@ class TieredReader(StorageReader):
             self._read_all(plan, planner)
         finally:
             self._leases.release()  # the step may go now, at its tiers' next retention
+            if self._dist and self._copies:  # a shared tier's lease: once every rank has read
+                all_read(self._group_name, self._job_leases.release)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

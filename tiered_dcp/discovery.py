@@ -1,0 +1,121 @@
+"""A load's look at the shared tiers, made once for the whole job and handed to every rank.
+
+Were every rank to find the newest complete step of a bucket itself, the bucket's requests
+would grow with the square of the job (each rank asking after each part). Instead rank 0
+asks (``TierView.newest_complete``: the namespace listing, a marker, one listing of the
+step's directory with sizes), reads the chosen step's metadata, and hands both to the other
+ranks over the process group as plain bytes: JSON, and the metadata blob that every rank
+loads through the allowlisting unpickler (``metadata.loads``). Nothing another process
+sends is unpickled as it is. The other ranks then read only the indexes and byte ranges of
+the items they load.
+
+The load holds one lease on a shared tier, rank 0's, given back when every rank has read
+(``all_read``): a store counter, no request to the bucket.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tiered_dcp.storage.format import Marker
+
+from . import transport
+from .catalog import StepCopy, TierView
+
+log = logging.getLogger("tiered_dcp")
+
+READ_WAIT = 1800.0  # seconds rank 0 waits for the others' reads before it gives its lease back
+
+
+def broadcast_bytes(blob: bytes | None, src: int = 0) -> bytes:
+    """``blob`` (given on ``src``) on every rank, as bytes: what travels is never code."""
+    mine = dist.get_rank() == src
+    size = torch.tensor([len(blob) if mine and blob is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=src)
+    if int(size) == 0:
+        return b""
+    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if mine and blob else None
+    if buf is None:
+        buf = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=src)
+    return buf.numpy().tobytes()
+
+
+def all_gather_bytes(blob: bytes) -> list[bytes]:
+    """Every rank's ``blob``, in rank order, as bytes (never unpickled)."""
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(blob)], dtype=torch.int64))
+    longest = max(int(n) for n in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if blob:
+        mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [out[r][: int(sizes[r])].numpy().tobytes() for r in range(world)]
+
+
+def shared_steps(tier_views: list[TierView], step: int | None) -> dict[int, list[StepCopy]]:
+    """Each shared tier's newest complete step (or ``step``), found by rank 0 and given to all.
+
+    Every rank's views also get the step directory's listing (``TierView.listings``), so a
+    rank reading a part asks the bucket for no size, and whether rank 0 found a tier
+    unreachable (the others do not ask it again).
+    """
+    shared = [v for v in tier_views if not v.placement.pooled]
+    if not shared:
+        return {}
+    doc: dict[str, dict] | None = None
+    if dist.get_rank() == 0:
+        doc = {}
+        for v in shared:
+            entry: dict = {"unreachable": None}
+            for s, copy in v.newest_complete(step).items():
+                sizes = v.listings[(copy.store.url, s)]
+                entry.update(step=s, marker=copy.marker.to_bytes().decode(), sizes=sizes)
+            entry["unreachable"] = v.unreachable
+            doc[str(v.index)] = entry
+    got = json.loads(broadcast_bytes(None if doc is None else json.dumps(doc).encode()))
+    found: dict[int, list[StepCopy]] = {}
+    for v in shared:
+        entry = got[str(v.index)]
+        if entry["unreachable"] is not None:
+            v.unreachable = str(entry["unreachable"])
+        if "step" not in entry:
+            continue
+        s = int(entry["step"])
+        marker = Marker.from_bytes(str(entry["marker"]).encode())
+        v.listings[(v.own.url, s)] = {str(n): int(size) for n, size in entry["sizes"].items()}
+        found.setdefault(s, []).append(StepCopy(v.index, s, marker, v.own))
+    return found
+
+
+def all_read(name: str, release: Callable[[], None]) -> None:
+    """This rank's reads are done; on rank 0, wait until every rank's are, then ``release()``.
+
+    Each rank adds itself to a counter in the job's store; the last to arrive sets a flag
+    that rank 0 waits for. Rank 0 is held no longer than the slowest rank's reads, which
+    DCP's collective after ``read_data`` waits for anyway. A rank that died mid-load holds
+    the lease until ``READ_WAIT`` at most (or rank 0's own end: a lease on a shared tier
+    then expires after ``leases.LEASE_TTL``).
+    """
+    store = transport.raw_store()
+    counter, done = f"{name}/read", f"{name}/read/done"
+    if store.add(counter, 1) == dist.get_world_size():
+        store.set(done, "1")
+    if dist.get_rank() != 0:
+        return
+    try:
+        store.wait([done], datetime.timedelta(seconds=READ_WAIT))
+    except Exception as e:  # noqa: BLE001 - the lease goes back whatever happened
+        log.warning("not every rank finished reading within %.0f s (%s); the step's lease goes", READ_WAIT, e)
+    finally:
+        release()
+        for key in (counter, done):
+            store.delete_key(key)
