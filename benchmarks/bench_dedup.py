@@ -26,26 +26,13 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from common import MiB, files, new_bytes
 from tiered_dcp.storage.codec import Encoder
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, wait_for
 from tiered_dcp.runtime import job_name, rundir
 
 warnings.filterwarnings("ignore")
-MiB = 1 << 20
-
-
-def files(root: str) -> dict[str, tuple[int, int]]:
-    out = {}
-    for f in glob.glob(f"{root}/**", recursive=True):
-        if os.path.isfile(f):
-            st = os.stat(f)
-            out[f] = (st.st_ino, st.st_size)
-    return out
-
-
-def new_bytes(before: dict, after: dict) -> int:
-    return sum(size for name, (ino, size) in after.items() if before.get(name, (None,))[0] != ino)
 
 
 def writer_seconds(cfg: TieredConfig, tier: int, step: int) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from bench_replication import free_port, on_rank0, timed  # noqa: E402
-from common import MiB
+from common import MiB, files, new_bytes  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter
 
@@ -52,19 +51,6 @@ def rank_state(rank: int, mib: int, step: int) -> dict:
     out = {f"r{rank}.backbone{i}": torch.randn(frozen // 8, generator=g) for i in range(8)}
     out[f"r{rank}.adapter"] = torch.randn(adapter, generator=a)
     return out
-
-
-def files(root: str) -> dict[str, tuple[int, int]]:
-    out = {}
-    for f in glob.glob(f"{root}/**", recursive=True):
-        if os.path.isfile(f):
-            st = os.stat(f)
-            out[f] = (st.st_ino, st.st_size)
-    return out
-
-
-def new_bytes(before: dict, after: dict) -> int:
-    return sum(size for name, (ino, size) in after.items() if before.get(name, (None,))[0] != ino)
 
 
 def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None:

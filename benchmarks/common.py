@@ -1,4 +1,7 @@
-"""What the benchmarks share: the state they save."""
+"""What the benchmarks share: the state they save, and what a save wrote."""
+
+import glob
+import os
 
 import torch
 
@@ -29,3 +32,18 @@ def report(title: str, nbytes: int, seconds: dict, ratios: dict, targets: dict) 
         verdict = ("yes" if met[k] else "NO") if k in met else ""
         print(f"{k:<44}{v:>7.2f}  {f'{op} {x}':<8}{verdict}")
     return met
+
+
+def files(root: str) -> dict[str, tuple[int, int]]:
+    """Every file under root: (inode, size), so a rewrite (a new inode) is seen."""
+    out = {}
+    for f in glob.glob(f"{root}/**", recursive=True):
+        if os.path.isfile(f):
+            st = os.stat(f)
+            out[f] = (st.st_ino, st.st_size)
+    return out
+
+
+def new_bytes(before: dict, after: dict) -> int:
+    """Bytes of files that are new or rewritten between two ``files`` listings."""
+    return sum(size for name, (ino, size) in after.items() if before.get(name, (None,))[0] != ino)

@@ -6,7 +6,6 @@ real processes; the bytes sent are what the writers count and record.
 """
 
 import glob
-import logging
 import os
 import shutil
 
@@ -14,6 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from test_dedup import files, new_bytes
+from test_replication import Captured
 from tiered_dcp.storage.format import is_block_id, read_index
 from tiered_dcp.storage.local import LocalStorage
 from torch.distributed.checkpoint.api import CheckpointException
@@ -75,32 +76,8 @@ def check(loaded: dict, step: int, frozen_seed: int = 0) -> None:
     assert loaded["step"] == step
 
 
-def files(root) -> dict[str, tuple[int, int]]:
-    """Every file under root: (inode, size), so a rewrite (a new inode) is seen."""
-    out = {}
-    for f in glob.glob(f"{root}/**", recursive=True):
-        if os.path.isfile(f):
-            st = os.stat(f)
-            out[os.path.relpath(f, root)] = (st.st_ino, st.st_size)
-    return out
-
-
-def new_bytes(before, after) -> int:
-    return sum(size for name, (ino, size) in after.items() if before.get(name, (None,))[0] != ino)
-
-
 def block_files(root) -> list[str]:
     return [f for f in glob.glob(f"{root}/job/blocks/*/*") if is_block_id(os.path.basename(f))]
-
-
-class Captured(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-        logging.getLogger("tiered_dcp").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _save(rank, world, root, steps, changing=False, keep=None):
