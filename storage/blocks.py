@@ -68,17 +68,32 @@ def block_id(raw: Buffer) -> str:
     return xxhash.xxh3_128_hexdigest(raw)
 
 
-def fingerprints(chunks: list[memoryview], named: list[bool]) -> list[tuple[int, str | None]]:
-    """Each chunk's checksum, and its block id where ``named``: large chunks are hashed on
-    the blocks' threads (xxhash releases the GIL on large buffers, so this scales with the
-    cores), small ones inline (a thread hop would cost more than their hash)."""
+def fingerprints(
+    chunks: list[memoryview], blocked: list[bool], known: list[str | None]
+) -> list[tuple[int, str | None]]:
+    """Each chunk's checksum, and for a ``blocked`` one its block id (``known``'s, when the
+    save planner named it already). A block of the previous call keeps its checksum: the
+    id names the bytes, and the checksum is a function of them, so an unchanged block is
+    hashed once, not twice. Large chunks are hashed on the blocks' threads (xxhash
+    releases the GIL on large buffers, so this scales with the cores), small ones inline."""
+    global _LAST_CHECKSUMS
+    last = _LAST_CHECKSUMS
 
-    def one(chunk: memoryview, name: bool) -> tuple[int, str | None]:
-        return checksum(chunk), block_id(chunk) if name else None
+    def one(i: int) -> tuple[int, str | None]:
+        if not blocked[i]:
+            return checksum(chunks[i]), None
+        name = known[i] or block_id(chunks[i])
+        h = last.get(name)
+        return (checksum(chunks[i]) if h is None else h), name
 
     big = [i for i, c in enumerate(chunks) if len(c) >= PARALLEL_HASH]
-    futures = {i: pool().submit(one, chunks[i], named[i]) for i in big} if len(big) > 1 else {}
-    return [futures[i].result() if i in futures else one(c, named[i]) for i, c in enumerate(chunks)]
+    futures = {i: pool().submit(one, i) for i in big} if len(big) > 1 else {}
+    got = [futures[i].result() if i in futures else one(i) for i in range(len(chunks))]
+    _LAST_CHECKSUMS = {name: h for h, name in got if name is not None}
+    return got
+
+
+_LAST_CHECKSUMS: dict[str, int] = {}  # block id -> checksum, of the last save's blocks
 
 
 def blocked(kind: str, raw_length: int) -> bool:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import settle
 from dist_utils import run_ranks
+from tiered_dcp.storage.blocks import BLOCK_BYTES, block_id, fingerprints
+from tiered_dcp.storage.codec import checksum
 from tiered_dcp.storage.format import is_block_id
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, status, wait_for
@@ -264,3 +266,22 @@ def test_resharding_deduped_steps(tmp_path):
     assert len(block_files(tmp_path / "bucket", "job")) == 4 * 1  # four 128 KiB row shards, stored once
     run_ranks(_load_cols, 2, str(tmp_path), False, env={"LOCAL_WORLD_SIZE": 4})
     run_ranks(_load_cols, 2, str(tmp_path), True)
+
+
+def test_an_unchanged_block_keeps_its_checksum_and_a_changed_one_gets_its_own():
+    """The second save takes a known block's checksum from the first (hashing it once);
+    whatever moved or changed, every checksum is its chunk's."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (memoryview(torch.randn(BLOCK_BYTES // 4, generator=g).numpy()).cast("B") for _ in range(3))
+    small = memoryview(b"x" * 100)
+    for chunks, blocked in (
+        ([a, b, small], [True, True, False]),
+        ([b, c, a, small], [True, True, True, False]),
+    ):
+        got = fingerprints(chunks, blocked, [None] * len(chunks))
+        assert [h for h, _ in got] == [checksum(x) for x in chunks]
+        assert [n for _, n in got] == [
+            block_id(x) if cut else None for x, cut in zip(chunks, blocked, strict=True)
+        ]
+    named = fingerprints([c], [True], [block_id(c)])  # the planner's id: same answer
+    assert named == [(checksum(c), block_id(c))]

@@ -65,8 +65,9 @@ def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False)
     """Each write item's bytes, chunked and checksummed (with dedup, large tensors cut into
     blocks and each named: this runs in the save's async part, off the training stall)."""
     items: list[RawItem] = []
-    named: list[bool] = []  # per chunk: whether its block id is still to compute
-    known: dict[MetadataIndex, list[str]] = getattr(planner, "block_ids", None) or {}
+    cuts: list[bool] = []
+    known: list[str | None] = []  # per chunk: its block id, where the planner named it
+    planned: dict[MetadataIndex, list[str]] = getattr(planner, "block_ids", None) or {}
     for item in plan.items:
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
@@ -79,20 +80,18 @@ def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False)
             extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
         cut = as_blocks and blocks.blocked(extra["kind"], len(view))
         chunks = split(view, blocks.BLOCK_BYTES if cut else CHUNK_BYTES)
-        ids = None
-        if cut:  # named by the planner already (``TieredSavePlanner``), else below
-            ids = known.get(item.index)
-            if ids is None or len(ids) != len(chunks):
-                ids = []
-        items.append(RawItem(item.index, chunks, [], extra, owner, ids))
-        named.extend([ids == []] * len(chunks))
-    prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], named))
+        ids = planned.get(item.index) if cut else None
+        if ids is None or len(ids) != len(chunks):  # ``TieredSavePlanner`` named them, or not
+            ids = None
+        items.append(RawItem(item.index, chunks, [], extra, owner, [] if cut else None))
+        cuts.extend([cut] * len(chunks))
+        known.extend(ids or [None] * len(chunks))
+    prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], cuts, known))
     for it in items:
-        fresh = it.ids == []
         for _ in it.chunks:
             h, name = next(prints)
             it.hashes.append(h)
-            if fresh:
+            if it.ids is not None:
                 it.ids.append(name)
     return items
 
