@@ -42,6 +42,7 @@ from .base import Buffer, Storage
 from .codec import ChecksumMismatch, Encoder, checksum, decode_chunk, encode_block, read_block
 from .format import (
     BLOCK_HEADER,
+    GC_EPOCH,
     GC_LEASE,
     Record,
     block_key,
@@ -201,6 +202,8 @@ def collect(store: Storage, namespace: str) -> Collected | None:
                     done.kept += 1
                     continue
                 key = block_key(bdir, name)
+                if not done.deleted:  # savers' memory of what this root holds ends here
+                    new_epoch(store, bdir)
                 done.freed_bytes += store.size(key) or 0
                 store.delete(key)
                 done.deleted += 1
@@ -239,6 +242,42 @@ def held(store: Storage, directory: str, block: str) -> tuple[str, int] | None:
     return codec, size - BLOCK_HEADER
 
 
+# -- what a root holds, remembered between saves -----------------------------------------
+#
+# A saver checks each block of its part (a header read and a stat; on a bucket, requests).
+# It remembers the blocks it saw held or wrote, per root, under the root's GC epoch: a
+# token that every GC rewrites before it deletes a block, and that a saver creates when
+# the root has none (a fresh or wiped root). A later save that reads the same token after
+# claiming its blocks (reference list, then no GC lease) skips their checks: no GC has
+# deleted a block since they were seen (a GC after the claim keeps every block the list
+# names). Only a GC deletes blocks: a block removed by hand from a root that kept its
+# epoch file is reported when read, and the item read from another tier.
+
+_HELD: dict[tuple[str, str], tuple[str, dict[str, tuple[str, int]]]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def new_epoch(store: Storage, directory: str) -> str:
+    token = uuid.uuid4().hex
+    store.write(f"{directory}/{GC_EPOCH}", [token.encode()])
+    return token
+
+
+def remembered(store: Storage, directory: str) -> dict[str, tuple[str, int]]:
+    """The blocks this process saw in the root since its current GC epoch began: (codec,
+    stored length) by id, to fill in as this save sees more. Call after claiming."""
+    try:
+        token = bytes(store.read(f"{directory}/{GC_EPOCH}")).decode()
+    except FileNotFoundError:
+        token = new_epoch(store, directory)
+    key = (store.url, directory)
+    with _HELD_LOCK:
+        got = _HELD.get(key)
+        if got is None or got[0] != token:
+            got = _HELD[key] = (token, {})
+        return got[1]
+
+
 _POOL: ThreadPoolExecutor | None = None
 
 
@@ -269,6 +308,7 @@ class BlockPut:
         self.kept = kept  # if given: each block file written, as written (the replicas send them)
         self.result = PutResult()
         self._lock = threading.Lock()
+        self.seen = remembered(store, self.dir)  # after the caller's claim (``dedup.claim``)
 
     def put(self, block: str, raw: Buffer | None, dtype: str | None, fetch=None) -> tuple[int, str]:
         """Ensure ``block`` is in the root; return (stored length, codec) for the record.
@@ -280,14 +320,16 @@ class BlockPut:
             self.result.used_blocks += 1
         if block in self.skip:
             return 0, self.enc.codec  # written by another rank of this save
-        got = held(self.store, self.dir, block)
+        got = self.seen.get(block) or held(self.store, self.dir, block)
         if got is not None:
+            self.seen[block] = got
             return got[1], got[0]
         view = memoryview(raw if raw is not None else fetch()).cast("B")
         codec = self.enc.choose(view, dtype)
         stored = self.enc.encode_as(view, codec)
         data = encode_block(codec, stored)
         n = self.store.write(block_key(self.dir, block), data)
+        self.seen[block] = (codec, n - BLOCK_HEADER)
         with self._lock:
             if self.kept is not None:
                 self.kept[block] = data

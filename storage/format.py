@@ -111,6 +111,7 @@ def marker_key(namespace: str, step: int) -> str:
 
 BLOCKS_DIR = "blocks"
 GC_LEASE = "GC.lease"
+GC_EPOCH = "GC.epoch"  # rewritten by a GC before it deletes a block: what a saver saw held may be gone
 BLOCK_MAGIC = b"TDBLOCK1"  # a block file: magic, its codec (8 ASCII bytes, NUL-padded), payload
 BLOCK_HEADER = 16
 

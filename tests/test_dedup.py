@@ -4,6 +4,7 @@ by every step using it. Real files, real processes."""
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -285,3 +286,22 @@ def test_an_unchanged_block_keeps_its_checksum_and_a_changed_one_gets_its_own():
         ]
     named = fingerprints([c], [True], [block_id(c)])  # the planner's id: same answer
     assert named == [(checksum(c), block_id(c))]
+
+
+def test_a_block_the_gc_deleted_or_a_wiped_root_lost_is_written_again(tmp_path):
+    """A save remembers which blocks its root holds (skipping their checks next time) only
+    while no GC has deleted any and the root was not wiped."""
+    cfg = TieredConfig("job", [Tier(f"{tmp_path}/ram/{{node}}", keep=2)], dedup=True)
+    a, b = torch.randn(1 << 18), torch.randn(1 << 18)  # one 1 MiB block each
+
+    def save_and_load(step: int, value: torch.Tensor) -> None:
+        dcp.save({"w": value}, storage_writer=TieredWriter(cfg, step=step))
+        out = {"w": torch.empty_like(value)}
+        dcp.load(out, storage_reader=TieredReader(cfg, step=step))
+        assert torch.equal(out["w"], value)
+
+    save_and_load(1, a)
+    shutil.rmtree(tmp_path / "ram")
+    save_and_load(2, a)
+    for step, value in ((3, b), (4, b), (5, a)):  # step 4's commit drops step 2 and a's block
+        save_and_load(step, value)
