@@ -246,12 +246,13 @@ def held(store: Storage, directory: str, block: str) -> tuple[str, int] | None:
 #
 # A saver checks each block of its part (a header read and a stat; on a bucket, requests).
 # It remembers the blocks it saw held or wrote, per root, under the root's GC epoch: a
-# token that every GC rewrites before it deletes a block, and that a saver creates when
-# the root has none (a fresh or wiped root). A later save that reads the same token after
-# claiming its blocks (reference list, then no GC lease) skips their checks: no GC has
-# deleted a block since they were seen (a GC after the claim keeps every block the list
-# names). Only a GC deletes blocks: a block removed by hand from a root that kept its
-# epoch file is reported when read, and the item read from another tier.
+# token that every GC rewrites before it deletes a block, and that a saver creates when a
+# node-local root has none (fresh or wiped; a shared root waits for its first GC). A
+# later save that reads the same token after claiming its blocks (reference list, then no
+# GC lease) skips their checks: no GC has deleted a block since they were seen (a GC
+# after the claim keeps every block the list names). Only a GC deletes blocks: a block
+# removed by hand from a root that kept its epoch file is reported when read, and the
+# item read from another tier.
 
 _HELD: dict[tuple[str, str], tuple[str, dict[str, tuple[str, int]]]] = {}
 _HELD_LOCK = threading.Lock()
@@ -263,12 +264,18 @@ def new_epoch(store: Storage, directory: str) -> str:
     return token
 
 
-def remembered(store: Storage, directory: str) -> dict[str, tuple[str, int]]:
+def remembered(store: Storage, directory: str, create: bool) -> dict[str, tuple[str, int]]:
     """The blocks this process saw in the root since its current GC epoch began: (codec,
-    stored length) by id, to fill in as this save sees more. Call after claiming."""
+    stored length) by id, to fill in as this save sees more. Call after claiming.
+
+    A root without an epoch gets one only where ``create`` (a node-local root: a few
+    ranks); on a shared tier only a GC writes it, as every rank at once must not write
+    one object. Until then nothing is remembered there."""
     try:
         token = bytes(store.read(f"{directory}/{GC_EPOCH}")).decode()
     except FileNotFoundError:
+        if not create:
+            return {}
         token = new_epoch(store, directory)
     key = (store.url, directory)
     with _HELD_LOCK:
@@ -302,13 +309,14 @@ class BlockPut:
         encoder: Encoder,
         skip: Iterable[str] = (),
         kept: dict[str, list[Buffer]] | None = None,
+        shared: bool = False,
     ) -> None:
         self.store, self.dir, self.enc = store, blocks_dir(namespace), encoder
         self.skip = set(skip)
         self.kept = kept  # if given: each block file written, as written (the replicas send them)
         self.result = PutResult()
         self._lock = threading.Lock()
-        self.seen = remembered(store, self.dir)  # after the caller's claim (``dedup.claim``)
+        self.seen = remembered(store, self.dir, not shared)  # after the caller's claim (``dedup.claim``)
 
     def put(self, block: str, raw: Buffer | None, dtype: str | None, fetch=None) -> tuple[int, str]:
         """Ensure ``block`` is in the root; return (stored length, codec) for the record.

@@ -305,3 +305,18 @@ def test_a_block_the_gc_deleted_or_a_wiped_root_lost_is_written_again(tmp_path):
     save_and_load(2, a)
     for step, value in ((3, b), (4, b), (5, a)):  # step 4's commit drops step 2 and a's block
         save_and_load(step, value)
+
+
+def test_savers_leave_a_shared_roots_gc_epoch_to_its_gc(tmp_path):
+    """Every rank writing the shared root's epoch at once would contend for one object."""
+    cfg = TieredConfig("job", [Tier(f"{tmp_path}/bucket", shared=True, keep=1)], dedup=True)
+    a, b = torch.randn(1 << 18), torch.randn(1 << 18)
+    epoch = tmp_path / "bucket" / "job" / "blocks" / "GC.epoch"
+    dcp.save({"w": a}, storage_writer=TieredWriter(cfg, step=1))
+    assert not epoch.exists()
+    dcp.save({"w": b}, storage_writer=TieredWriter(cfg, step=2))  # its GC deletes a's block
+    assert epoch.exists()
+    dcp.save({"w": a}, storage_writer=TieredWriter(cfg, step=3))
+    out = {"w": torch.empty_like(a)}
+    dcp.load(out, storage_reader=TieredReader(cfg, step=3))
+    assert torch.equal(out["w"], a)

@@ -81,7 +81,7 @@ def put_items(
     """
     ns = view.config.namespace
     claim(view, step, rank, (b for it in items.values() for b in it.ids))
-    put = BlockPut(view.own, ns, Encoder(view.tier.compression), skip, kept)
+    put = BlockPut(view.own, ns, Encoder(view.tier.compression), skip, kept, view.tier.is_shared)
     once: dict[str, Future] = {}  # a block two items use (an alias, a repeat) is put once
 
     def submit(
