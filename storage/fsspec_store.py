@@ -77,30 +77,25 @@ class FsspecStorage(Storage):
                 raise
         return None if info.get("type") == "directory" else int(info["size"])
 
-    def list(self, prefix: str) -> list[str]:
+    def _ls(self, prefix: str, detail: bool) -> tuple[str, list]:
+        """(the prefix's path, its fresh listing: empty when it does not exist)."""
         path = self._path(prefix)
         self.fs.invalidate_cache(path)
         with self.errors(prefix):
             try:
-                entries = self.fs.ls(path, detail=False)
+                return path, self.fs.ls(path, detail=detail)
             except OSError as e:
                 if _missing(e):
-                    return []
+                    return path, []
                 raise
+
+    def list(self, prefix: str) -> list[str]:
+        path, entries = self._ls(prefix, detail=False)
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path})
 
     def list_pages(self, prefix: str) -> Iterator[dict[str, int]]:
         """One listing with details (gcsfs, s3fs: one request a page, sizes included)."""
-        path = self._path(prefix)
-        self.fs.invalidate_cache(path)
-        with self.errors(prefix):
-            try:
-                entries = self.fs.ls(path, detail=True)
-            except OSError as e:
-                if _missing(e):
-                    entries = []
-                else:
-                    raise
+        path, entries = self._ls(prefix, detail=True)
         files = ((e["name"].rstrip("/"), e) for e in entries if e.get("type") != "directory")
         yield dict(sorted((name.rsplit("/", 1)[-1], int(e["size"])) for name, e in files if name != path))
 
