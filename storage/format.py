@@ -34,6 +34,7 @@ from .base import Storage
 log = logging.getLogger("tiered_dcp")
 
 FORMAT_VERSION = 3
+NONFINITE_NAMES = 16  # non-finite items a marker names (it counts them all)
 READABLE_FORMATS = (1, 2, 3)
 MARKER = "COMMITTED"
 METADATA = "metadata"
@@ -41,6 +42,7 @@ STEP_PREFIX = "step_"
 PIN_PREFIX = "pin."
 LEASE_PREFIX = "lease."
 FAILED_PREFIX = "failed."
+QUARANTINE_INFIX = ".quarantined."
 
 # -- names -------------------------------------------------------------------------------
 
@@ -97,6 +99,24 @@ def failed_key(namespace: str, step: int, rank: int) -> str:
 
 def is_failed_note(name: str) -> bool:
     return name.startswith(FAILED_PREFIX)
+
+
+def quarantine_key(namespace: str, step: int, ident: int, rank: int) -> str:
+    """Rank's mark that the save of ``step`` whose metadata checksum is ``ident`` failed a load
+    with no good copy left (the why, as text). It sits beside the step's directory, so the
+    namespace listing every load and retention already makes shows it, and it names one
+    save: a later save of the same step number is not quarantined by it."""
+    return f"{step_dir(namespace, step)}{QUARANTINE_INFIX}{ident:016x}.rank_{rank:05d}"
+
+
+def parse_quarantine(name: str) -> tuple[int, int] | None:
+    """(step, ident) of a quarantine mark's name as listed under the namespace, else None."""
+    head, sep, tail = name.partition(QUARANTINE_INFIX)
+    step = parse_step_dir(head) if sep else None
+    ident = tail.split(".", 1)[0]
+    if step is None or len(ident) != 16 or any(c not in "0123456789abcdef" for c in ident):
+        return None
+    return step, int(ident, 16)
 
 
 def metadata_key(namespace: str, step: int) -> str:
@@ -177,9 +197,14 @@ class Marker:
     created: float = field(default_factory=time.time)
     replication: list[int] = field(default_factory=lambda: [1, 1])  # [factor, jump]
     format: int = FORMAT_VERSION
+    nonfinite_items: int = 0  # items holding NaN/Inf when saved (``on_nonfinite="mark"``)
+    nonfinite: list[str] = field(default_factory=list)  # the first NONFINITE_NAMES of them
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
+        d = asdict(self)
+        if self.finite:  # a finite step's marker reads as before, by older versions too
+            del d["nonfinite_items"], d["nonfinite"]
+        return json.dumps(d, indent=1).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Marker:
@@ -188,6 +213,11 @@ class Marker:
             raise ValueError(f"unsupported marker format {d.get('format')!r}")
         d["parts"] = [PartInfo(**p) for p in d["parts"]]
         return cls(**d)
+
+    @property
+    def finite(self) -> bool:
+        """False when the save found NaN/Inf in a floating tensor (loads pass it over)."""
+        return self.nonfinite_items == 0
 
     @property
     def has_indexes(self) -> bool:
@@ -278,6 +308,7 @@ class Record:
     shape: tuple[int, ...] | None = None
     blocks: tuple[str, ...] | None = None  # xxh3-128 (32 hex digits) of each chunk's raw bytes
     codecs: tuple[str, ...] | None = None  # per chunk, where they differ
+    nonfinite: bool = False  # a floating tensor that held NaN/Inf when saved
 
     @property
     def length(self) -> int:
@@ -318,6 +349,8 @@ class Record:
             d["blocks"] = list(self.blocks)
         if self.codecs is not None:
             d["codecs"] = list(self.codecs)
+        if self.nonfinite:
+            d["nonfinite"] = True
         return d
 
     @classmethod
@@ -339,6 +372,7 @@ class Record:
             None if shape is None else tuple(shape),
             None if blocks is None else tuple(str(b) for b in blocks),
             None if codecs is None else tuple(str(c) for c in codecs),
+            bool(d.get("nonfinite", False)),
         )
 
 

@@ -3,6 +3,7 @@
 dcp.save(state, storage_writer=TieredWriter(config, step=step))
 dcp.save(state, storage_writer=TieredWriter(config, step=step), planner=TieredSavePlanner())
 dcp.load(state, storage_reader=TieredReader(config))
+step = load_latest(state, config)  # the resume call: the newest step that loads
 
 The public names load on first use (PEP 562), so that a process that needs only the
 torch-free parts (the writer process, ``tiered_dcp.storage``) never imports torch.
@@ -14,7 +15,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .config import Tier, TieredConfig
-from .errors import CheckpointCorruptError, NoCheckpointError, SnapshotError, TieredCheckpointError
+from .errors import (
+    CheckpointCorruptError,
+    NoCheckpointError,
+    NonFiniteStateError,
+    SnapshotError,
+    TieredCheckpointError,
+)
 
 if TYPE_CHECKING:
     from .api import WriterInfo, export, latest_step, shutdown, status, wait_for, writer_status
@@ -22,6 +29,7 @@ if TYPE_CHECKING:
     from .planners.tiered_save import TieredSavePlanner
     from .preemption import on_preemption, preemption_requested
     from .reader import TieredReader
+    from .resume import load_latest
     from .writer import TieredWriter
 
 _LAZY = {
@@ -32,6 +40,7 @@ _LAZY = {
     "WriterInfo": ".api",
     "export": ".api",
     "latest_step": ".api",
+    "load_latest": ".resume",
     "on_preemption": ".preemption",
     "preemption_requested": ".preemption",
     "shutdown": ".api",
@@ -43,6 +52,7 @@ _LAZY = {
 __all__ = [
     "CheckpointCorruptError",
     "NoCheckpointError",
+    "NonFiniteStateError",
     "SnapshotError",
     "StepState",
     "Tier",
@@ -54,6 +64,7 @@ __all__ = [
     "WriterInfo",
     "export",
     "latest_step",
+    "load_latest",
     "on_preemption",
     "preemption_requested",
     "shutdown",

@@ -11,15 +11,18 @@ import time
 from dataclasses import dataclass, field
 
 from . import runtime
-from .catalog import StepState, TierView, loadable_steps, views
+from .catalog import StepState, TierView, copies_marks, loadable_steps, views
 from .config import TieredConfig, here
 from .errors import TieredCheckpointError
+from .planners.choice import choose, pool_marks
 
 
 def latest_step(config: TieredConfig) -> int | None:
-    """The newest step complete on some tier, as seen from this process (no collectives)."""
-    steps = loadable_steps(views(config, *here()), None)  # a bucket: its newest complete step only
-    return max(steps) if steps else None
+    """The newest good step complete on some tier, as seen from this process (no collectives):
+    quarantined and non-finite steps are passed over, as ``TieredReader(config)`` does."""
+    tier_views = views(config, *here())
+    found = loadable_steps(tier_views, None)  # a bucket: its newest complete good step only
+    return choose(pool_marks(copies_marks(found, tier_views))).step
 
 
 @dataclass

@@ -28,9 +28,11 @@ from tiered_dcp.storage.format import (
     is_lease,
     marker_key,
     metadata_key,
+    parse_quarantine,
     parse_step_dir,
     part_key,
     part_name,
+    quarantine_key,
     step_dir,
 )
 from tiered_dcp.storage.format import is_pin as _is_pin
@@ -39,6 +41,7 @@ from tiered_dcp.storage.local import DIRTY
 from .config import Tier, TieredConfig
 from .leases import leased, owner_alive
 from .placement import Placement, nodes_of, placement_for
+from .planners.choice import StepMarks
 
 log = logging.getLogger("tiered_dcp")
 
@@ -77,6 +80,7 @@ class StepCopy:
     step: int
     marker: Marker
     store: Storage  # the root holding marker and metadata
+    marks: StepMarks | None = None  # quarantined / non-finite, where already known
 
 
 @dataclass
@@ -137,6 +141,9 @@ class TierView:
         # was found (``newest_complete``) or handed over by the rank that found it: a load
         # asks a shared tier for no object's size
         self.listings: dict[tuple[str, int], dict[str, int]] = {}
+        # root url -> (step, ident) -> the names of the quarantine marks its last listing showed
+        self.marks: dict[str, dict[tuple[int, int], list[str]]] = {}
+        self.passed_over: dict[int, StepMarks] = {}  # newer complete steps ``newest_complete`` skipped
 
     def answer(self, fn: Callable[[], T], empty: T) -> T:
         """``fn()``; on a shared tier, ``empty`` when it does not answer.
@@ -187,10 +194,38 @@ class TierView:
         return list({s.url: s for s in roots}.values())
 
     def step_dirs(self, store: Storage) -> list[int]:
+        """The steps with a directory in ``store``; the same listing's quarantine marks are
+        kept in ``marks`` (so knowing them costs no request)."""
         listed = self._listed.pop(store.url, None)  # the probe's, used once
         names = listed if listed is not None else store.list(self.config.namespace)
+        marks: dict[tuple[int, int], list[str]] = {}
+        for name in names:
+            mark = parse_quarantine(name)
+            if mark is not None:
+                marks.setdefault(mark, []).append(name)
+        self.marks[store.url] = marks
         steps = (parse_step_dir(name) for name in names)
         return sorted(s for s in steps if s is not None)
+
+    def quarantined(self, store: Storage, step: int, ident: int) -> str | None:
+        """Why the save of ``step`` named ``ident`` is quarantined in ``store`` (None: it is not),
+        as the root's last listing (``step_dirs``) shows it; the why is read from one mark."""
+        names = self.marks.get(store.url, {}).get((step, ident))
+        if not names:
+            return None
+        with contextlib.suppress(OSError):
+            return store.read(f"{self.config.namespace}/{names[0]}")[:400].decode("utf-8", "replace")
+        return "a load found it damaged with no good copy left"
+
+    def step_marks(self, copy: StepCopy) -> StepMarks:
+        """What a committed copy says of its step: quarantined (here), non-finite (its marker)."""
+        m = copy.marker
+        why = self.quarantined(copy.store, copy.step, m.metadata_xxh3)
+        return StepMarks(copy.step, why, m.nonfinite_items, tuple(m.nonfinite))
+
+    def quarantine(self, store: Storage, step: int, ident: int, rank: int, why: str) -> None:
+        """Mark the save of ``step`` named ``ident`` in ``store`` as not loadable (``why``)."""
+        store.write(quarantine_key(self.config.namespace, step, ident, rank), [why.encode()])
 
     def read_marker(self, store: Storage, step: int) -> Marker | None:
         key = marker_key(self.config.namespace, step)
@@ -283,24 +318,34 @@ class TierView:
                 problems.append(f"{store.describe(part_key(ns, step, p.rank))} missing or wrong size")
         return problems
 
-    def newest_complete(self, step: int | None = None) -> dict[int, StepCopy]:
-        """A shared tier's newest complete step (or ``step``, if complete), found with few
-        requests however many ranks saved it: the namespace listing, then newest first one
-        marker read and one listing of the step's directory (names and sizes) per step until
-        a complete one. That listing is kept (``listings``) for the load's reads."""
-        return self.answer(lambda: self._newest_complete(step), {})
+    def newest_complete(self, step: int | None = None, exclude: Iterable[int] = ()) -> dict[int, StepCopy]:
+        """A shared tier's newest complete good step (or ``step``, if complete, good or not),
+        found with few requests however many ranks saved it: the namespace listing, then
+        newest first one marker read and one listing of the step's directory (names and
+        sizes) per step until a complete one. That listing is kept (``listings``) for the
+        load's reads. Newer complete steps that are quarantined or non-finite are passed
+        over (kept in ``passed_over``, for the load to say why), and so are ``exclude``."""
+        return self.answer(lambda: self._newest_complete(step, set(exclude)), {})
 
-    def _newest_complete(self, step: int | None) -> dict[int, StepCopy]:
+    def _newest_complete(self, step: int | None, exclude: set[int]) -> dict[int, StepCopy]:
         store = self.own
         steps = self.step_dirs(store)
         for s in sorted(steps, reverse=True) if step is None else [s for s in steps if s == step]:
+            if s in exclude:
+                continue
             marker = self.read_marker(store, s)
             if marker is None:
                 continue
             sizes = store.list_sizes(step_dir(self.config.namespace, s))
-            if not self.missing(store, marker, sizes):
-                self.listings[(store.url, s)] = sizes
-                return {s: StepCopy(self.index, s, marker, store)}
+            if self.missing(store, marker, sizes):
+                continue
+            copy = StepCopy(self.index, s, marker, store)
+            copy.marks = self.step_marks(copy)
+            if step is None and not copy.marks.good:
+                self.passed_over[s] = copy.marks
+                continue
+            self.listings[(store.url, s)] = sizes
+            return {s: copy}
         return {}
 
     def committed(self) -> dict[int, StepCopy]:
@@ -402,10 +447,16 @@ class TierView:
             marker = self.read_marker(store, step)
             if marker is not None:
                 committed[step] = marker
+        marks = self.marks[store.url]
+        bad = {s for s, m in committed.items() if not m.finite or (s, m.metadata_xxh3) in marks}
         doomed: list[int] = []
         if self.tier.keep is not None:
-            kept = sorted(s for s, m in committed.items() if self.whole_here(m))[-self.tier.keep :]
-            doomed = [s for s in committed if s not in kept and s < newest]
+            good = (s for s, m in committed.items() if s not in bad and self.whole_here(m))
+            kept = sorted(good)[-self.tier.keep :]
+            # a quarantined or non-finite step takes no place; it goes once older than every kept step
+            oldest = kept[0] if kept else -1
+            doomed = [s for s in committed if s not in kept and s < newest and (s not in bad or s < oldest)]
+            self._drop_marks(store, {s for s, _ in marks if s < oldest and s not in committed})
         deleted = 0
         for step in sorted(doomed):
             if self.held(store, step):
@@ -419,6 +470,7 @@ class TierView:
                 store.write(marker_key(ns, step), [raw])  # the marker, so the step stays for it
                 continue
             store.delete(step_dir(ns, step))
+            self._drop_marks(store, {step})
             deleted += 1
         for step in listed:
             if step < newest and step not in committed and self.abandoned(store, step):
@@ -426,6 +478,13 @@ class TierView:
                 deleted += 1
         if deleted:
             blocks.collect(store, ns)  # blocks no remaining step references (dedup)
+
+    def _drop_marks(self, store: Storage, steps: set[int]) -> None:
+        """Remove the quarantine marks of ``steps`` (whose directories are gone) in ``store``."""
+        for (step, _), names in self.marks.get(store.url, {}).items():
+            for name in names if step in steps else []:
+                with contextlib.suppress(FileNotFoundError):
+                    store.delete(f"{self.config.namespace}/{name}")
 
     def held(self, store: Storage, step: int) -> bool:
         """Whether a writer process (a pin) or a reader (a live lease) still needs the step."""
@@ -476,13 +535,15 @@ def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None
     return [TierView(config, i, node, rank, indexes) for i in range(len(config.tiers))]
 
 
-def loadable_steps(tier_views: Iterable[TierView], step: int | None) -> dict[int, list[StepCopy]]:
+def loadable_steps(
+    tier_views: Iterable[TierView], step: int | None, exclude: Iterable[int] = ()
+) -> dict[int, list[StepCopy]]:
     """What a load chooses from: every complete step of the node-local tiers, and the newest
-    complete step (or ``step``) of each shared one (``newest_complete``: no more is needed to
-    choose the newest, and a bucket is asked little), fastest tier first."""
+    complete good step (or ``step``) of each shared one (``newest_complete``: no more is
+    needed to choose the newest, and a bucket is asked little), fastest tier first."""
     out: dict[int, list[StepCopy]] = {}
     for view in tier_views:
-        copies = view.complete() if view.placement.pooled else view.newest_complete(step)
+        copies = view.complete() if view.placement.pooled else view.newest_complete(step, exclude)
         for s, copy in copies.items():
             out.setdefault(s, []).append(copy)
     return out
@@ -514,3 +575,11 @@ def describe_search(tier_views: Iterable[TierView]) -> str:
         extra = f"; committed but incomplete: {broken}" if broken else ""
         lines.append(f"  tier {view.index} [{roots}]: complete steps {complete or 'none'}{extra}")
     return "\n".join(lines)
+
+
+def copies_marks(found: dict[int, list[StepCopy]], tier_views: Iterable[TierView]) -> list[StepMarks]:
+    """The marks of every copy in ``found`` (``loadable_steps``), and of the newer steps the
+    shared tiers passed over: what ``planners.choice.choose`` chooses from."""
+    by_index = {v.index: v for v in tier_views}
+    marks = [c.marks or by_index[c.tier_index].step_marks(c) for copies in found.values() for c in copies]
+    return marks + [m for v in by_index.values() for m in v.passed_over.values()]

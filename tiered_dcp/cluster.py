@@ -27,6 +27,7 @@ from tiered_dcp.storage.format import ItemInfo, ItemKey, Record, metadata_key
 from . import transport
 from .catalog import TierView
 from .metadata import index_of, item_key
+from .planners.choice import StepMarks
 from .transport import Group, PeerTimeout, as_bytes_tensor
 
 _WANTS = 1 << 32  # a rank that wants something adds 1 + _WANTS to a round's counter, others 1
@@ -41,6 +42,8 @@ class Holding:
     world_size: int
     parts: set[int]
     metadata: bool
+    nonfinite_items: int = 0  # the marker's: items saved holding NaN/Inf
+    nonfinite: tuple[str, ...] = ()
 
 
 @dataclass
@@ -52,6 +55,11 @@ class ClusterCopy:
     ident: int
     holders: dict[int, list[int]]  # part rank -> current ranks whose own root holds it
     metadata_at: list[int] = field(default_factory=list)  # ranks whose root has the metadata
+    marks: StepMarks | None = None  # quarantined (a mark in any rank's root) or non-finite
+
+    @property
+    def step_marks(self) -> StepMarks:
+        return self.marks or StepMarks(self.step)
 
 
 def own_holdings(view: TierView) -> dict[int, Holding]:
@@ -63,31 +71,63 @@ def own_holdings(view: TierView) -> dict[int, Holding]:
             continue
         md_ok = store.size(metadata_key(view.config.namespace, step)) == marker.metadata_size
         parts = {p.rank for p in marker.parts if view.part_present(store, marker, p.rank)}
-        out[step] = Holding(marker.metadata_xxh3, marker.world_size, parts, md_ok)
+        nonfinite = marker.nonfinite_items, tuple(marker.nonfinite)
+        out[step] = Holding(marker.metadata_xxh3, marker.world_size, parts, md_ok, *nonfinite)
     return out
+
+
+def own_marks(view: TierView) -> dict[tuple[int, int], str]:
+    """(step, ident) -> why, for the quarantine marks in this rank's own root (as its last
+    listing, ``own_holdings``'s, shows them: a mark may name a step the root no longer holds)."""
+    store = view.own
+    found = {}
+    for step, ident in view.marks.get(store.url, {}):
+        found[(step, ident)] = view.quarantined(store, step, ident) or ""
+    return found
 
 
 def holdings_to_json(holdings: dict[int, Holding]) -> dict[str, list]:
     """A rank's holdings as plain data, for the all-gather: what a peer sends is never code."""
-    return {str(s): [h.ident, h.world_size, sorted(h.parts), h.metadata] for s, h in holdings.items()}
+    return {
+        str(s): [h.ident, h.world_size, sorted(h.parts), h.metadata, h.nonfinite_items, list(h.nonfinite)]
+        for s, h in holdings.items()
+    }
 
 
 def holdings_from_json(doc: dict[str, list]) -> dict[int, Holding]:
     return {
-        int(s): Holding(int(i), int(w), {int(p) for p in parts}, bool(m))
-        for s, (i, w, parts, m) in doc.items()
+        int(s): Holding(
+            int(i), int(w), {int(p) for p in parts}, bool(m), int(n), tuple(str(x) for x in names)
+        )
+        for s, (i, w, parts, m, n, names) in doc.items()
     }
 
 
+def marks_to_json(marks: dict[tuple[int, int], str]) -> list[list]:
+    return [[s, i, why] for (s, i), why in sorted(marks.items())]
+
+
+def marks_from_json(doc: list[list]) -> dict[tuple[int, int], str]:
+    return {(int(s), int(i)): str(why) for s, i, why in doc}
+
+
 def cluster_copies(
-    tier_index: int, gathered: list[dict[int, Holding]]
+    tier_index: int, gathered: list[dict[int, Holding]], marks: dict[tuple[int, int], str] | None = None
 ) -> tuple[dict[int, ClusterCopy], dict]:
-    """Steps complete in the union of every rank's holdings; for the rest, the parts lost."""
+    """Steps complete in the union of every rank's holdings; for the rest, the parts lost.
+
+    ``marks``: every rank's quarantine marks pooled ((step, ident) -> why); a step complete
+    in the cluster carries them, and its marker's non-finite items (``ClusterCopy.marks``).
+    """
     saves: dict[tuple[int, int], ClusterCopy] = {}
     sizes: dict[tuple[int, int], int] = {}
+    marks = marks or {}
     for rank, holdings in enumerate(gathered):
         for step, h in holdings.items():
             c = saves.setdefault((step, h.ident), ClusterCopy(tier_index, step, h.ident, {}))
+            if c.marks is None:
+                why = marks.get((step, h.ident))
+                c.marks = StepMarks(step, why, h.nonfinite_items, h.nonfinite)
             sizes[(step, h.ident)] = h.world_size
             for p in sorted(h.parts):
                 c.holders.setdefault(p, []).append(rank)

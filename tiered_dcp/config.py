@@ -125,6 +125,9 @@ class Tier:
         return self.path.format(node=node, rank=rank)
 
 
+NONFINITE_POLICIES = ("mark", "raise", "ignore")  # TieredConfig.on_nonfinite; the first is the default
+
+
 @dataclass(frozen=True)
 class TieredConfig:
     """The whole checkpointing setup of one training job.
@@ -139,7 +142,10 @@ class TieredConfig:
     and a writer process whose writes to a tier make no progress for that long marks the
     tier unhealthy, so saves stop waiting for it. ``writer_drain_timeout``: seconds a writer
     process goes on writing after its trainer is gone; then it records what it could not
-    persist and exits.
+    persist and exits. ``on_nonfinite``: what a save of a floating tensor holding NaN/Inf
+    does (``NONFINITE_POLICIES``): ``"mark"`` saves the step marked non-finite, so that
+    ``load_latest`` and ``TieredReader(config)`` pass it over; ``"raise"`` fails the save
+    before it is committed; ``"ignore"`` does not look.
     """
 
     namespace: str
@@ -150,6 +156,7 @@ class TieredConfig:
     peer_timeout: float = 120.0
     tier_timeout: float = 10.0
     writer_drain_timeout: float = 600.0
+    on_nonfinite: str = "mark"
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -180,6 +187,10 @@ class TieredConfig:
                 raise ValueError(f"TieredConfig: {name}={value!r} must be a number of seconds > 0")
         if not isinstance(self.dedup, bool):
             raise ValueError(f"TieredConfig: dedup={self.dedup!r} must be True or False")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"TieredConfig: on_nonfinite={self.on_nonfinite!r} must be one of {list(NONFINITE_POLICIES)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, the tiers as dicts: plain data, as the writer process receives it.

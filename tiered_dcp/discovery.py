@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from tiered_dcp.planners.choice import StepMarks
 from tiered_dcp.storage.format import Marker
 
 from . import transport
@@ -61,8 +62,11 @@ def all_gather_bytes(blob: bytes) -> list[bytes]:
     return [out[r][: int(sizes[r])].numpy().tobytes() for r in range(world)]
 
 
-def shared_steps(tier_views: list[TierView], step: int | None) -> dict[int, list[StepCopy]]:
-    """Each shared tier's newest complete step (or ``step``), found by rank 0 and given to all.
+def shared_steps(
+    tier_views: list[TierView], step: int | None, exclude: set[int] | None = None
+) -> dict[int, list[StepCopy]]:
+    """Each shared tier's newest complete good step (or ``step``), found by rank 0 and given
+    to all, with the newer steps it passed over (quarantined, non-finite, or ``exclude``).
 
     Every rank's views also get the step directory's listing (``TierView.listings``), so a
     rank reading a part asks the bucket for no size, and whether rank 0 found a tier
@@ -76,10 +80,14 @@ def shared_steps(tier_views: list[TierView], step: int | None) -> dict[int, list
         doc = {}
         for v in shared:
             entry: dict = {"unreachable": None}
-            for s, copy in v.newest_complete(step).items():
+            for s, copy in v.newest_complete(step, exclude or ()).items():
                 sizes = v.listings[(copy.store.url, s)]
-                entry.update(step=s, marker=copy.marker.to_bytes().decode(), sizes=sizes)
+                why = copy.marks.quarantined if copy.marks else None
+                entry.update(step=s, marker=copy.marker.to_bytes().decode(), sizes=sizes, quarantined=why)
             entry["unreachable"] = v.unreachable
+            entry["passed"] = [
+                [m.step, m.quarantined, m.nonfinite_items, m.nonfinite] for m in v.passed_over.values()
+            ]
             doc[str(v.index)] = entry
     got = json.loads(broadcast_bytes(None if doc is None else json.dumps(doc).encode()))
     found: dict[int, list[StepCopy]] = {}
@@ -87,12 +95,15 @@ def shared_steps(tier_views: list[TierView], step: int | None) -> dict[int, list
         entry = got[str(v.index)]
         if entry["unreachable"] is not None:
             v.unreachable = str(entry["unreachable"])
+        for ps, why, n, names in entry["passed"]:
+            v.passed_over[int(ps)] = StepMarks(int(ps), _text(why), int(n), tuple(map(str, names)))
         if "step" not in entry:
             continue
         s = int(entry["step"])
         marker = Marker.from_bytes(str(entry["marker"]).encode())
         v.listings[(v.own.url, s)] = {str(n): int(size) for n, size in entry["sizes"].items()}
-        found.setdefault(s, []).append(StepCopy(v.index, s, marker, v.own))
+        marks = StepMarks(s, _text(entry["quarantined"]), marker.nonfinite_items, tuple(marker.nonfinite))
+        found.setdefault(s, []).append(StepCopy(v.index, s, marker, v.own, marks))
     return found
 
 
@@ -119,3 +130,7 @@ def all_read(name: str, release: Callable[[], None]) -> None:
         release()
         for key in (counter, done):
             store.delete_key(key)
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)

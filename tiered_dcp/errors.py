@@ -10,7 +10,21 @@ class NoCheckpointError(TieredCheckpointError):
 
 
 class CheckpointCorruptError(TieredCheckpointError):
-    """A checksum mismatch with no good copy left; names the file and the item."""
+    """A checksum mismatch with no good copy left; names the file and the item.
+
+    ``step``: the step that failed (quarantined when found while loading it), where known.
+    """
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+    def __reduce__(self) -> tuple:  # DCP sends a rank's failure to the others pickled
+        return (type(self), (str(self), self.step))
+
+
+class NonFiniteStateError(TieredCheckpointError):
+    """A save met NaN/Inf in a floating tensor with ``on_nonfinite="raise"``; names the items."""
 
 
 class SnapshotError(TieredCheckpointError, TypeError):

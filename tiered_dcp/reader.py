@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tiered_dcp.planners.choice import choose, describe_skipped, pool_marks
 from tiered_dcp.planners.load import ItemRoute, PooledTier, ReadSource, Sources, plan_routes
 from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
 from tiered_dcp.storage import Storage
@@ -32,7 +34,16 @@ from tiered_dcp.storage.format import IndexCache, ItemInfo, PartIndex, Record, m
 
 from . import metadata as md_blob
 from . import transport, user_values
-from .catalog import StepCopy, TierView, describe_search, loadable_steps, read_metadata_blob, views
+from .catalog import (
+    StepCopy,
+    TierView,
+    bounded,
+    copies_marks,
+    describe_search,
+    loadable_steps,
+    read_metadata_blob,
+    views,
+)
 from .checkpoint_id import new_id, step_id, step_of
 from .cluster import (
     ClusterCopy,
@@ -42,7 +53,10 @@ from .cluster import (
     cluster_copies,
     holdings_from_json,
     holdings_to_json,
+    marks_from_json,
+    marks_to_json,
     own_holdings,
+    own_marks,
     read_raw,
 )
 from .config import TieredConfig, node_of
@@ -74,9 +88,23 @@ class TieredReader(StorageReader):
     compared with the newest on a shared tier and the newer is loaded (the cluster's on a
     tie). ``no_dist=True`` skips the agreement (one process reading alone, seeing every
     path it can reach).
+
+    Without ``step``, steps that are quarantined (an earlier load found an item with no good
+    copy left) or non-finite (saved holding NaN/Inf) are passed over (``planners.choice``),
+    and so are ``exclude`` (``load_latest``'s steps that just failed); ``skipped`` says which
+    newer steps were, and why. A load that finds an item with no good copy left quarantines
+    the step where this rank reaches it, and its error names the step the next reader
+    will choose.
     """
 
-    def __init__(self, config: TieredConfig, step: int | None = None, *, no_dist: bool = False) -> None:
+    def __init__(
+        self,
+        config: TieredConfig,
+        step: int | None = None,
+        *,
+        no_dist: bool = False,
+        exclude: Iterable[int] = (),
+    ) -> None:
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredReader: config must be a TieredConfig, got {type(config).__name__}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -95,6 +123,7 @@ class TieredReader(StorageReader):
         self._cluster: list[ClusterCopy] = []
         self._cluster_md: Metadata | None = None
         self._urls: dict[int, dict[int, str]] = {}  # tier -> rank -> its own root
+        self._exclude = set(exclude)
         for attempt in range(CHOICES):
             try:
                 found, cluster, lost = self._choose(step)
@@ -128,7 +157,7 @@ class TieredReader(StorageReader):
                     self._cluster_md = self._share_metadata(self._cluster[0])
                 except CheckpointCorruptError as e:  # every rank saw the same bytes: all agree
                     if not self._copies:
-                        raise
+                        raise self._quarantine(str(e)) from e
                     log.warning("%s; loading step %d from a shared tier instead", e, self.step)
                     self._cluster, self._own = [], {}
             self._share_shared_metadata()
@@ -139,29 +168,58 @@ class TieredReader(StorageReader):
             self.read_metadata()
 
     def _choose(self, step: int | None) -> tuple[dict[int, list[StepCopy]], dict, dict]:
-        """Find the step to load (``step``, or the newest complete one) and its copies."""
+        """Find the step to load (``step``, or the newest complete good one) and its copies:
+        what every tier and peer holds, with its marks, handed to ``planners.choice``."""
         lost: dict[int, dict[int, list[int]]] = {}
         if self._dist:
             found, cluster, lost = self._pool(step)
             self._group_name = transport.next_name(self.config.namespace, "load")
         else:
-            found, cluster = loadable_steps(self._views.values(), step), {}
-        in_cluster = {s for copies in cluster.values() for s in copies}
-        loadable = set(found) | in_cluster
+            found, cluster = loadable_steps(self._views.values(), step, self._exclude), {}
+        in_cluster = [c.step_marks for copies in cluster.values() for c in copies.values()]
+        self._candidates = pool_marks(copies_marks(found, self._views.values()) + in_cluster)
+        choice = choose(self._candidates, step, self._exclude)
+        self.skipped = dict(choice.skipped)  # newer steps passed over, and why
         ns = self.config.namespace
         searched = lambda: describe_search(self._views.values()) + _describe_cluster(cluster, lost)  # noqa: E731
-        if step is None:
-            if not loadable:
-                raise NoCheckpointError(
-                    f"no complete checkpoint of namespace {ns!r} on any tier; searched:\n" + searched()
-                )
-            step = max(loadable)
-        elif step not in loadable:
+        if choice.step is None and step is None:
+            passed = f"; passed over: {describe_skipped(self.skipped)}" if self.skipped else ""
+            raise NoCheckpointError(
+                f"no complete good checkpoint of namespace {ns!r} on any tier{passed}; searched:\n"
+                + searched()
+            )
+        if choice.step is None:
             raise NoCheckpointError(
                 f"step {step} of namespace {ns!r} is not complete on any tier; searched:\n" + searched()
             )
-        self.step = step
+        self.step = choice.step
         return found, cluster, lost
+
+    def _next_choice(self) -> str:
+        """What the next reader will load, now that this step failed: for error messages."""
+        nxt = choose(self._candidates, None, self._exclude | {self.step}).step
+        if nxt is None:
+            return "no older good step is known here: the next load finds none unless another tier holds one"
+        return f"the next TieredReader(config) or load_latest loads step {nxt}"
+
+    def _quarantine(self, why: str) -> CheckpointCorruptError:
+        """Mark the chosen step not loadable wherever this rank reaches a copy of it (its own
+        root of each node-local tier holding it in the cluster, every shared tier holding
+        it; alone, every copy), so that no later reader chooses it; the error to raise."""
+        ns = self.config.namespace
+        targets = [(self._views[c.tier_index], self._views[c.tier_index].own, c.ident) for c in self._cluster]
+        for copy in self._copies:
+            targets.append((self._views[copy.tier_index], copy.store, copy.marker.metadata_xxh3))
+        marked = []
+        for view, store, ident in {(t[1].url, t[2]): t for t in targets}.values():
+            try:
+                mark = lambda v=view, st=store, i=ident: v.quarantine(st, self.step, i, self.rank, why)  # noqa: E731
+                bounded(mark, self.config.tier_timeout)
+                marked.append(store.describe(ns))
+            except Exception as e:  # noqa: BLE001 - the load's own error is what matters
+                log.warning("step %d: could not quarantine it in %s: %s", self.step, store.describe(ns), e)
+        quarantined = f"; quarantined in {', '.join(marked)}" if marked else ""
+        return CheckpointCorruptError(f"{why}{quarantined}; {self._next_choice()}", step=self.step)
 
     def _lease(self, found: dict[int, list[StepCopy]], cluster: dict[int, dict[int, ClusterCopy]]) -> bool:
         """Lease the chosen step in every root this rank reads it from (``leases``), so that
@@ -201,18 +259,23 @@ class TieredReader(StorageReader):
     ) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
         """Every rank's holdings, pooled: node-local steps by union; shared tiers' newest
         complete step as rank 0 found it (``discovery``: the bucket is asked once per load)."""
-        found = shared_steps(list(self._views.values()), step)
+        found = shared_steps(list(self._views.values()), step, self._exclude)
         pooled = [v for v in self._views.values() if v.placement.pooled]
         cluster: dict[int, dict[int, ClusterCopy]] = {}
         lost: dict[int, dict[int, list[int]]] = {}
         if not pooled:
             return found, cluster, lost
-        mine = {str(v.index): [v.own.url, holdings_to_json(own_holdings(v))] for v in pooled}
+        mine = {
+            str(v.index): [v.own.url, holdings_to_json(own_holdings(v)), marks_to_json(own_marks(v))]
+            for v in pooled
+        }
         gathered = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]  # JSON, no pickle
         for v in pooled:
             got = [g[str(v.index)] for g in gathered]
-            self._urls[v.index] = {r: str(url) for r, (url, _) in enumerate(got)}
-            cluster[v.index], lost[v.index] = cluster_copies(v.index, [holdings_from_json(h) for _, h in got])
+            self._urls[v.index] = {r: str(url) for r, (url, _, _) in enumerate(got)}
+            marks = {k: why for _, _, m in got for k, why in marks_from_json(m).items()}
+            holdings = [holdings_from_json(h) for _, h, _ in got]
+            cluster[v.index], lost[v.index] = cluster_copies(v.index, holdings, marks)
         return found, cluster, lost
 
     def _release(self) -> None:
@@ -410,7 +473,7 @@ class TieredReader(StorageReader):
             raise NoCheckpointError(
                 f"step {self.step} was removed from every tier holding it while it was opened: {why}"
             )
-        raise CheckpointCorruptError(f"step {self.step}: metadata damaged on every tier holding it: {why}")
+        raise self._quarantine(f"step {self.step}: metadata damaged on every tier holding it: {why}")
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -505,8 +568,12 @@ class TieredReader(StorageReader):
                 view = self._views[src.tier]
                 if isinstance(e, FileNotFoundError) and view.read_marker(store, self.step) is None:
                     what = "was removed (the step is no longer committed there: another job's retention?)"
-                else:
+                    self._unproven.add(id(req))
+                elif isinstance(e, ChecksumMismatch | FileNotFoundError):  # missing from a committed copy
                     what = "is damaged"
+                else:  # a tier that failed to answer proves nothing about the bytes
+                    what = "could not be read"
+                    self._unproven.add(id(req))
                 self._failures.setdefault(id(req), []).append(f"{where} {what}: {e}")
                 log.warning(
                     "step %d: item %r in %s %s (%s); trying another copy",
@@ -520,22 +587,14 @@ class TieredReader(StorageReader):
 
     # -- peers --------------------------------------------------------------------------
 
-    def _next_peer(self, req: ReadItem, tried: set[tuple[int, int]]) -> tuple[int, PeerRequest] | None:
-        """The next (tier, holder) not tried yet for ``req``, skipping roots this rank reads."""
+    def _next_peer(self, req: ReadItem, peers: Iterator[ReadSource]) -> tuple[int, PeerRequest] | None:
+        """The next holder of ``req`` in its route's order (``planners.load``), as a request."""
         assert self._cluster_md is not None
         info = md_blob.item_info(self._cluster_md, req.storage_index)
-        if info is None:
+        src = next(peers, None)
+        if info is None or src is None or src.holder is None:
             return None
-        for cc in self._cluster:
-            urls = self._urls[cc.tier_index]
-            holders = cc.holders.get(info.rank, [])
-            start = self.rank % len(holders) if holders else 0
-            for holder in holders[start:] + holders[:start]:  # spread the requesters over the holders
-                if urls[holder] == urls[self.rank] or (cc.tier_index, holder) in tried:
-                    continue
-                tried.add((cc.tier_index, holder))
-                return holder, PeerRequest(cc.tier_index, info.rank, req.storage_index, info.raw_length)
-        return None
+        return src.holder, PeerRequest(src.tier, info.rank, req.storage_index, info.raw_length)
 
     def _serve(self, req: PeerRequest) -> bytearray | None:
         view = self._views[req.tier_index]
@@ -557,7 +616,9 @@ class TieredReader(StorageReader):
             )
             return None
 
-    def _read_from_peers(self, pending: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+    def _read_from_peers(
+        self, pending: list[ReadItem], planner: LoadPlanner, routes: dict[int, ItemRoute]
+    ) -> list[ReadItem]:
         """Fetch items from peers that hold them, round by round; return those still missing.
 
         Every rank takes part (it may have to serve) until no rank wants anything; an
@@ -566,14 +627,14 @@ class TieredReader(StorageReader):
         is left is read from a shared tier holding the step.
         """
         assert self._cluster_md is not None
-        tried: dict[int, set[tuple[int, int]]] = {id(r): set() for r in pending}
+        peers = {id(r): iter(routes[id(r)].peers) for r in pending}  # each tried once, in order
         exchange = PeerExchange(self._group_name, self.rank, dist.get_world_size(), self.config.peer_timeout)
         try:
             while True:
                 wanted: dict[int, list[PeerRequest]] = {}
                 order: dict[int, list[ReadItem]] = {}
                 for req in pending:
-                    found = self._next_peer(req, tried[id(req)])
+                    found = self._next_peer(req, peers[id(req)])
                     if found is not None:
                         holder, peer_req = found
                         wanted.setdefault(holder, []).append(peer_req)
@@ -602,6 +663,7 @@ class TieredReader(StorageReader):
                     done.add(id(req))
                 pending = [r for r in pending if id(r) not in done]
         except PeerTimeout as e:
+            self._unproven.update(id(r) for r in pending)  # a peer that did not answer may hold them
             if pending:
                 log.warning(
                     "step %d: a peer did not answer within %.0f s (%s); reading the %d item(s) "
@@ -640,11 +702,12 @@ class TieredReader(StorageReader):
 
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         self._failures: dict[int, list[str]] = {}
-        routes = self._routes(plan)
-        split = {id(req): r.split_at_exchange() for req, r in zip(plan.items, routes, strict=True)}
+        self._unproven: set[int] = set()  # items a failure other than damage kept from a source
+        routes = {id(req): r for req, r in zip(plan.items, self._routes(plan), strict=True)}
+        split = {key: r.split_at_exchange() for key, r in routes.items()}
         pending = [req for req in plan.items if not self._read_direct(req, planner, split[id(req)][0])]
         if self._cluster:
-            pending = self._read_from_peers(pending, planner)
+            pending = self._read_from_peers(pending, planner, routes)
         pending = [req for req in pending if not self._read_direct(req, planner, split[id(req)][1])]
         if pending:
             req = pending[0]
@@ -655,11 +718,15 @@ class TieredReader(StorageReader):
                     f"step {self.step} was removed from every tier it was being read from (a lease that "
                     f"expired, or another job's retention on a shared tier): {detail}"
                 )
-            raise CheckpointCorruptError(
+            why = (
                 f"step {self.step}: no good copy of item {req.storage_index.fqn!r} "
                 f"(offset {list(req.storage_index.offset or [])}) left"
                 f"{f' (and {len(pending) - 1} more)' if len(pending) > 1 else ''}: {detail}"
             )
+            if failures and not self._unproven.intersection(id(r) for r in pending):
+                raise self._quarantine(why)
+            # a tier or peer that did not answer is no proof of damage: nothing is quarantined
+            raise CheckpointCorruptError(f"{why}; {self._next_choice()}", step=self.step)
         seconds = round(time.perf_counter() - self._started, 6)
         record(self.config, "load", self.rank, self.step, tiers=self.tiers, seconds=seconds)
 

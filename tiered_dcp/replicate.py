@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,15 +25,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 from tiered_dcp.storage.base import Buffer, Reservation
 from tiered_dcp.storage.blocks import pool
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum, verify_stored
-from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Marker, PartInfo, part_key
+from tiered_dcp.storage.format import BLOCK_HEADER, NONFINITE_NAMES, Chunk, Marker, PartInfo, part_key
 from tiered_dcp.storage.format import write_index as write_part_index
 
 from . import dedup, transport
 from .catalog import TierView
 from .cliques import clique
-from .errors import TieredCheckpointError
+from .errors import NonFiniteStateError, TieredCheckpointError
 from .metadata import Records, build_blob, part_index, records_from_json, records_to_json
 from .transport import Group, PeerTimeout, as_bytes_tensor
+
+log = logging.getLogger("tiered_dcp")
 
 _OWN_KEYS: list[str] = []  # store keys this process set in its previous save, deleted in the next
 _GROUP_KEYS: list[str] = []  # the rendezvous keys its previous save's clique group left (raw store)
@@ -223,12 +226,16 @@ class Swap:
 def build_commit(
     view: TierView, step: int, metadata: Metadata, world: list[int], records: Records
 ) -> tuple[bytes, Marker]:
-    """The metadata blob (every rank's items) and the marker naming it, for every root."""
+    """The metadata blob (every rank's items) and the marker naming it, for every root.
+
+    Items saved holding NaN/Inf (``on_nonfinite="mark"``) are counted and named in the
+    marker, so that loads pass the step over; the committer says so once for the job."""
     blob = build_blob(metadata, records)
     sizes = [0] * len(world)
     for rec in records.values():
         sizes[rec.rank] += rec.part_length
     cfg = view.config
+    bad = sorted(f"{index.fqn}" for index, rec in records.items() if rec.nonfinite)
     marker = Marker(
         step,
         cfg.namespace,
@@ -237,7 +244,18 @@ def build_commit(
         len(blob),
         checksum(blob),
         replication=[cfg.replication_factor, cfg.replication_jump],
+        nonfinite_items=len(bad),
+        nonfinite=bad[:NONFINITE_NAMES],
     )
+    if bad:
+        log.warning(
+            "step %d holds NaN/Inf in %d item(s) %s: saved and marked non-finite; load_latest and "
+            "TieredReader(config) pass it over (TieredReader(config, step=%d) loads it anyway)",
+            step,
+            len(bad),
+            bad[:NONFINITE_NAMES],
+            step,
+        )
     return blob, marker
 
 
@@ -297,8 +315,9 @@ def commit_everywhere(
             merged.update(records_from_json(recs))
         if failed:
             msg = f"step {step} not committed on {view.tier.path}: " + "; ".join(failed)
-            store.set(verdict, json.dumps({"error": msg}))
-            raise TieredCheckpointError(msg)
+            kind = _kind(failed)
+            store.set(verdict, json.dumps({"error": msg, "kind": kind.__name__}))
+            raise kind(msg)
         blob, marker = build_commit(view, step, metadata(), world, merged)
         _OWN_KEYS.append(f"{verdict}/metadata")
         store.set(f"{verdict}/metadata", blob)  # before the verdict, which says it is there
@@ -313,5 +332,13 @@ def commit_everywhere(
         ) from e
     outcome = json.loads(store.get(verdict))
     if outcome["error"] is not None:
-        raise TieredCheckpointError(outcome["error"])
+        kind = NonFiniteStateError if outcome.get("kind") == NonFiniteStateError.__name__ else None
+        raise (kind or TieredCheckpointError)(outcome["error"])
     view.commit(step, store.get(f"{verdict}/metadata"), Marker.from_bytes(outcome["marker"].encode()))
+
+
+def _kind(failed: list[str]) -> type[TieredCheckpointError]:
+    """The class every rank raises for a refused commit: ``NonFiniteStateError`` when that is
+    all that failed (the user asked for it), else the base class."""
+    refused = all(f.split(": ", 1)[1].startswith(f"{NonFiniteStateError.__name__}:") for f in failed)
+    return NonFiniteStateError if refused else TieredCheckpointError

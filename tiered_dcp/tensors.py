@@ -24,3 +24,27 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in checkpoint metadata")
     return dtype
+
+
+FINITE_ROW = 1024  # elements summed together when screening a tensor for NaN/Inf
+CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a CPU tensor holds no NaN/Inf (True for dtypes it does not check).
+
+    A sum is non-finite whenever one of its terms is (IEEE: NaN and Inf propagate), so
+    row sums screen the tensor at memory speed; only a non-finite row sum (a NaN/Inf, or
+    a finite row that overflowed) is checked element by element. Rows of ``FINITE_ROW``
+    keep float16 sums of ordinary values from overflowing. Other dtypes (float8, complex,
+    integers) are not checked.
+    """
+    if t.dtype not in CHECKED_DTYPES or t.numel() == 0:
+        return True
+    flat = t.reshape(-1)
+    cut = flat.numel() // FINITE_ROW * FINITE_ROW
+    sums = [flat[:cut].view(-1, FINITE_ROW).sum(dim=1)] if cut else []
+    sums.append(flat[cut:].sum().reshape(1))
+    if all(bool(torch.isfinite(s).all()) for s in sums):
+        return True
+    return bool(torch.isfinite(flat).all())

@@ -30,21 +30,21 @@ from torch.futures import Future
 from tiered_dcp.planners.save import ALIASES, Alias, plan_global, tag_local_plan
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
-from tiered_dcp.storage.format import failed_key, index_key, part_key, pin_key
+from tiered_dcp.storage.format import NONFINITE_NAMES, failed_key, index_key, part_key, pin_key
 
 from . import dedup, preemption, scores, transport
 from .catalog import TierView, bounded
 from .checkpoint_id import new_id, step_id, step_of
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
-from .errors import TieredCheckpointError
+from .errors import NonFiniteStateError, TieredCheckpointError
 from .leases import owner_record
 from .metadata import Records
 from .records import record
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
 from .runtime import MAX_PENDING, Job, writer_handle
 from .staging import POOL, examine
-from .tensors import as_cpu_contiguous, byte_view
+from .tensors import all_finite, as_cpu_contiguous, byte_view
 
 log = logging.getLogger("tiered_dcp")
 
@@ -61,9 +61,13 @@ class RawItem:
     ids: list[str] | None = None  # dedup: each chunk is a block, named by these ids
 
 
-def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False) -> list[RawItem]:
+def resolve_items(
+    plan: SavePlan, planner: SavePlanner, as_blocks: bool = False, check_finite: bool = False
+) -> list[RawItem]:
     """Each write item's bytes, chunked and checksummed (with dedup, large tensors cut into
-    blocks and each named: this runs in the save's async part, off the training stall)."""
+    blocks and each named: this runs in the save's async part, off the training stall).
+    ``check_finite``: floating tensors holding NaN/Inf get ``nonfinite`` in their facts,
+    which their records keep (``tensors.all_finite``: one pass at memory speed)."""
     items: list[RawItem] = []
     cuts: list[bool] = []
     known: list[str | None] = []  # per chunk: its block id, where the planner named it
@@ -78,6 +82,8 @@ def resolve_items(plan: SavePlan, planner: SavePlanner, as_blocks: bool = False)
             t = as_cpu_contiguous(data)
             owner, view = t, byte_view(t)
             extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
+            if check_finite and not all_finite(t):
+                extra["nonfinite"] = True
         cut = as_blocks and blocks.blocked(extra["kind"], len(view))
         chunks = split(view, blocks.BLOCK_BYTES if cut else CHUNK_BYTES)
         ids = planned.get(item.index) if cut else None
@@ -336,7 +342,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         started = time.perf_counter()
         self.sent_bytes = 0
         first = self._first()
-        items = resolve_items(plan, planner, self._as_blocks(first))
+        policy = self.config.on_nonfinite
+        items = resolve_items(plan, planner, self._as_blocks(first), check_finite=policy != "ignore")
+        refused = _refused(self.step, self.rank, items) if policy == "raise" else None
         aliases = (plan.storage_data or {}).get(ALIASES, [])
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
@@ -344,6 +352,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
         try:
             if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
+                if refused is not None:  # nothing of the step is written; DCP tells every rank
+                    raise refused
                 with _failing_save(first, self.step):
                     _pin(first, self.step, self.rank, slower)
                     part = encode_part(first, self.step, self.rank, items, aliases)
@@ -353,7 +363,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                 records = part.records
             else:
                 _pin(first, self.step, self.rank, slower)
-                records = self._write_node_local(first, items, aliases, world, planner, name)
+                records = self._write_node_local(first, items, aliases, world, planner, name, refused)
         except BaseException as e:
             _abandon(first, self.step, self.rank, slower, e)
             raise
@@ -379,8 +389,13 @@ class TieredWriter(StorageWriter, AsyncStager):
         world: list[int],
         planner: SavePlanner,
         name: str,
+        refused: NonFiniteStateError | None = None,
     ) -> Records:
-        """Write the part and its replicas, then commit the step in every root (``replicate``)."""
+        """Write the part and its replicas, then commit the step in every root (``replicate``).
+
+        ``refused`` (non-finite state under ``on_nonfinite="raise"``) fails the commit on every
+        rank, told through the commit agreement like any failure: the peers are not left
+        waiting in the replica exchange, and no root commits the step."""
         records: Records = {}
         error: BaseException | None = None
         swap = None
@@ -401,6 +416,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             error = e
             if swap is not None:
                 swap.abort()
+        error = error or refused
 
         def metadata() -> Metadata:
             md = getattr(planner, "metadata", None)
@@ -446,6 +462,17 @@ class TieredWriter(StorageWriter, AsyncStager):
         except BaseException as e:
             _abandon(first, self.step, self.rank, [], e)
             raise
+
+
+def _refused(step: int, rank: int, items: list[RawItem]) -> NonFiniteStateError | None:
+    """The error of a save refused for non-finite state (``on_nonfinite="raise"``), if any."""
+    bad = [it.index.fqn for it in items if it.extra.get("nonfinite")]
+    if not bad:
+        return None
+    return NonFiniteStateError(
+        f"step {step} was not saved: rank {rank} holds NaN/Inf in {len(bad)} item(s) "
+        f"{bad[:NONFINITE_NAMES]} (on_nonfinite='raise'; 'mark' saves it marked, for loads to pass over)"
+    )
 
 
 def _pin(first: TierView, step: int, rank: int, slower: list[int]) -> None:

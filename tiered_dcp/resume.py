@@ -1,0 +1,74 @@
+"""``load_latest``: the resume call, which loads the newest step that loads completely.
+
+A resume is where a checkpoint library earns its keep, so it never stops at a bad step
+while a good one exists: a step whose load finds an item with no good copy left is
+quarantined by that load (``TieredReader``), and the choice is made again without it
+(``planners.choice``); quarantined and non-finite steps are passed over from the start.
+Every rank sees the same failures (DCP gathers them into one ``CheckpointException``), so
+every rank excludes the same steps and the readers agree on the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import transport
+from .config import TieredConfig
+from .errors import CheckpointCorruptError, NoCheckpointError
+from .planners.choice import describe_skipped
+from .reader import TieredReader
+
+log = logging.getLogger("tiered_dcp")
+
+
+def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwargs: Any) -> int:
+    """Load the newest step that loads completely into ``state_dict``, on every rank the same
+    step, and return it; raise ``NoCheckpointError`` when there is none.
+
+    Steps that are quarantined or non-finite, and steps that fail to load here (no good copy
+    of an item on any tier or peer), are passed over; one warning names each, and why.
+    ``dcp_load_kwargs`` go to ``dcp.load`` (``planner``, ``process_group``...); an error that
+    is not about the step's data (a state_dict that does not match, say) is raised as is.
+    """
+    failed: dict[int, str] = {}
+    skipped: dict[int, str] = {}
+    while True:
+        try:
+            reader = TieredReader(config, exclude=failed)
+        except CheckpointCorruptError as e:  # the cluster's metadata of the chosen step is bad
+            if e.step is None or e.step in failed:
+                raise
+            failed[e.step] = str(e)
+            continue
+        skipped.update(reader.skipped)
+        try:
+            dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs)
+        except (CheckpointException, CheckpointCorruptError, NoCheckpointError) as e:
+            why = _data_failure(e)
+            if why is None or reader.step in failed:
+                raise
+            failed[reader.step] = why
+            continue
+        _warn(reader.step, {**skipped, **failed})
+        return reader.step
+
+
+def _data_failure(e: BaseException) -> str | None:
+    """Why the load failed, when it failed for the step's data (another step may load);
+    None when it failed for any other reason."""
+    failures = getattr(e, "failures", None)  # rank -> exception (torch >= 2.7: (exception, traceback))
+    errors = list(failures.values()) if isinstance(failures, dict) else [e]
+    errors = [f[0] if isinstance(f, tuple) and f else f for f in errors]
+    ours = [f for f in errors if isinstance(f, CheckpointCorruptError | NoCheckpointError)]
+    return "; ".join(dict.fromkeys(str(f) for f in ours)) if ours else None
+
+
+def _warn(step: int, passed: dict[int, str]) -> None:
+    newer = {s: why for s, why in passed.items() if s > step}
+    if newer and (not transport.dist_up() or dist.get_rank() == 0):
+        log.warning("load_latest loaded step %d, passing over %s", step, describe_skipped(newer))
