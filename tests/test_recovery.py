@@ -1,0 +1,250 @@
+"""Recovery as a contract: a damaged or non-finite newest step never stops a resume.
+
+Real files damaged in place, real NaN saved, several real processes on gloo: the newest
+step that loads is found on every rank, quarantined and non-finite steps are passed over,
+and retention never deletes the last good step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+from tiered_dcp.storage.format import Marker, marker_key, parse_quarantine, part_key, step_dir
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tiered_dcp import (
+    CheckpointCorruptError,
+    NoCheckpointError,
+    NonFiniteStateError,
+    Tier,
+    TieredConfig,
+    TieredReader,
+    TieredWriter,
+    latest_step,
+    load_latest,
+    shutdown,
+)
+
+
+def config(root: Path | str, **kw) -> TieredConfig:
+    """The issue's setup: RAM every=1 keep=2, SSD every=2 keep=2, node-local."""
+    return TieredConfig(
+        "run",
+        [Tier(f"{root}/ram/{{node}}", every=1, keep=2), Tier(f"{root}/ssd/{{node}}", every=2, keep=2)],
+        **kw,
+    )
+
+
+def state(step: int, rank: int = 0) -> dict:
+    return {"w": torch.full((4096,), float(step * 10 + rank)), "b": torch.arange(64.0) + step}
+
+
+def flip(path: Path | str, at: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def failure(e: CheckpointException) -> BaseException:
+    """The first rank's recorded exception (torch >= 2.7 records (exception, traceback))."""
+    f = next(iter(e.failures.values()))
+    return f[0] if isinstance(f, tuple) else f
+
+
+def save_steps(cfg: TieredConfig, steps, make=state) -> None:
+    for s in steps:
+        dcp.save(make(s), storage_writer=TieredWriter(cfg, step=s))
+    shutdown()
+
+
+def test_a_damaged_newest_step_is_quarantined_and_every_later_load_skips_it(tmp_path, caplog):
+    cfg = config(tmp_path)
+    save_steps(cfg, [1, 2, 3])  # step 3 is on the RAM tier only
+    flip(tmp_path / "ram/0" / part_key("run", 3, 0))
+
+    got = state(0)
+    with pytest.raises(CheckpointException) as info:  # plain dcp.load: this load fails once
+        dcp.load(got, storage_reader=TieredReader(cfg))
+    err = failure(info.value)
+    assert isinstance(err, CheckpointCorruptError) and err.step == 3
+    assert "quarantined in" in str(err) and "loads step 2" in str(err)
+    assert [parse_quarantine(n)[0] for n in os.listdir(tmp_path / "ram/0/run") if parse_quarantine(n)] == [3]
+
+    reader = TieredReader(cfg)  # every later reader (and process) passes it over
+    assert reader.step == 2 and "quarantined" in reader.skipped[3]
+    assert latest_step(cfg) == 2
+    got = state(0)
+    dcp.load(got, storage_reader=reader)
+    assert torch.equal(got["w"], state(2)["w"]) and torch.equal(got["b"], state(2)["b"])
+
+    with pytest.raises(CheckpointException) as info:  # asked for by number, it still fails
+        dcp.load(state(0), storage_reader=TieredReader(cfg, step=3))
+    assert isinstance(failure(info.value), CheckpointCorruptError)
+
+
+def test_load_latest_resumes_from_the_newest_step_that_loads_and_says_what_it_skipped(tmp_path, caplog):
+    cfg = config(tmp_path)
+    save_steps(cfg, [1, 2, 3])
+    flip(tmp_path / "ram/0" / part_key("run", 3, 0))
+    got = state(0)
+    with caplog.at_level(logging.WARNING, logger="tiered_dcp"):
+        assert load_latest(got, cfg) == 2  # no earlier load quarantined it: this one does
+    assert torch.equal(got["w"], state(2)["w"])
+    warnings = [r.getMessage() for r in caplog.records if "load_latest loaded step 2" in r.getMessage()]
+    assert len(warnings) == 1 and "step 3" in warnings[0] and "damaged" in warnings[0]
+    assert load_latest(state(0), cfg) == 2  # and again, from the mark
+
+
+def test_damaged_metadata_on_every_tier_is_quarantined_too(tmp_path):
+    cfg = config(tmp_path)
+    save_steps(cfg, [1, 2, 4])  # step 4 is on both tiers
+    for tier in ("ram", "ssd"):
+        flip(tmp_path / tier / "0" / step_dir("run", 4) / "metadata", at=20)
+    got = state(0)
+    assert load_latest(got, cfg) == 2
+    assert torch.equal(got["w"], state(2)["w"])
+    assert latest_step(cfg) == 2
+
+
+def test_without_any_good_step_load_latest_says_so(tmp_path):
+    cfg = config(tmp_path)
+    with pytest.raises(NoCheckpointError):
+        load_latest(state(0), cfg)
+    save_steps(cfg, [1])
+    flip(tmp_path / "ram/0" / part_key("run", 1, 0))
+    with pytest.raises(NoCheckpointError, match="step 1"):
+        load_latest(state(0), cfg)
+
+
+def test_nonfinite_state_is_marked_and_passed_over(tmp_path, caplog):
+    cfg = config(tmp_path)
+    save_steps(cfg, [1])
+    bad = state(2)
+    bad["w"][7] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="tiered_dcp"):
+        dcp.save(bad, storage_writer=TieredWriter(cfg, step=2))
+    shutdown()
+    assert any("NaN/Inf in 1 item(s) ['w']" in r.getMessage() for r in caplog.records)
+    for tier in ("ram", "ssd"):  # the writer process copies the mark down with the marker
+        marker = Marker.from_bytes((tmp_path / tier / "0" / marker_key("run", 2)).read_bytes())
+        assert marker.nonfinite_items == 1 and marker.nonfinite == ["w"]
+    assert latest_step(cfg) == 1
+    got = state(0)
+    assert load_latest(got, cfg) == 1 and torch.equal(got["w"], state(1)["w"])
+    got = state(0)
+    dcp.load(got, storage_reader=TieredReader(cfg, step=2))  # by number it loads anyway
+    assert torch.isnan(got["w"][7]) and got["w"][0] == 20.0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_every_nonfinite_value_is_caught_in_every_float_dtype(tmp_path, value):
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ram"))])
+    sd = {
+        str(dt): torch.zeros(3000, dtype=dt)
+        for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    }
+    sd["ints"] = torch.arange(10)
+    for i, key in enumerate(sd):
+        if key != "ints":
+            one = {k: v.clone() for k, v in sd.items()}
+            one[key][2999 - i] = value  # the last row of the screen, and the tail beyond it
+            dcp.save(one, storage_writer=TieredWriter(cfg, step=i))
+            marker = Marker.from_bytes((tmp_path / "ram" / marker_key("run", i)).read_bytes())
+            assert marker.nonfinite == [key], key
+    dcp.save(sd, storage_writer=TieredWriter(cfg, step=9))
+    assert Marker.from_bytes((tmp_path / "ram" / marker_key("run", 9)).read_bytes()).finite
+    shutdown()
+
+
+def test_on_nonfinite_raise_fails_the_save_before_it_is_committed(tmp_path):
+    cfg = config(tmp_path, on_nonfinite="raise")
+    save_steps(cfg, [1])
+    bad = state(2)
+    bad["b"][0] = float("inf")
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(bad, storage_writer=TieredWriter(cfg, step=2))
+    shutdown()
+    err = failure(info.value)
+    assert isinstance(err, NonFiniteStateError) and "'b'" in str(err) and "step 2" in str(err)
+    assert not (tmp_path / "ram/0" / marker_key("run", 2)).exists()
+    assert latest_step(cfg) == 1
+
+
+def test_on_nonfinite_ignore_saves_and_loads_as_any_step(tmp_path):
+    cfg = config(tmp_path, on_nonfinite="ignore")
+    bad = state(1)
+    bad["w"][0] = float("nan")
+    dcp.save(bad, storage_writer=TieredWriter(cfg, step=1))
+    shutdown()
+    assert latest_step(cfg) == 1
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        config(tmp_path, on_nonfinite="skip")
+
+
+def test_retention_never_deletes_the_last_good_step(tmp_path):
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ram"), every=1, keep=2)])
+    steps = lambda: sorted(int(n[5:]) for n in os.listdir(tmp_path / "ram/run") if n[5:].isdigit())  # noqa: E731
+    save_steps(cfg, [1, 2])
+    for s in (3, 4, 5):  # K+1 non-finite steps in a row
+        bad = state(s)
+        bad["w"][1] = float("nan")
+        dcp.save(bad, storage_writer=TieredWriter(cfg, step=s))
+    assert steps() == [1, 2, 3, 4, 5]  # the kept good steps stay; bad ones take no place
+    assert load_latest(state(0), cfg) == 2
+    save_steps(cfg, [6])
+    assert steps() == [2, 3, 4, 5, 6]  # bad steps go once older than every kept good step
+    save_steps(cfg, [7])
+    assert steps() == [6, 7]
+
+    flip(tmp_path / "ram" / part_key("run", 7, 0))  # a quarantined step takes no place either
+    assert load_latest(state(0), cfg) == 6
+    save_steps(cfg, [8])
+    assert steps() == [6, 7, 8]
+    save_steps(cfg, [9])
+    assert steps() == [8, 9]
+    assert not [n for n in os.listdir(tmp_path / "ram/run") if parse_quarantine(n)]  # its mark went with it
+
+
+# -- several ranks -------------------------------------------------------------------------
+
+
+def _four_ranks_two_nodes(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    def mine(step: int) -> dict:  # each rank's own items (DCP writes a replicated value once)
+        return {f"{k}.{rank}": v for k, v in state(step, rank).items()}
+
+    cfg = config(root)
+    save_steps(cfg, [1, 2, 3], mine)
+    dist.barrier()
+    if rank == 2:  # step 3 is on the RAM tier only; its only copy of rank 2's part is on node 1
+        flip(Path(root) / "ram/1" / part_key("run", 3, 2))
+    dist.barrier()
+    got = mine(0)
+    step = load_latest(got, cfg)
+    exact = all(torch.equal(got[k], v) for k, v in mine(2).items())
+    after = TieredReader(cfg).step  # a plain reader afterwards: the mark is seen by every rank
+    bad = mine(4)  # NaN on one rank only: the step is non-finite for all
+    if rank == 3:
+        bad["b.3"][5] = float("nan")
+    dcp.save(bad, storage_writer=TieredWriter(cfg, step=4))
+    shutdown()
+    dist.barrier()
+    got = mine(0)
+    nonfinite = load_latest(got, cfg)
+    exact_nf = all(torch.equal(got[k], v) for k, v in mine(2).items())
+    return {"step": step, "exact": exact, "after": after, "nonfinite": nonfinite, "exact_nf": exact_nf}
+
+
+def test_four_ranks_two_nodes_resume_from_the_older_step_on_every_rank(tmp_path):
+    results = run_ranks(_four_ranks_two_nodes, 4, str(tmp_path), env={"LOCAL_WORLD_SIZE": 2})
+    for r in results:
+        assert r == {"step": 2, "exact": True, "after": 2, "nonfinite": 2, "exact_nf": True}, results
