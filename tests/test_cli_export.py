@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, value_kinds, zeros_like_state
 from test_save_load import flip_byte, save
 
-from tiered_dcp import export
+from tiered_dcp import export, wait_for
 
 
 def cli(*args, check=True):
@@ -37,6 +37,7 @@ def test_export_is_loaded_by_the_stock_reader(tiers3, tmp_path):
 def test_cli_ls_verify_export(tiers3, tmp_path):
     for step in range(5):
         save(tiers3, step)
+    wait_for(tiers3, 4, timeout=120)  # the writer processes copy it down: on a busy host, not at once
     out = cli("ls", *tier_args(tmp_path)).stdout
     lines = out.splitlines()
     assert lines[0].startswith("step") and "tier 2:" in lines[0]

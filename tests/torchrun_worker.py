@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from tiered_dcp import NoCheckpointError, Tier, TieredConfig, TieredReader, TieredWriter, latest_step
+from tiered_dcp import NoCheckpointError, Tier, TieredConfig, TieredWriter, latest_step, load_latest
 
 N = 64  # rows of the sharded weight
 
@@ -64,9 +64,7 @@ def main() -> None:
     state = {"w": w, "b": full["b"], "step": 0}
     cfg = config(root)
     try:
-        reader = TieredReader(cfg)
-        dcp.load(state, storage_reader=reader)
-        resumed = reader.step
+        resumed = load_latest(state, cfg)  # the resume call
     except NoCheckpointError:
         resumed = None
     newest_here = latest_step(cfg)  # what this node's RAM tier held, committed, at the restart

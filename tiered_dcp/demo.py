@@ -104,6 +104,14 @@ def _state_hash(state) -> str:
     return h.hexdigest()
 
 
+def _loaded_from(cfg, rank: int) -> list[int]:
+    """The tiers this rank's last load read from, as its load record says (``records``)."""
+    from .records import read_records
+
+    loads = [r for r in read_records(cfg, "load", tail_bytes=1 << 16) if r["rank"] == rank]
+    return list(loads[-1]["tiers"])
+
+
 def _build(mesh, hidden: int = 2048):
     """The demo's model, an MLP sharded with FSDP2 over ``mesh``, and its optimizer."""
     import torch
@@ -142,7 +150,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import TieredReader, TieredWriter, shutdown
+    from . import TieredWriter, load_latest, shutdown
 
     dist.init_process_group("gloo")
     # DCP runs an async save's collectives in its upload thread while training runs FSDP's
@@ -190,10 +198,9 @@ def worker(args: argparse.Namespace) -> None:
     start = 0
     if args.resume:
         train_step(0)  # materialise optimizer state so there is something to load into
-        reader = TieredReader(cfg)
         sd = state(-1)
         t0 = time.perf_counter()
-        dcp.load(sd, storage_reader=reader)
+        load_latest(sd, cfg)  # the resume call: the newest step that loads, on every rank
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         start = sd["step"]
         truth = {}
@@ -203,7 +210,7 @@ def worker(args: argparse.Namespace) -> None:
                 truth[rec["step"]] = rec["hash"]
         report["resume"] = {
             "step": start,
-            "tier": reader.tiers[0],
+            "tier": _loaded_from(cfg, rank)[0],
             "seconds": time.perf_counter() - t0,
             "match": truth.get(start) == _state_hash(state(start)),
         }
@@ -246,7 +253,7 @@ def node_loss_worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import TieredReader, TieredWriter, shutdown, wait_for
+    from . import TieredWriter, load_latest, shutdown, wait_for
     from .config import node_of
 
     dist.init_process_group("gloo")
@@ -281,9 +288,8 @@ def node_loss_worker(args: argparse.Namespace) -> None:
     own = [tier.root(node, rank) for tier in cfg.tiers if not tier.is_shared]
     held = any(os.path.isdir(root) and os.listdir(root) for root in own)
     t0 = time.perf_counter()
-    reader = TieredReader(cfg)
     sd = _state(model, opt, -1)
-    dcp.load(sd, storage_reader=reader)
+    step = load_latest(sd, cfg)
     seconds = time.perf_counter() - t0
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     report = {
@@ -291,7 +297,7 @@ def node_loss_worker(args: argparse.Namespace) -> None:
         "node": node,
         "held": bool(held),
         "step": sd["step"],
-        "tiers": reader.tiers,
+        "tiers": _loaded_from(cfg, rank),
         "seconds": seconds,
         "match": sd["step"] == args.steps and _state_hash(_state(model, opt, sd["step"])) == saved,
     }

@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 
-from tiered_dcp import NoCheckpointError, TieredConfig, TieredReader, TieredWriter
+from tiered_dcp import NoCheckpointError, TieredConfig, TieredReader, TieredWriter, load_latest
 
 
 class TieredCheckpointManager(CheckpointManager):
@@ -66,10 +66,11 @@ class TieredCheckpointManager(CheckpointManager):
     def _find_load_step(self, folder: str = "") -> int:
         if self.tiered is None or folder:
             return super()._find_load_step(folder)
-        try:  # every rank agrees on the newest step complete on some tier (or in the cluster)
-            return TieredReader(self.tiered).step
+        try:  # every rank agrees on the newest good step complete on some tier (or in the cluster)
+            self._resume_step = TieredReader(self.tiered).step
         except NoCheckpointError:
             return -1
+        return self._resume_step
 
     def dcp_save(
         self,
@@ -96,6 +97,9 @@ class TieredCheckpointManager(CheckpointManager):
         step = self._tiered_step(checkpoint_id)
         if from_hf or step is None:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        dcp.load(state_dict, storage_reader=TieredReader(self.tiered, step=step))
+        if step == getattr(self, "_resume_step", None):  # a resume: the newest step that loads
+            load_latest(state_dict, self.tiered, process_group=self.pg)  # (its train state says which)
+        else:
+            dcp.load(state_dict, storage_reader=TieredReader(self.tiered, step=step))
         if MODEL in self.states:  # as torchtitan does: its model states are flattened in
             self.states[MODEL].load_state_dict(state_dict)
