@@ -71,6 +71,7 @@ def resolve_items(
     items: list[RawItem] = []
     cuts: list[bool] = []
     known: list[str | None] = []  # per chunk: its block id, where the planner named it
+    checks: list[tuple[dict[str, Any], ConcurrentFuture[bool]]] = []  # (an item's facts, finite?)
     planned: dict[MetadataIndex, list[str]] = getattr(planner, "block_ids", None) or {}
     for item in plan.items:
         data = planner.resolve_data(item)
@@ -82,7 +83,9 @@ def resolve_items(
             t = as_cpu_contiguous(data)
             owner, view = t, byte_view(t)
             extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
-            if check_finite and not all_finite(t):
+            if check_finite and len(view) >= blocks.PARALLEL_HASH:  # beside the hashing, on its
+                checks.append((extra, blocks.pool().submit(all_finite, t)))  # threads (no GIL held)
+            elif check_finite and not all_finite(t):
                 extra["nonfinite"] = True
         cut = as_blocks and blocks.blocked(extra["kind"], len(view))
         chunks = split(view, blocks.BLOCK_BYTES if cut else CHUNK_BYTES)
@@ -93,6 +96,9 @@ def resolve_items(
         cuts.extend([cut] * len(chunks))
         known.extend(ids or [None] * len(chunks))
     prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], cuts, known))
+    for extra, finite in checks:
+        if not finite.result():
+            extra["nonfinite"] = True
     for it in items:
         for _ in it.chunks:
             h, name = next(prints)
