@@ -105,19 +105,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _print_scores(cfg: TieredConfig) -> None:
-    from .scores import PATIENCE, THRESHOLD, job_scores
+    from .scores import FLOOR_SECONDS, THRESHOLD, job_scores
 
     scores = job_scores(cfg)
     if not scores:
         return
-    print("save-time scores (write speed vs the best rank / vs its own best; newest scored save):")
+    print(
+        "save-time scores (medians over each rank's newest saves: write speed vs its peers' median, "
+        "seconds behind them, speed vs its own usual):"
+    )
     for s in scores:
-        flag = (
-            f"  SLOW: {s.slow_streak} saves in a row below {THRESHOLD}" if s.slow_streak >= PATIENCE else ""
-        )
+        flag = f"  SLOW: below {THRESHOLD} and {FLOOR_SECONDS} s or more behind" if s.slow else ""
         print(
-            f"  rank {s.rank} (node {s.node}) tier {s.tier}: {s.relative:.2f} / {s.individual:.2f} "
-            f"at step {s.step}, worst {s.worst:.2f} over {s.saves} saves{flag}"
+            f"  rank {s.rank} (node {s.node}) tier {s.tier}: {s.relative:.2f}, {s.excess_s:+.3f} s, "
+            f"{s.individual:.2f} over {s.window} of {s.saves} saves to step {s.step}{flag}"
         )
 
 

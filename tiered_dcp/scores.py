@@ -1,20 +1,35 @@
 """Save-time scores per rank: which rank's disk or network slows every save.
 
-For each save and tier, each rank's write throughput (its part's bytes over the seconds it
-took to write them, from the job's ``records``: the trainer's write to the fastest tier,
-the writer process's copy to each slower one) is scored against the best rank of that save
-(``relative``: 1.0 is the best rank, 0.4 writes at 0.4 of its speed) and against the rank's
-own best on that tier so far (``individual``: below 1.0, the rank got slower than it was).
-As in the straggler detector's scores: ranks write parts of about the same size, so a
-rank that stays far below the others has a slow disk, a slow link or a busy node.
+For each save and tier, each rank's write of its part (its bytes over the seconds it took,
+from the job's ``records``: the trainer's write to the fastest tier, the writer process's
+copy to each slower one) is compared with its peers': the median throughput of the other
+ranks of that save. Per save that gives the rank's ``relative`` speed (1.0: as fast as the
+typical rank) and its ``excess`` (the seconds it took beyond writing its part at that median
+speed). A rank's score is the median of both over its newest ``WINDOW`` scored saves on the
+tier, and it is slow when, over ``MIN_SAVES`` saves at least, its relative speed is below
+``THRESHOLD`` and its excess is ``FLOOR_SECONDS`` or more. ``individual`` compares the
+window's median throughput with the rank's own median over all its scored saves (below 1.0,
+the rank got slower than it usually is).
 
-A rank below ``THRESHOLD`` for ``PATIENCE`` saves in a row on a tier is logged as a warning
-by the lowest rank of its node (once, until it recovers), and ``tiered-dcp ls`` shows the
-scores. Saves where even the slowest rank took under ``MIN_SECONDS`` are not scored: at
-that size timing noise is all there is to see; nor are parts under ``MIN_SHARE`` of the
-save's largest (a rank with little to write, e.g. replicated values only rank 0 writes),
-whose fixed costs would pass for slowness. Scores cover the ranks whose records are on
-this node (the runtime directory is node-local); on one node that is the whole job.
+Why medians, and no best rank or deviation score: ranks write parts of about the same size,
+so the typical rank is the reference, and a median is one a straggler cannot drag toward
+itself (leaving the rank out of its own reference keeps that true on 2 ranks) and one lucky
+rank served by the page cache cannot set (against the best rank of a save, every other rank
+looked 10x slow). Over saves the median needs most of the window to be slow: one bad save
+does not flag a rank, nor one good save clear it. A spread score (median absolute deviation)
+would be no better across ranks: on 2 ranks both deviate alike, and on ranks that agree to
+the millisecond it turns noise into outliers; a ratio to the median with an absolute floor
+holds at both ends. The floor is what a straggler must cost to be worth an operator's look:
+below it (tens of ms) the difference is the scheduling and page-cache noise of a busy host,
+whatever the ratio says.
+
+A slow rank is logged as a warning by the lowest rank of its node (once, until it recovers),
+and ``tiered-dcp ls`` shows the scores. Saves where even the slowest rank took under
+``MIN_SECONDS`` are not scored: at that size timing noise is all there is to see; nor are
+parts under ``MIN_SHARE`` of the save's largest (a rank with little to write, e.g.
+replicated values only rank 0 writes), whose fixed costs would pass for slowness. Scores
+cover the ranks whose records are on this node (the runtime directory is node-local); on one
+node that is the whole job.
 """
 
 from __future__ import annotations
@@ -23,14 +38,17 @@ import logging
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from statistics import median
 
 from .config import TieredConfig
 from .records import read_records, records_dir
 
 log = logging.getLogger("tiered_dcp")
 
-THRESHOLD = 0.5  # relative score below which a save counts as slow
-PATIENCE = 3  # slow saves in a row before a warning
+THRESHOLD = 0.5  # a rank slower than this share of its peers' median speed may be slow...
+FLOOR_SECONDS = 0.05  # ...if it also takes this much longer than they would for its part
+WINDOW = 5  # a rank is judged on the medians over its newest scored saves on a tier
+MIN_SAVES = 3  # and on this many at least
 MIN_SECONDS = 0.02  # a save whose slowest rank took less is not scored
 MIN_SHARE = 0.25  # a part smaller than this share of the save's largest is not scored
 TAIL_BYTES = 64 << 10  # how much of each rank's records the trainer's check reads
@@ -40,17 +58,27 @@ _checking = threading.Lock()  # one check at a time per process; a save never wa
 
 @dataclass
 class RankScore:
-    """One rank on one tier: its newest scored save, and its streak of slow ones."""
+    """One rank on one tier: medians over its newest scored saves (at most ``WINDOW``)."""
 
     rank: int
     node: int
     tier: int
     step: int  # the newest scored save
-    relative: float  # at that save: throughput / the best rank's
-    individual: float  # at that save: throughput / the rank's own best on this tier
+    relative: float  # median of throughput / the median of the other ranks' throughputs
+    excess_s: float  # median of the seconds taken beyond its part's time at its peers' speed
+    individual: float  # median throughput in the window / the rank's median over all saves
     saves: int  # saves scored on this tier
-    slow_streak: int  # newest saves in a row with relative < threshold
-    worst: float  # the lowest relative score over the scored saves
+    window: int  # of which the newest this many are the window
+    slow: bool  # relative < threshold and excess_s >= FLOOR_SECONDS, over MIN_SAVES saves at least
+
+
+@dataclass
+class _Save:
+    step: int
+    node: int
+    speed: float  # bytes / second
+    relative: float
+    excess_s: float
 
 
 def _writes(recs: list[dict]) -> dict[tuple[int, int], dict[int, dict]]:
@@ -66,34 +94,51 @@ def _writes(recs: list[dict]) -> dict[tuple[int, int], dict[int, dict]]:
     return out
 
 
-def score_ranks(recs: list[dict], threshold: float = THRESHOLD) -> list[RankScore]:
-    """Every rank's scores per tier from these records (``records.read_records``)."""
-    best_own: dict[tuple[int, int], float] = {}
-    scores: dict[tuple[int, int], RankScore] = {}
-    for (tier, step), ranks in sorted(_writes(recs).items(), key=lambda kv: (kv[0][0], kv[0][1])):
+def _saves(recs: list[dict]) -> dict[tuple[int, int], list[_Save]]:
+    """(tier, rank) -> its scored saves, oldest first."""
+    out: dict[tuple[int, int], list[_Save]] = defaultdict(list)
+    for (tier, step), ranks in sorted(_writes(recs).items()):
         largest = max(r.get("bytes", 0) for r in ranks.values())
         ranks = {k: r for k, r in ranks.items() if r.get("bytes", 0) >= largest * MIN_SHARE and largest > 0}
         if len(ranks) < 2 or max(r["write_s"] for r in ranks.values()) < MIN_SECONDS:
             continue
         speed = {rank: r["bytes"] / max(r["write_s"], 1e-6) for rank, r in ranks.items()}
-        best = max(speed.values())
-        for rank, s in speed.items():
-            own = best_own[(tier, rank)] = max(best_own.get((tier, rank), 0.0), s)
-            rel = s / best
-            prev = scores.get((tier, rank))
-            streak = (prev.slow_streak if prev else 0) + 1 if rel < threshold else 0
-            scores[(tier, rank)] = RankScore(
-                rank=rank,
-                node=ranks[rank].get("node", 0),
-                tier=tier,
-                step=step,
-                relative=round(rel, 3),
-                individual=round(s / own, 3),
-                saves=(prev.saves if prev else 0) + 1,
-                slow_streak=streak,
-                worst=round(min(rel, prev.worst if prev else 1.0), 3),
+        for rank, r in ranks.items():
+            peers = median(s for k, s in speed.items() if k != rank)
+            out[(tier, rank)].append(
+                _Save(
+                    step,
+                    r.get("node", 0),
+                    speed[rank],
+                    speed[rank] / peers,
+                    r["write_s"] - r["bytes"] / peers,
+                )
             )
-    return [scores[k] for k in sorted(scores)]
+    return out
+
+
+def score_ranks(recs: list[dict], threshold: float = THRESHOLD) -> list[RankScore]:
+    """Every rank's scores per tier from these records (``records.read_records``)."""
+    scores = []
+    for (tier, rank), saves in sorted(_saves(recs).items()):
+        window = saves[-WINDOW:]
+        relative = median(s.relative for s in window)
+        excess = median(s.excess_s for s in window)
+        scores.append(
+            RankScore(
+                rank=rank,
+                node=window[-1].node,
+                tier=tier,
+                step=window[-1].step,
+                relative=round(relative, 3),
+                excess_s=round(excess, 3),
+                individual=round(median(s.speed for s in window) / median(s.speed for s in saves), 3),
+                saves=len(saves),
+                window=len(window),
+                slow=len(window) >= MIN_SAVES and relative < threshold and excess >= FLOOR_SECONDS,
+            )
+        )
+    return scores
 
 
 def job_scores(
@@ -104,13 +149,10 @@ def job_scores(
 
 
 def slow_ranks(
-    config: TieredConfig,
-    threshold: float = THRESHOLD,
-    patience: int = PATIENCE,
-    tail_bytes: int | None = None,
+    config: TieredConfig, threshold: float = THRESHOLD, tail_bytes: int | None = None
 ) -> list[RankScore]:
-    """The ranks below ``threshold`` for ``patience`` saves in a row on some tier."""
-    return [s for s in job_scores(config, threshold, tail_bytes) if s.slow_streak >= patience]
+    """The ranks slow on some tier (``RankScore.slow``)."""
+    return [s for s in job_scores(config, threshold, tail_bytes) if s.slow]
 
 
 def watch_soon(config: TieredConfig, rank: int) -> None:
@@ -145,15 +187,16 @@ def watch(config: TieredConfig, rank: int) -> list[RankScore]:
     for s in flagged:
         if (job, s.tier, s.rank) not in _warned:
             log.warning(
-                "rank %d on node %d writes to tier %d (%s) at %.2f of the best rank (%d saves in a row "
-                "below %.2f; at %.2f of its own best): check its disk or network",
+                "rank %d on node %d writes to tier %d (%s) at %.2f of its peers' median speed, %.2f s "
+                "behind them per save (medians over its last %d saves; at %.2f of its own usual speed): "
+                "check its disk or network",
                 s.rank,
                 s.node,
                 s.tier,
                 config.tiers[s.tier].path if s.tier < len(config.tiers) else "?",
                 s.relative,
-                s.slow_streak,
-                THRESHOLD,
+                s.excess_s,
+                s.window,
                 s.individual,
             )
     _warned.difference_update({k for k in _warned if k[0] == job} - now)
