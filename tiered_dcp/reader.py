@@ -183,9 +183,9 @@ class TieredReader(StorageReader):
         ns = self.config.namespace
         searched = lambda: describe_search(self._views.values()) + _describe_cluster(cluster, lost)  # noqa: E731
         if choice.step is None and step is None:
-            passed = f"; passed over: {describe_skipped(self.skipped)}" if self.skipped else ""
+            passed = f" that loads (passed over: {describe_skipped(self.skipped)})" if self.skipped else ""
             raise NoCheckpointError(
-                f"no complete good checkpoint of namespace {ns!r} on any tier{passed}; searched:\n"
+                f"no complete checkpoint of namespace {ns!r} on any tier{passed}; searched:\n"
                 + searched()
             )
         if choice.step is None:
