@@ -10,6 +10,8 @@
   (it fails, quarantines it and loads the step before) against a plain load of an intact
   step, and against ``load_latest`` once the mark is there (a plain load of the older step).
 
+``--dir`` puts the tier elsewhere (a local disk: the save is fsynced there).
+
 Every figure is the median of ``--runs`` runs. Prints a table, then JSON. Never fails on timing.
 """
 
@@ -85,19 +87,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument(
+        "--dir", default="/dev/shm", help="where the tier lives (/dev/shm: RAM; a disk path: SSD)"
+    )
     args = ap.parse_args()
     import logging
 
     logging.getLogger("tiered_dcp").setLevel(logging.ERROR)
     sd = state(args.mib)
-    root = tempfile.mkdtemp(prefix="bench-recovery-", dir="/dev/shm")
+    root = tempfile.mkdtemp(prefix="bench-recovery-", dir=args.dir)
     try:
         saves = save_times(root, sd, args.runs)
         resumes = resume_times(root, sd, max(3, args.runs // 2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     check = saves["mark"] / saves["ignore"]
-    print(f"recovery, {args.mib} MiB (float32 + bfloat16), RAM tier in /dev/shm, medians")
+    print(f"recovery, {args.mib} MiB (float32 + bfloat16), tier in {args.dir}, medians")
     print(f"{'measure':<40}{'seconds':>9}")
     for k, v in {**{f"save, on_nonfinite={p}": t for p, t in saves.items()}, **resumes}.items():
         print(f"{k:<40}{v:>9.3f}")
