@@ -430,7 +430,10 @@ class TierView:
         """Keep the newest ``keep`` committed steps of this process's root; drop older ones.
 
         Runs after ``newest`` is committed, so the last complete step is never removed
-        before a newer one exists. Only the own root is touched: on a node-local tier every
+        before a newer one exists. Quarantined and non-finite steps take none of the ``keep``
+        places (so K bad steps in a row never push out the last good one): they go, with
+        their quarantine marks, once older than the oldest kept good step. Only the own root
+        is touched: on a node-local tier every
         node prunes its own after its own commit (a marker there means the step was
         complete everywhere when it was committed). Only steps whose share of this root is
         still whole take one of the ``keep`` places. Markers go first, so a half-deleted

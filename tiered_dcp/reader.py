@@ -185,8 +185,7 @@ class TieredReader(StorageReader):
         if choice.step is None and step is None:
             passed = f" that loads (passed over: {describe_skipped(self.skipped)})" if self.skipped else ""
             raise NoCheckpointError(
-                f"no complete checkpoint of namespace {ns!r} on any tier{passed}; searched:\n"
-                + searched()
+                f"no complete checkpoint of namespace {ns!r} on any tier{passed}; searched:\n" + searched()
             )
         if choice.step is None:
             raise NoCheckpointError(
