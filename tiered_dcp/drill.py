@@ -4,8 +4,8 @@
 nodes (``{node}`` paths, ``replication_factor=2``), saving every step with
 ``dcp.async_save`` to a RAM tier, every 3rd to an SSD tier and every 5th to a bucket: a
 fake-gcs-server behind a fault proxy (``fakegcs``) where it is installed, else a shared
-directory. Every few seconds of training it injects one fault, the kinds taken in a
-shuffled cycle so that a short drill sees each:
+directory. Every restart resumes with ``load_latest``. Every few seconds of training it
+injects one fault, the kinds taken in a shuffled cycle so that a short drill sees each:
 
 - ``kill``: one rank SIGKILLed (mid-step or mid-save, wherever it is); the job is stopped
   and restarted, as torchrun would;
@@ -20,7 +20,9 @@ shuffled cycle so that a short drill sees each:
 What must hold, and is reported: after every restart the job resumes from a step no older
 than the newest step it had committed (the newest whose save returned on every rank, and the
 bucket's newest), and every rank's restored state is exactly the state saved at that step
-(hashes logged before each save). The report gives each fault's recovery time (fault to
+(hashes logged before each save) and finite. A restart that restores a wrong or non-finite
+state with no error and no warning naming the step it restored is a *silent escape*, counted
+on its own (``silent escapes: N``). The report gives each fault's recovery time (fault to
 state restored) and load time, and what a bucket outage did to the loop.
 """
 
@@ -31,6 +33,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +42,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import TieredConfig
 
 WORLD = 2  # ranks, one per simulated node
 HIDDEN = 256
@@ -82,14 +89,15 @@ def write_config(workdir: str, ram: str, bucket: str, storage_options: dict) -> 
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Resume from the newest complete step (if any), then train and save until told to stop."""
+    """Resume from the newest step that loads (``load_latest``), then train and save until told
+    to stop."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import NoCheckpointError, TieredReader, TieredWriter, shutdown
+    from . import NoCheckpointError, TieredWriter, load_latest, shutdown
     from .demo import _build, _state, _state_hash, _train_step
     from .jobconfig import load_job_config
 
@@ -98,33 +106,30 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     cfg = load_job_config(args.config)
     d = Path(args.dir)
+    warned = _keep_warnings()
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, opt = _build(mesh, HIDDEN)
     _train_step(model, opt, 0)  # materialise optimizer state so there is something to load into
     report: dict = {"rank": rank, "attempt": args.attempt, "step": 0, "boot_s": time.time() - args.born}
     t0 = time.perf_counter()
-    try:
-        reader = TieredReader(cfg)
-    except NoCheckpointError:
-        reader = None
+    sd = _state(model, opt, -1)
     start = 0
-    if reader is not None:
-        sd = _state(model, opt, -1)
-        dcp.load(sd, storage_reader=reader)
+    try:
+        start = load_latest(sd, cfg)  # the resume call: the newest step that loads, every rank the same
+    except NoCheckpointError as e:
+        report["no_checkpoint"] = str(e).splitlines()[0]
+    if "no_checkpoint" not in report:
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        start = sd["step"]
-        truth = {}
-        with contextlib.suppress(FileNotFoundError), open(d / f"truth.rank{rank}.jsonl") as f:
-            for line in f:
-                rec = json.loads(line)
-                truth[rec["step"]] = rec["hash"]
+        restored = _state(model, opt, start)
         report.update(
             step=start,
-            tiers=reader.tiers,
+            tiers=_load_tiers(cfg, rank, start),
             load_s=time.perf_counter() - t0,
-            match=truth.get(start) == _state_hash(_state(model, opt, start)),
+            match=sd["step"] == start and _truth(d, rank).get(start) == _state_hash(restored),
+            finite=_finite(restored),
         )
+    report["warnings"] = list(warned)  # what the library said while resuming
     report["time"] = time.time()
     (d / f"resume.{args.attempt}.rank{rank}.json").write_text(json.dumps(report))
     pending = None
@@ -153,6 +158,56 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _keep_warnings() -> list[str]:
+    """The library's warnings from now on, kept (and still printed to stderr)."""
+    import logging
+
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record.getMessage())
+
+    log = logging.getLogger("tiered_dcp")
+    log.addHandler(Keep(logging.WARNING))
+    log.addHandler(logging.StreamHandler())
+    return kept
+
+
+def _truth(d: Path, rank: int) -> dict[int, str]:
+    """step -> the hash of the state this rank saved at that step (its last save of it)."""
+    truth = {}
+    with contextlib.suppress(FileNotFoundError), open(d / f"truth.rank{rank}.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            truth[rec["step"]] = rec["hash"]
+    return truth
+
+
+def _finite(state: object) -> bool:
+    """Whether every floating tensor in ``state`` (this rank's shards) holds no NaN/Inf."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    return (
+        not isinstance(state, torch.Tensor) or not state.is_floating_point() or bool(state.isfinite().all())
+    )
+
+
+def _load_tiers(cfg: TieredConfig, rank: int, step: int) -> list[int]:
+    """The tiers holding ``step`` complete when this rank loaded it (the load's record)."""
+    from .records import read_records
+
+    loads = [
+        r for r in read_records(cfg, "load", tail_bytes=1 << 16) if (r["rank"], r["step"]) == (rank, step)
+    ]
+    return loads[-1].get("tiers", []) if loads else []
+
+
 # ----------------------------------------------------------------------------- launcher
 
 
@@ -165,8 +220,12 @@ class Event:
     detail: str = ""
     expected: int | None = None  # the newest committed step before the fault
     resumed: int | None = None
-    tiers: list[int] = field(default_factory=list)  # read from on resume
+    tiers: list[int] = field(default_factory=list)  # holding the step complete when it was loaded
     match: bool | None = None
+    finite: bool | None = None  # the restored state holds no NaN/Inf, on every rank
+    warnings: list[str] = field(default_factory=list)  # what the library said while resuming
+    # a wrong or non-finite state restored without a word: no error, and no warning naming that step
+    silent: bool = False
     recovery_s: float | None = None  # fault to state restored (restart included)
     load_s: float | None = None  # the load alone (slowest rank)
     boot_s: float | None = None  # process start to ready to load: imports, process group, model
@@ -186,12 +245,19 @@ class DrillReport:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def silent_escapes(self) -> int:
+        """Restarts that restored a wrong or non-finite state with no error and no warning
+        naming the step restored."""
+        return sum(e.silent for e in self.events)
+
+    @property
     def ok(self) -> bool:
-        return not any(e.lost for e in self.events)
+        return not any(e.lost for e in self.events) and not self.silent_escapes
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["ok"] = self.ok
+        d["silent_escapes"] = self.silent_escapes
         d["lost"] = [asdict(e) for e in self.events if e.lost]
         return d
 
@@ -296,17 +362,26 @@ class Drill:
         event.resumed = min(r["step"] for r in reports)
         event.tiers = sorted({t for r in reports for t in r.get("tiers", [])})
         event.match = all(r.get("match", r["step"] == 0) for r in reports)
+        event.finite = all(r.get("finite", True) for r in reports)
+        event.warnings = list(dict.fromkeys(w for r in reports for w in r.get("warnings", [])))
+        said = [w for w in event.warnings if re.search(rf"\bstep {event.resumed}\b", w)]
+        event.silent = not (event.match and event.finite) and not said  # no word on the step restored
         event.recovery_s = round(max(r["time"] for r in reports) - fault_time, 3)
         event.load_s = round(max(r.get("load_s", 0.0) for r in reports), 3)
         event.boot_s = round(max(r["boot_s"] for r in reports), 3)
         if len({r["step"] for r in reports}) > 1:
             event.problems.append(f"ranks resumed from different steps {[r['step'] for r in reports]}")
+        if event.expected and any("no_checkpoint" in r for r in reports):
+            why = next(r["no_checkpoint"] for r in reports if "no_checkpoint" in r)
+            event.problems.append(f"load_latest found nothing to load: {why}")
         if event.expected is not None and event.resumed < event.expected:
             event.problems.append(
                 f"resumed from step {event.resumed}, older than committed step {event.expected}"
             )
         if not event.match:
             event.problems.append(f"the state restored at step {event.resumed} differs from the one saved")
+        if not event.finite:
+            event.problems.append(f"the state restored at step {event.resumed} holds NaN/Inf")
 
     def restart(self, event: Event, fault_time: float) -> None:
         self.attempt += 1
@@ -482,22 +557,33 @@ def _free_port() -> int:
 
 def _print_event(e: Event) -> None:
     verdict = "LOST: " + "; ".join(e.problems) if e.problems else "ok"
+    if e.silent:
+        verdict = "SILENT ESCAPE (a wrong or non-finite state restored without a word); " + verdict
     line = f"  [{e.at:6.1f}s] {e.fault:<6} {e.detail}"
     if e.resumed is not None:
         line += (
             f"\n           resumed from step {e.resumed} (committed: {e.expected}) off tier(s) {e.tiers}, "
-            f"state {'exact' if e.match else 'DIFFERENT'}; "
-            f"recovered in {e.recovery_s:.1f} s (process start {e.boot_s:.1f} s, load {e.load_s:.2f} s)"
+            f"state {'exact' if e.match else 'DIFFERENT'}"
+            + ("" if e.finite else " and NON-FINITE")
+            + f"; recovered in {e.recovery_s:.1f} s (process start {e.boot_s:.1f} s, load {e.load_s:.2f} s)"
         )
+        for w in e.warnings:
+            line += f"\n           the library warned: {_clip(w)}"
     elif e.recovery_s is not None:
         line += f"\n           a newer step committed on the bucket {e.recovery_s:.1f} s after the outage"
     print(f"{line}\n           {verdict}", flush=True)
 
 
+def _clip(text: str, width: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def run_drill(
     seconds: float, workdir: str | None = None, seed: int | None = None, faults: list[str] | None = None
 ) -> DrillReport:
-    """Run the drill for ``seconds`` of faults and return its report (``report.ok``: nothing lost)."""
+    """Run the drill for ``seconds`` of faults and return its report (``report.ok``: nothing lost,
+    no silent escape)."""
     from . import runtime
     from .api import writer_status
     from .jobconfig import load_job_config
@@ -567,11 +653,15 @@ def print_report(report: DrillReport) -> None:
         )
     for note in report.notes:
         print(f"  note: {note}")
+    print(f"\n  silent escapes: {report.silent_escapes}")
     lost = [e for e in report.events if e.lost]
     if lost:
         print("\n  FAILED: " + " | ".join(f"{e.fault} at {e.at:.0f}s: {'; '.join(e.problems)}" for e in lost))
     else:
-        print("\n  OK: nothing committed was lost; every restart restored exactly the state saved")
+        print(
+            "\n  OK: nothing committed was lost; every restart restored exactly the state saved at a step "
+            "no older than the newest committed one, and finite"
+        )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
