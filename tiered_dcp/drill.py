@@ -5,10 +5,14 @@ nodes (``{node}`` paths, ``replication_factor=2``), saving every step with
 ``dcp.async_save`` to a RAM tier, every 3rd to an SSD tier and every 5th to a bucket: a
 fake-gcs-server behind a fault proxy (``fakegcs``) where it is installed, else a shared
 directory. Every restart resumes with ``load_latest``. Every few seconds of training it
-injects one fault, the kinds taken in a shuffled cycle so that a short drill sees each:
+injects one fault, the kinds taken in a shuffled cycle, each kind once at least:
 
 - ``kill``: one rank SIGKILLed (mid-step or mid-save, wherever it is); the job is stopped
   and restarted, as torchrun would;
+- ``kill-save``: one rank SIGKILLs itself 0-50 ms into a save, the save still in flight;
+  the others are left to fail by themselves and their error (type and first line, and what
+  became of their own save in flight) is reported; a root that committed the save must hold
+  it whole (``verify``); the job restarts;
 - ``wipe``: a node lost: both ranks killed, the node's writer process killed, its RAM and
   SSD roots and its runtime directory removed; the job restarts;
 - ``flip``: the job crashes and a byte is flipped in the newest committed step's part on
@@ -19,7 +23,7 @@ injects one fault, the kinds taken in a shuffled cycle so that a short drill see
 
 What must hold, and is reported: after every restart the job resumes from a step no older
 than the newest step it had committed (the newest whose save returned on every rank, and the
-bucket's newest), and every rank's restored state is exactly the state saved at that step
+bucket's newest), every rank's restored state is exactly the state saved at that step
 (hashes logged before each save) and finite. A restart that restores a wrong or non-finite
 state with no error and no warning naming the step it restored is a *silent escape*, counted
 on its own (``silent escapes: N``). The report gives each fault's recovery time (fault to
@@ -45,13 +49,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from concurrent.futures import Future
+
     from .config import TieredConfig
 
 WORLD = 2  # ranks, one per simulated node
 HIDDEN = 256
-FAULTS = ("kill", "wipe", "flip", "outage")
+FAULTS = ("kill", "kill-save", "wipe", "flip", "outage")
+PAUSE = (2.0, 5.0)  # seconds of training between faults, drawn in this range
 RESUME_TIMEOUT = 180.0  # seconds a restarted job may take to restore its state
-_OWN_FILES = ("stop", "progress.", "truth.", "steps.", "resume.", "stderr.", "tiers.toml", "fake-gcs-server")
+COMMAND_TIMEOUT = 60.0  # seconds the job may take to carry out a command
+SURVIVOR_TIMEOUT = 60.0  # seconds the ranks left may take to fail once a peer died mid-save
+_OWN_FILES = (
+    *("stop", "progress.", "truth.", "steps.", "resume.", "stderr.", "tiers.toml", "fake-gcs-server"),
+    *("command.json", "killed.", "error."),
+)
 
 
 # ----------------------------------------------------------------------------- config
@@ -90,7 +103,7 @@ def write_config(workdir: str, ram: str, bucket: str, storage_options: dict) -> 
 
 def worker(args: argparse.Namespace) -> None:
     """Resume from the newest step that loads (``load_latest``), then train and save until told
-    to stop."""
+    to stop, carrying out the operator's commands (``command.json``) on the way."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -134,28 +147,78 @@ def worker(args: argparse.Namespace) -> None:
     (d / f"resume.{args.attempt}.rank{rank}.json").write_text(json.dumps(report))
     pending = None
     step = start
-    while not (d / "stop").exists():
-        step += 1
-        _train_step(model, opt, step)
-        sd = _state(model, opt, step)
-        with open(d / f"truth.rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
-        t = time.perf_counter()
+    cmd: dict | None = None
+    doing = "training"
+    try:
+        while not (d / "stop").exists():
+            step += 1
+            doing = f"training step {step}"
+            _train_step(model, opt, step)
+            cmd = cmd or _agreed_command(d)
+            sd = _state(model, opt, step)
+            with open(d / f"truth.rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
+            t = time.perf_counter()
+            if pending is not None:
+                doing = f"waiting for save {step - 1}"
+                pending.result()  # save N is committed before save N+1 starts
+            doing = f"starting save {step}"
+            fut = dcp.async_save(sd, storage_writer=TieredWriter(cfg, step=step), process_group=ckpt_pg)
+            stall = time.perf_counter() - t
+            pending = fut
+            tmp = d / f".progress.rank{rank}.tmp"  # replaced whole: a reader never sees it empty
+            tmp.write_text(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
+            os.replace(tmp, d / f"progress.rank{rank}")
+            with open(d / f"steps.rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), "stall": stall}) + "\n")
+            if cmd is not None and cmd["do"] == "kill" and rank == cmd["rank"]:
+                time.sleep(cmd["delay"])
+                if not fut.done():  # mid-save: this rank dies with its save in flight
+                    _write_json(d / f"killed.{args.attempt}.json", {"step": step, "delay": cmd["delay"]})
+                    os.kill(os.getpid(), signal.SIGKILL)
         if pending is not None:
-            pending.result()  # save N is committed before save N+1 starts
-        fut = dcp.async_save(sd, storage_writer=TieredWriter(cfg, step=step), process_group=ckpt_pg)
-        stall = time.perf_counter() - t
-        pending = fut
-        tmp = d / f".progress.rank{rank}.tmp"  # replaced whole: a reader never sees it empty
-        tmp.write_text(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
-        os.replace(tmp, d / f"progress.rank{rank}")
-        with open(d / f"steps.rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "time": time.time(), "stall": stall}) + "\n")
-    if pending is not None:
-        pending.result()
+            doing = f"waiting for save {step}"
+            pending.result()
+    except BaseException as e:  # a peer died: what this rank saw goes in the report
+        error = {"error": _first_line(e), "during": doing, "save": _outcome(pending, cfg.peer_timeout + 5)}
+        _write_json(d / f"error.{args.attempt}.rank{rank}.json", error)
+        raise
     shutdown(wait=False)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp")  # replaced whole: a reader never sees it half-written
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception as its qualified type and the first line of its message."""
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__module__}.{type(e).__qualname__}: {lines[0]}"
+
+
+def _outcome(save: Future | None, timeout: float) -> str:
+    """What became of a save in flight when its rank failed (waiting up to ``timeout`` s)."""
+    if save is None:
+        return "none in flight"
+    try:
+        e = save.exception(timeout=timeout)
+    except TimeoutError:
+        return f"still in flight {timeout:.0f} s later"
+    return "it completed" if e is None else f"it failed: {_first_line(e)}"
+
+
+def _agreed_command(d: Path) -> dict | None:
+    """The operator's command, seen by every rank at the same step (one MAX over the ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    seen = torch.tensor([int((d / "command.json").exists())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return json.loads((d / "command.json").read_text()) if seen.item() else None
 
 
 def _keep_warnings() -> list[str]:
@@ -224,6 +287,7 @@ class Event:
     match: bool | None = None
     finite: bool | None = None  # the restored state holds no NaN/Inf, on every rank
     warnings: list[str] = field(default_factory=list)  # what the library said while resuming
+    errors: list[str] = field(default_factory=list)  # what the ranks that survived a kill raised
     # a wrong or non-finite state restored without a word: no error, and no warning naming that step
     silent: bool = False
     recovery_s: float | None = None  # fault to state restored (restart included)
@@ -263,8 +327,16 @@ class DrillReport:
 
 
 class Drill:
-    def __init__(self, workdir: str, ram: str, seconds: float, seed: int, faults: list[str]) -> None:
-        self.dir, self.ram, self.seconds = workdir, ram, seconds
+    def __init__(
+        self,
+        workdir: str,
+        ram: str,
+        seconds: float,
+        seed: int,
+        faults: list[str],
+        pause: tuple[float, float] = PAUSE,
+    ) -> None:
+        self.dir, self.ram, self.seconds, self.pause = workdir, ram, seconds, pause
         self.rng = random.Random(seed)
         self.faults = faults
         self.procs: list[subprocess.Popen] = []
@@ -327,12 +399,28 @@ class Drill:
         for p in self.procs:
             p.wait()
 
-    def died(self) -> str | None:
+    def died(self, ranks: list[int] | None = None) -> str | None:
         for r, p in enumerate(self.procs):
-            if p.poll() is not None:
+            if p.poll() is not None and (ranks is None or r in ranks):
                 err = Path(f"{self.dir}/stderr.{self.attempt}.rank{r}").read_text(errors="replace")
                 return f"rank {r} exited with {p.returncode} unasked:\n{err[-3000:]}"
         return None
+
+    def wait(self, event: Event, done: Callable[[], bool], what: str, ranks: list[int] | None = None) -> bool:
+        """Wait until ``done()``; False, with the problem in ``event``, if one of ``ranks`` (default:
+        all) died unasked first or ``COMMAND_TIMEOUT`` passed."""
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not done():
+            why = self.died(ranks)
+            if why or time.monotonic() > deadline:
+                event.problems.append(why or f"the job did not {what} within {COMMAND_TIMEOUT:.0f} s")
+                return False
+            time.sleep(0.02)
+        return True
+
+    def command(self, cmd: dict) -> None:
+        """Tell the ranks what to do (``worker``): every rank sees it at the same step."""
+        _write_json(Path(self.dir) / "command.json", cmd)
 
     def progress(self, rank: int) -> int:
         try:
@@ -384,6 +472,7 @@ class Drill:
             event.problems.append(f"the state restored at step {event.resumed} holds NaN/Inf")
 
     def restart(self, event: Event, fault_time: float) -> None:
+        Path(self.dir, "command.json").unlink(missing_ok=True)  # done with: the new job does not see it
         self.attempt += 1
         self.launch()
         self.wait_resumed(event, fault_time)
@@ -395,6 +484,66 @@ class Drill:
         event.detail = f"rank {victim} SIGKILLed at step {self.progress(victim)}"
         fault_time = time.time()
         self.crash(first=victim)
+        event.expected = self.committed()
+        self.restart(event, fault_time)
+
+    def fault_kill_save(self, event: Event) -> None:
+        """A rank SIGKILLs itself while its save is in flight; the others fail by themselves."""
+        from .verify import verify_step
+
+        victim = self.rng.randrange(WORLD)
+        others = [r for r in range(WORLD) if r != victim]
+        delay = round(self.rng.uniform(0.0, 0.05), 3)
+        fault_time = time.time()
+        self.command({"do": "kill", "rank": victim, "delay": delay})
+        if not self.wait(
+            event, lambda: self.procs[victim].poll() is not None, "kill a rank mid-save", others
+        ):
+            self.crash()
+            return
+        killed = Path(f"{self.dir}/killed.{self.attempt}.json")
+        if not killed.exists():
+            event.problems.append(self.died([victim]) or f"rank {victim} died, not by the drill's kill")
+            self.crash()
+            return
+        step = json.loads(killed.read_text())["step"]
+        deadline = time.monotonic() + SURVIVOR_TIMEOUT
+        while any(self.procs[r].poll() is None for r in others) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        waited = time.monotonic() - deadline + SURVIVOR_TIMEOUT
+        hung = [r for r in others if self.procs[r].poll() is None]
+        self.crash()  # torchrun stops what is left
+        for r in others:
+            path = Path(f"{self.dir}/error.{self.attempt}.rank{r}.json")
+            if path.exists():
+                e = json.loads(path.read_text())
+                event.errors.append(f"rank {r}, {e['during']}: {e['error']}")
+                event.errors.append(f"rank {r}, its save in flight: {e['save']}")
+            elif r not in hung:
+                event.problems.append(f"rank {r} exited ({self.procs[r].returncode}) with no error recorded")
+        event.detail = (
+            f"rank {victim} SIGKILLed {delay * 1000:.0f} ms into save {step}, still in flight; "
+            + (
+                f"rank(s) {hung} still running {waited:.1f} s later"
+                if hung
+                else f"the others failed and exited within {waited:.1f} s"
+            )
+        )
+        if hung:
+            event.problems.append(
+                f"rank(s) {hung} did not fail within {SURVIVOR_TIMEOUT:.0f} s of their peer's death"
+            )
+        # nothing half-written may be reported committed: a root that committed it must hold it whole
+        checks = [c for node in range(WORLD) for c in verify_step(self.cfg, step, node, node)]
+        bad = [f"tier {c.tier_index}: {'; '.join(c.problems)}" for c in checks if not c.ok]
+        committed = sorted({c.tier_index for c in checks})
+        event.detail += (
+            f"; save {step} committed on tier(s) {committed} (verified whole)"
+            if committed
+            else (f"; save {step} committed nowhere")
+        )
+        if bad:
+            event.problems.append(f"save {step} is committed but not whole: {' | '.join(bad)}")
         event.expected = self.committed()
         self.restart(event, fault_time)
 
@@ -433,12 +582,7 @@ class Drill:
             return
         step = steps[-1]
         path = Path(self.cfg.tiers[0].root(0, 0)) / part_key(self.cfg.namespace, step, 0)
-        with open(path, "r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(size // 2)
-            b = f.read(1)
-            f.seek(size // 2)
-            f.write(bytes([b[0] ^ 0xFF]))
+        size = os.path.getsize(_flip(path))
         checks = verify_step(self.cfg, step, 0, 0)
         seen = any(not c.ok for c in checks if c.tier_index == 0)
         event.detail = (
@@ -511,8 +655,9 @@ class Drill:
                 events.append(first)
                 return self.report(events, bucket)
             self.t0 = time.monotonic()  # the faults' clock starts once the job trains
-            while not events or time.monotonic() - self.t0 < self.seconds:  # one fault at least
-                pause = time.monotonic() + self.rng.uniform(2, 5)
+            ran: set[str] = set()
+            while time.monotonic() - self.t0 < self.seconds or not ran.issuperset(self.faults):
+                pause = time.monotonic() + self.rng.uniform(*self.pause)
                 while time.monotonic() < pause:
                     why = self.died()
                     if why:
@@ -522,8 +667,9 @@ class Drill:
                 if not cycle:
                     cycle = self.rng.sample(self.faults, len(self.faults))
                 event = Event(cycle.pop(), round(time.monotonic() - self.t0, 1))
-                getattr(self, f"fault_{event.fault}")(event)
+                getattr(self, f"fault_{event.fault.replace('-', '_')}")(event)
                 events.append(event)
+                ran.add(event.fault)
                 _print_event(event)
                 if any(e.problems for e in events if e.fault != "outage" and e.resumed is None):
                     break  # the job is not running: nothing more to drill
@@ -547,6 +693,17 @@ class Drill:
         return DrillReport(round(time.monotonic() - self.t0, 1), steps, events, bucket, self.notes)
 
 
+def _flip(path: Path) -> Path:
+    """Flip the bits of the byte in the middle of the file at ``path``."""
+    with open(path, "r+b") as f:
+        middle = f.seek(0, os.SEEK_END) // 2
+        f.seek(middle)
+        b = f.read(1)
+        f.seek(middle)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return path
+
+
 def _free_port() -> int:
     import socket
 
@@ -559,7 +716,9 @@ def _print_event(e: Event) -> None:
     verdict = "LOST: " + "; ".join(e.problems) if e.problems else "ok"
     if e.silent:
         verdict = "SILENT ESCAPE (a wrong or non-finite state restored without a word); " + verdict
-    line = f"  [{e.at:6.1f}s] {e.fault:<6} {e.detail}"
+    line = f"  [{e.at:6.1f}s] {e.fault:<9} {e.detail}"
+    for err in e.errors:
+        line += f"\n           survivor: {_clip(err, 160)}"
     if e.resumed is not None:
         line += (
             f"\n           resumed from step {e.resumed} (committed: {e.expected}) off tier(s) {e.tiers}, "
@@ -580,10 +739,15 @@ def _clip(text: str, width: int = 240) -> str:
 
 
 def run_drill(
-    seconds: float, workdir: str | None = None, seed: int | None = None, faults: list[str] | None = None
+    seconds: float,
+    workdir: str | None = None,
+    seed: int | None = None,
+    faults: list[str] | None = None,
+    pause: tuple[float, float] = PAUSE,
 ) -> DrillReport:
-    """Run the drill for ``seconds`` of faults and return its report (``report.ok``: nothing lost,
-    no silent escape)."""
+    """Run the drill for ``seconds`` of faults, each kind once at least, and return its report
+    (``report.ok``: nothing lost, no silent escape). ``pause``: seconds of training between
+    faults, drawn in this range."""
     from . import runtime
     from .api import writer_status
     from .jobconfig import load_job_config
@@ -602,7 +766,7 @@ def run_drill(
     ram = f"{workdir}/ram"
     if own_dir and os.access("/dev/shm", os.W_OK):
         ram = tempfile.mkdtemp(prefix="tiered-dcp-drill-", dir="/dev/shm")
-    drill = Drill(workdir, ram, seconds, seed, faults)
+    drill = Drill(workdir, ram, seconds, seed, faults, pause)
     for bucket in ("gs://drill/ckpt", f"{workdir}/bucket"):  # a previous drill's queues and records
         jd = runtime.job_dir(load_job_config(write_config(workdir, ram, bucket, {})))
         if not any(runtime.writer_running(rd) for rd in jd.glob("rank_*")):
@@ -643,12 +807,12 @@ def print_report(report: DrillReport) -> None:
         if es:
             rec = sorted(e.recovery_s for e in es)  # type: ignore[type-var]
             print(
-                f"    {kind:<6} x{len(es)}: recovery {rec[0]:.1f}-{rec[-1]:.1f} s (fault to state restored)"
+                f"    {kind:<9} x{len(es)}: recovery {rec[0]:.1f}-{rec[-1]:.1f} s (fault to state restored)"
             )
     outages = sorted(e.recovery_s for e in faults if e.fault == "outage" and e.recovery_s is not None)
     if outages:
         print(
-            f"    outage x{len(outages)}: a newer step committed on the bucket "
+            f"    outage    x{len(outages)}: a newer step committed on the bucket "
             f"{outages[0]:.1f}-{outages[-1]:.1f} s after"
         )
     for note in report.notes:
