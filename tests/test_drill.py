@@ -1,5 +1,5 @@
-"""A short failure drill: real SIGKILLs (one mid-save), a node wiped, flipped bytes, a bucket
-outage; and no silent escape."""
+"""A short failure drill: real SIGKILLs (one mid-save), a node wiped, flipped bytes, the newest
+step's every copy damaged, NaN saved, a bucket outage; and no silent escape."""
 
 import json
 import subprocess
@@ -18,10 +18,18 @@ def test_a_short_drill_loses_nothing_and_lets_nothing_escape(tmp_path, capsys):
         if e.fault == "outage":
             assert e.recovery_s is not None  # a newer step committed on the bucket afterwards
         else:
-            assert e.resumed is not None and e.resumed >= e.expected and e.match and e.recovery_s > 0
-            assert e.finite and not e.silent
+            assert e.resumed is not None and e.resumed >= e.expected and e.recovery_s > 0
+            assert e.match and e.finite and not e.silent
     by_kind = {kind: [e for e in faults if e.fault == kind] for kind in FAULTS}
     assert all("verify saw it: True" in e.detail for e in by_kind["flip"])
+    for e in by_kind["damage"]:  # the step the drill destroyed is passed over, said so, quarantined
+        (step,) = e.unloadable
+        assert e.expected < step and e.resumed < step and "quarantined: True" in e.detail
+        assert any(f"passing over step {step}" in w for w in e.warnings)
+    for e in by_kind["nan"]:  # the NaN step is saved marked and passed over for the step before it
+        (step,) = e.unloadable
+        assert e.resumed == e.expected == step - 1 and "marked non-finite" in e.detail
+        assert any(f"passing over step {step}: non-finite" in w for w in e.warnings)
     for e in by_kind["kill-save"]:  # the survivor's own error is in the report
         assert "still in flight" in e.detail and e.errors
         assert all("Error" in err or "Exception" in err for err in e.errors)

@@ -18,16 +18,26 @@ injects one fault, the kinds taken in a shuffled cycle, each kind once at least:
 - ``flip``: the job crashes and a byte is flipped in the newest committed step's part on
   node 0's RAM tier; ``verify`` must see the damage and the restart must still load the
   step's exact state (from a replica or a slower tier);
+- ``damage``: the job halts after saving a step that only the RAM tier takes and crashes; a
+  byte is flipped in every copy of one rank's part of it (its own and its clique replica),
+  or of its metadata on every root; the restart must load the step before it, say so, and
+  quarantine the damaged one;
+- ``nan``: a weight of one rank is set to NaN before a save; the step is saved (marked
+  non-finite, ``on_nonfinite="mark"``), the job crashes; the restart must load the newest
+  finite step and train on from it;
 - ``outage``: the bucket answers every request with 503 for a few seconds while training
   goes on; afterwards a newer step must commit on the bucket.
 
 What must hold, and is reported: after every restart the job resumes from a step no older
 than the newest step it had committed (the newest whose save returned on every rank, and the
 bucket's newest), every rank's restored state is exactly the state saved at that step
-(hashes logged before each save) and finite. A restart that restores a wrong or non-finite
-state with no error and no warning naming the step it restored is a *silent escape*, counted
-on its own (``silent escapes: N``). The report gives each fault's recovery time (fault to
-state restored) and load time, and what a bucket outage did to the loop.
+(hashes logged before each save) and finite. A step the drill itself made unloadable (every
+copy damaged, or saved holding NaN) is no step the library promised: it is not expected,
+not counted as lost, and listed apart; resuming from it is a failure. A restart that restores
+a wrong or non-finite state with no error and no warning naming the step it restored is a
+*silent escape*, counted on its own (``silent escapes: N``). The report gives each fault's
+recovery time (fault to state restored) and load time, and what a bucket outage did to the
+loop.
 """
 
 from __future__ import annotations
@@ -49,21 +59,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Collection
     from concurrent.futures import Future
 
     from .config import TieredConfig
+    from .storage.format import Marker
 
 WORLD = 2  # ranks, one per simulated node
 HIDDEN = 256
-FAULTS = ("kill", "kill-save", "wipe", "flip", "outage")
+FAULTS = ("kill", "kill-save", "wipe", "flip", "damage", "nan", "outage")
 PAUSE = (2.0, 5.0)  # seconds of training between faults, drawn in this range
 RESUME_TIMEOUT = 180.0  # seconds a restarted job may take to restore its state
-COMMAND_TIMEOUT = 60.0  # seconds the job may take to carry out a command
+COMMAND_TIMEOUT = 60.0  # seconds the job may take to carry out a command (halt after a save...)
 SURVIVOR_TIMEOUT = 60.0  # seconds the ranks left may take to fail once a peer died mid-save
 _OWN_FILES = (
     *("stop", "progress.", "truth.", "steps.", "resume.", "stderr.", "tiers.toml", "fake-gcs-server"),
-    *("command.json", "killed.", "error."),
+    *("command.json", "halted.", "killed.", "error."),
 )
 
 
@@ -141,6 +152,7 @@ def worker(args: argparse.Namespace) -> None:
             load_s=time.perf_counter() - t0,
             match=sd["step"] == start and _truth(d, rank).get(start) == _state_hash(restored),
             finite=_finite(restored),
+            quarantined=_quarantined(cfg, rank),
         )
     report["warnings"] = list(warned)  # what the library said while resuming
     report["time"] = time.time()
@@ -155,6 +167,12 @@ def worker(args: argparse.Namespace) -> None:
             doing = f"training step {step}"
             _train_step(model, opt, step)
             cmd = cmd or _agreed_command(d)
+            halt = cmd is not None and cmd["do"] in ("nan", "halt")
+            if halt and cmd["do"] == "halt" and cfg.tiers_for(step) != [0]:
+                halt = False  # "halt" waits for a step that only the first tier takes
+            if halt and cmd["do"] == "nan" and rank == cmd["rank"]:
+                with torch.no_grad():  # the training state goes bad on this rank
+                    next(iter(model.parameters())).to_local().view(-1)[0] = float("nan")
             sd = _state(model, opt, step)
             with open(d / f"truth.rank{rank}.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
@@ -176,6 +194,13 @@ def worker(args: argparse.Namespace) -> None:
                 if not fut.done():  # mid-save: this rank dies with its save in flight
                     _write_json(d / f"killed.{args.attempt}.json", {"step": step, "delay": cmd["delay"]})
                     os.kill(os.getpid(), signal.SIGKILL)
+            if halt:
+                doing = f"waiting for save {step}"
+                fut.result()
+                pending = None
+                _write_json(d / f"halted.{args.attempt}.rank{rank}.json", {"step": step})
+                while not (d / "stop").exists():  # the operator crashes the job here
+                    time.sleep(0.05)
         if pending is not None:
             doing = f"waiting for save {step}"
             pending.result()
@@ -271,6 +296,22 @@ def _load_tiers(cfg: TieredConfig, rank: int, step: int) -> list[int]:
     return loads[-1].get("tiers", []) if loads else []
 
 
+def _quarantined(cfg: TieredConfig, rank: int) -> list[list]:
+    """[step, ident] of the quarantine marks in this rank's own root of each node-local tier."""
+    from .catalog import TierView
+    from .config import node_of
+    from .storage.format import parse_quarantine
+
+    marks = set()
+    for i, tier in enumerate(cfg.tiers):
+        if not tier.is_shared:
+            for name in TierView(cfg, i, node_of(rank), rank).own.list(cfg.namespace):
+                mark = parse_quarantine(name)
+                if mark is not None:
+                    marks.add(mark)
+    return [[s, f"{ident:016x}"] for s, ident in sorted(marks)]
+
+
 # ----------------------------------------------------------------------------- launcher
 
 
@@ -281,7 +322,10 @@ class Event:
     fault: str
     at: float  # seconds into the drill
     detail: str = ""
-    expected: int | None = None  # the newest committed step before the fault
+    expected: int | None = None  # the newest committed step before the fault, but for `unloadable`
+    # steps the drill itself made unloadable (every copy damaged, or saved holding NaN): no
+    # promise of the library's covers them, so they are not expected, and not counted as lost
+    unloadable: dict[int, str] = field(default_factory=dict)
     resumed: int | None = None
     tiers: list[int] = field(default_factory=list)  # holding the step complete when it was loaded
     match: bool | None = None
@@ -341,6 +385,7 @@ class Drill:
         self.faults = faults
         self.procs: list[subprocess.Popen] = []
         self.attempt = 0
+        self.reports: list[dict] = []  # the ranks' resume reports of the last restart
         self.emulator = self.proxy = None
         self.notes: list[str] = []
         self.t0 = time.monotonic()
@@ -422,19 +467,43 @@ class Drill:
         """Tell the ranks what to do (``worker``): every rank sees it at the same step."""
         _write_json(Path(self.dir) / "command.json", cmd)
 
+    def halted(self, event: Event) -> int | None:
+        """Wait until every rank has halted after the save its command asked for; that step."""
+        paths = [Path(f"{self.dir}/halted.{self.attempt}.rank{r}.json") for r in range(WORLD)]
+        if not self.wait(event, lambda: all(p.exists() for p in paths), "halt after a save"):
+            return None
+        steps = {json.loads(p.read_text())["step"] for p in paths}
+        if len(steps) > 1:
+            event.problems.append(f"the ranks halted after different saves {sorted(steps)}")
+        return min(steps)
+
     def progress(self, rank: int) -> int:
         try:
             return int(Path(f"{self.dir}/progress.rank{rank}").read_text() or 0)
         except (OSError, ValueError):
             return 0
 
-    def committed(self) -> int:
-        """The newest step whose save returned on every rank (0: none), or the bucket's newest."""
+    def committed(self, passed: Collection[int] = ()) -> int:
+        """The newest step whose save returned on every rank (0: none), or the bucket's newest;
+        ``passed``: steps not to count (the drill made them unloadable itself)."""
         from .api import status
 
         saved = min(self.progress(r) for r in range(WORLD)) - 1
-        bucket = [r.step for r in status(self.cfg) if r.tier_index == 2 and r.state == "committed"]
+        while saved in passed:
+            saved -= 1  # saves are sequential: the one before was committed too
+        bucket = [
+            r.step
+            for r in status(self.cfg)
+            if r.tier_index == 2 and r.state == "committed" and r.step not in passed
+        ]
         return max([saved, *bucket, 0])
+
+    def marker(self, step: int) -> Marker | None:
+        """``step``'s commit marker on node 0's RAM tier."""
+        from .catalog import TierView
+
+        view = TierView(self.cfg, 0, 0, 0)
+        return view.read_marker(view.own, step)
 
     def wait_resumed(self, event: Event, fault_time: float) -> None:
         """Wait for every rank's resume report of this attempt; check it against ``event.expected``."""
@@ -446,7 +515,7 @@ class Drill:
                 event.problems.append(why or f"the restarted job did not resume in {RESUME_TIMEOUT:.0f} s")
                 return
             time.sleep(0.05)
-        reports = [json.loads(p.read_text()) for p in paths]
+        reports = self.reports = [json.loads(p.read_text()) for p in paths]
         event.resumed = min(r["step"] for r in reports)
         event.tiers = sorted({t for r in reports for t in r.get("tiers", [])})
         event.match = all(r.get("match", r["step"] == 0) for r in reports)
@@ -466,6 +535,9 @@ class Drill:
             event.problems.append(
                 f"resumed from step {event.resumed}, older than committed step {event.expected}"
             )
+        if event.resumed in event.unloadable:
+            why = event.unloadable[event.resumed]
+            event.problems.append(f"resumed from step {event.resumed}, which cannot load right ({why})")
         if not event.match:
             event.problems.append(f"the state restored at step {event.resumed} differs from the one saved")
         if not event.finite:
@@ -546,6 +618,62 @@ class Drill:
             event.problems.append(f"save {step} is committed but not whole: {' | '.join(bad)}")
         event.expected = self.committed()
         self.restart(event, fault_time)
+
+    def fault_nan(self, event: Event) -> None:
+        """The state goes NaN on one rank; that step is saved (marked), then the job crashes."""
+        victim = self.rng.randrange(WORLD)
+        fault_time = time.time()
+        self.command({"do": "nan", "rank": victim})
+        step = self.halted(event)
+        self.crash()
+        if step is None:
+            return
+        marker = self.marker(step)
+        marked = marker is not None and not marker.finite
+        event.unloadable = {step: f"saved holding NaN on rank {victim}"}
+        event.detail = (
+            f"a weight of rank {victim} set to NaN before save {step}; the save committed "
+            f"({'marked non-finite' if marked else 'NOT marked non-finite'}), then the job crashed"
+        )
+        if not marked:
+            event.problems.append(f"step {step}'s commit marker does not mark it non-finite")
+        event.expected = self.committed(passed=event.unloadable)
+        self.restart(event, fault_time)
+
+    def fault_damage(self, event: Event) -> None:
+        """Every copy of a part (or the metadata) of the newest step, on the RAM tier only, damaged."""
+        from .storage.format import metadata_key, part_key
+
+        fault_time = time.time()
+        self.command({"do": "halt"})  # after the next step that only the RAM tier takes
+        step = self.halted(event)
+        self.crash()
+        if step is None:
+            return
+        marker = self.marker(step)
+        victim = self.rng.randrange(WORLD)
+        what, key = self.rng.choice(
+            [
+                (f"rank {victim}'s part", part_key(self.cfg.namespace, step, victim)),
+                ("its metadata", metadata_key(self.cfg.namespace, step)),
+            ]
+        )
+        roots = [Path(self.cfg.tiers[0].root(n, n)) for n in range(WORLD)]
+        damaged = [_flip(root / key) for root in roots if (root / key).exists()]
+        event.unloadable = {step: f"every copy of {what} damaged by the drill"}
+        event.detail = (
+            f"step {step}, held by the RAM tier only: a byte flipped in each of the {len(damaged)} "
+            f"copies of {what}; the job crashed"
+        )
+        event.expected = self.committed(passed=event.unloadable)
+        self.restart(event, fault_time)
+        if event.resumed is None or marker is None:
+            return
+        marks = {(s, ident) for r in self.reports for s, ident in r.get("quarantined", [])}
+        quarantined = (step, f"{marker.metadata_xxh3:016x}") in marks
+        event.detail += f"; quarantined: {quarantined}"
+        if not quarantined:
+            event.problems.append(f"the damaged step {step} was not quarantined")
 
     def fault_wipe(self, event: Event) -> None:
         from . import runtime
@@ -721,8 +849,9 @@ def _print_event(e: Event) -> None:
         line += f"\n           survivor: {_clip(err, 160)}"
     if e.resumed is not None:
         line += (
-            f"\n           resumed from step {e.resumed} (committed: {e.expected}) off tier(s) {e.tiers}, "
-            f"state {'exact' if e.match else 'DIFFERENT'}"
+            f"\n           resumed from step {e.resumed} (committed: {e.expected}"
+            + "".join(f"; step {s} not counted: {why}" for s, why in e.unloadable.items())
+            + f") off tier(s) {e.tiers}, state {'exact' if e.match else 'DIFFERENT'}"
             + ("" if e.finite else " and NON-FINITE")
             + f"; recovered in {e.recovery_s:.1f} s (process start {e.boot_s:.1f} s, load {e.load_s:.2f} s)"
         )
@@ -815,6 +944,12 @@ def print_report(report: DrillReport) -> None:
             f"    outage    x{len(outages)}: a newer step committed on the bucket "
             f"{outages[0]:.1f}-{outages[-1]:.1f} s after"
         )
+    unloadable = {s: why for e in report.events for s, why in e.unloadable.items()}
+    if unloadable:
+        print(
+            "  steps the drill made unloadable itself, not counted as lost (restarts must pass them over): "
+            + "; ".join(f"step {s}: {why}" for s, why in unloadable.items())
+        )
     for note in report.notes:
         print(f"  note: {note}")
     print(f"\n  silent escapes: {report.silent_escapes}")
@@ -824,7 +959,7 @@ def print_report(report: DrillReport) -> None:
     else:
         print(
             "\n  OK: nothing committed was lost; every restart restored exactly the state saved at a step "
-            "no older than the newest committed one, and finite"
+            "no older than the newest committed one (but for the steps listed above), and finite"
         )
 
 
