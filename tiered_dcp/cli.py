@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     goodput.add_arguments(p)
     p.set_defaults(fn=lambda a: goodput.command(a, _config(a) if a.config or a.tiers else None))
     p = sub.add_parser(
-        "drill", help="train under random real faults for N minutes; report losses and recovery"
+        "drill", help="train under random real faults for N minutes; report losses, silent escapes, recovery"
     )
     drill.add_arguments(p)
     p.set_defaults(fn=drill.command)

@@ -4,24 +4,40 @@
 nodes (``{node}`` paths, ``replication_factor=2``), saving every step with
 ``dcp.async_save`` to a RAM tier, every 3rd to an SSD tier and every 5th to a bucket: a
 fake-gcs-server behind a fault proxy (``fakegcs``) where it is installed, else a shared
-directory. Every few seconds of training it injects one fault, the kinds taken in a
-shuffled cycle so that a short drill sees each:
+directory. Every restart resumes with ``load_latest``. Every few seconds of training it
+injects one fault, the kinds taken in a shuffled cycle, each kind once at least:
 
 - ``kill``: one rank SIGKILLed (mid-step or mid-save, wherever it is); the job is stopped
   and restarted, as torchrun would;
+- ``kill-save``: one rank SIGKILLs itself 0-50 ms into a save, the save still in flight;
+  the others are left to fail by themselves and their error (type and first line, and what
+  became of their own save in flight) is reported; a root that committed the save must hold
+  it whole (``verify``); the job restarts;
 - ``wipe``: a node lost: both ranks killed, the node's writer process killed, its RAM and
   SSD roots and its runtime directory removed; the job restarts;
 - ``flip``: the job crashes and a byte is flipped in the newest committed step's part on
   node 0's RAM tier; ``verify`` must see the damage and the restart must still load the
   step's exact state (from a replica or a slower tier);
+- ``damage``: the job halts after saving a step that only the RAM tier takes and crashes; a
+  byte is flipped in every copy of one rank's part of it (its own and its clique replica),
+  or of its metadata on every root; the restart must load the step before it, say so, and
+  quarantine the damaged one;
+- ``nan``: a weight of one rank is set to NaN before a save; the step is saved (marked
+  non-finite, ``on_nonfinite="mark"``), the job crashes; the restart must load the newest
+  finite step and train on from it;
 - ``outage``: the bucket answers every request with 503 for a few seconds while training
   goes on; afterwards a newer step must commit on the bucket.
 
 What must hold, and is reported: after every restart the job resumes from a step no older
 than the newest step it had committed (the newest whose save returned on every rank, and the
-bucket's newest), and every rank's restored state is exactly the state saved at that step
-(hashes logged before each save). The report gives each fault's recovery time (fault to
-state restored) and load time, and what a bucket outage did to the loop.
+bucket's newest), every rank's restored state is exactly the state saved at that step
+(hashes logged before each save) and finite. A step the drill itself made unloadable (every
+copy damaged, or saved holding NaN) is no step the library promised: it is not expected,
+not counted as lost, and listed apart; resuming from it is a failure. A restart that restores
+a wrong or non-finite state with no error and no warning naming the step it restored is a
+*silent escape*, counted on its own (``silent escapes: N``). The report gives each fault's
+recovery time (fault to state restored) and load time, and what a bucket outage did to the
+loop.
 """
 
 from __future__ import annotations
@@ -31,6 +47,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -39,12 +56,26 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Collection
+    from concurrent.futures import Future
+
+    from .config import TieredConfig
+    from .storage.format import Marker
 
 WORLD = 2  # ranks, one per simulated node
 HIDDEN = 256
-FAULTS = ("kill", "wipe", "flip", "outage")
+FAULTS = ("kill", "kill-save", "wipe", "flip", "damage", "nan", "outage")
+PAUSE = (2.0, 5.0)  # seconds of training between faults, drawn in this range
 RESUME_TIMEOUT = 180.0  # seconds a restarted job may take to restore its state
-_OWN_FILES = ("stop", "progress.", "truth.", "steps.", "resume.", "stderr.", "tiers.toml", "fake-gcs-server")
+COMMAND_TIMEOUT = 60.0  # seconds the job may take to carry out a command (halt after a save...)
+SURVIVOR_TIMEOUT = 60.0  # seconds the ranks left may take to fail once a peer died mid-save
+_OWN_FILES = (
+    *("stop", "progress.", "truth.", "steps.", "resume.", "stderr.", "tiers.toml", "fake-gcs-server"),
+    *("command.json", "halted.", "killed.", "error."),
+)
 
 
 # ----------------------------------------------------------------------------- config
@@ -82,14 +113,15 @@ def write_config(workdir: str, ram: str, bucket: str, storage_options: dict) -> 
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Resume from the newest complete step (if any), then train and save until told to stop."""
+    """Resume from the newest step that loads (``load_latest``), then train and save until told
+    to stop, carrying out the operator's commands (``command.json``) on the way."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import NoCheckpointError, TieredReader, TieredWriter, shutdown
+    from . import NoCheckpointError, TieredWriter, load_latest, shutdown
     from .demo import _build, _state, _state_hash, _train_step
     from .jobconfig import load_job_config
 
@@ -98,59 +130,186 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     cfg = load_job_config(args.config)
     d = Path(args.dir)
+    warned = _keep_warnings()
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, opt = _build(mesh, HIDDEN)
     _train_step(model, opt, 0)  # materialise optimizer state so there is something to load into
     report: dict = {"rank": rank, "attempt": args.attempt, "step": 0, "boot_s": time.time() - args.born}
     t0 = time.perf_counter()
-    try:
-        reader = TieredReader(cfg)
-    except NoCheckpointError:
-        reader = None
+    sd = _state(model, opt, -1)
     start = 0
-    if reader is not None:
-        sd = _state(model, opt, -1)
-        dcp.load(sd, storage_reader=reader)
+    try:
+        start = load_latest(sd, cfg)  # the resume call: the newest step that loads, every rank the same
+    except NoCheckpointError as e:
+        report["no_checkpoint"] = str(e).splitlines()[0]
+    if "no_checkpoint" not in report:
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        start = sd["step"]
-        truth = {}
-        with contextlib.suppress(FileNotFoundError), open(d / f"truth.rank{rank}.jsonl") as f:
-            for line in f:
-                rec = json.loads(line)
-                truth[rec["step"]] = rec["hash"]
+        restored = _state(model, opt, start)
         report.update(
             step=start,
-            tiers=reader.tiers,
+            tiers=_load_tiers(cfg, rank, start),
             load_s=time.perf_counter() - t0,
-            match=truth.get(start) == _state_hash(_state(model, opt, start)),
+            match=sd["step"] == start and _truth(d, rank).get(start) == _state_hash(restored),
+            finite=_finite(restored),
+            quarantined=_quarantined(cfg, rank),
         )
+    report["warnings"] = list(warned)  # what the library said while resuming
     report["time"] = time.time()
     (d / f"resume.{args.attempt}.rank{rank}.json").write_text(json.dumps(report))
     pending = None
     step = start
-    while not (d / "stop").exists():
-        step += 1
-        _train_step(model, opt, step)
-        sd = _state(model, opt, step)
-        with open(d / f"truth.rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
-        t = time.perf_counter()
+    cmd: dict | None = None
+    doing = "training"
+    try:
+        while not (d / "stop").exists():
+            step += 1
+            doing = f"training step {step}"
+            _train_step(model, opt, step)
+            cmd = cmd or _agreed_command(d)
+            halt = cmd is not None and cmd["do"] in ("nan", "halt")
+            if halt and cmd["do"] == "halt" and cfg.tiers_for(step) != [0]:
+                halt = False  # "halt" waits for a step that only the first tier takes
+            if halt and cmd["do"] == "nan" and rank == cmd["rank"]:
+                with torch.no_grad():  # the training state goes bad on this rank
+                    next(iter(model.parameters())).to_local().view(-1)[0] = float("nan")
+            sd = _state(model, opt, step)
+            with open(d / f"truth.rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
+            t = time.perf_counter()
+            if pending is not None:
+                doing = f"waiting for save {step - 1}"
+                pending.result()  # save N is committed before save N+1 starts
+            doing = f"starting save {step}"
+            fut = dcp.async_save(sd, storage_writer=TieredWriter(cfg, step=step), process_group=ckpt_pg)
+            stall = time.perf_counter() - t
+            pending = fut
+            tmp = d / f".progress.rank{rank}.tmp"  # replaced whole: a reader never sees it empty
+            tmp.write_text(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
+            os.replace(tmp, d / f"progress.rank{rank}")
+            with open(d / f"steps.rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), "stall": stall}) + "\n")
+            if cmd is not None and cmd["do"] == "kill" and rank == cmd["rank"]:
+                time.sleep(cmd["delay"])
+                if not fut.done():  # mid-save: this rank dies with its save in flight
+                    _write_json(d / f"killed.{args.attempt}.json", {"step": step, "delay": cmd["delay"]})
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if halt:
+                doing = f"waiting for save {step}"
+                fut.result()
+                pending = None
+                _write_json(d / f"halted.{args.attempt}.rank{rank}.json", {"step": step})
+                while not (d / "stop").exists():  # the operator crashes the job here
+                    time.sleep(0.05)
         if pending is not None:
-            pending.result()  # save N is committed before save N+1 starts
-        fut = dcp.async_save(sd, storage_writer=TieredWriter(cfg, step=step), process_group=ckpt_pg)
-        stall = time.perf_counter() - t
-        pending = fut
-        tmp = d / f".progress.rank{rank}.tmp"  # replaced whole: a reader never sees it empty
-        tmp.write_text(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
-        os.replace(tmp, d / f"progress.rank{rank}")
-        with open(d / f"steps.rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "time": time.time(), "stall": stall}) + "\n")
-    if pending is not None:
-        pending.result()
+            doing = f"waiting for save {step}"
+            pending.result()
+    except BaseException as e:  # a peer died: what this rank saw goes in the report
+        error = {"error": _first_line(e), "during": doing, "save": _outcome(pending, cfg.peer_timeout + 5)}
+        _write_json(d / f"error.{args.attempt}.rank{rank}.json", error)
+        raise
     shutdown(wait=False)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp")  # replaced whole: a reader never sees it half-written
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception as its qualified type and the first line of its message."""
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__module__}.{type(e).__qualname__}: {lines[0]}"
+
+
+def _outcome(save: Future | None, timeout: float) -> str:
+    """What became of a save in flight when its rank failed (waiting up to ``timeout`` s)."""
+    if save is None:
+        return "none in flight"
+    try:
+        e = save.exception(timeout=timeout)
+    except TimeoutError:
+        return f"still in flight {timeout:.0f} s later"
+    return "it completed" if e is None else f"it failed: {_first_line(e)}"
+
+
+def _agreed_command(d: Path) -> dict | None:
+    """The operator's command, seen by every rank at the same step (one MAX over the ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    seen = torch.tensor([int((d / "command.json").exists())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return json.loads((d / "command.json").read_text()) if seen.item() else None
+
+
+def _keep_warnings() -> list[str]:
+    """The library's warnings from now on, kept (and still printed to stderr)."""
+    import logging
+
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record.getMessage())
+
+    log = logging.getLogger("tiered_dcp")
+    log.addHandler(Keep(logging.WARNING))
+    log.addHandler(logging.StreamHandler())
+    return kept
+
+
+def _truth(d: Path, rank: int) -> dict[int, str]:
+    """step -> the hash of the state this rank saved at that step (its last save of it)."""
+    truth = {}
+    with contextlib.suppress(FileNotFoundError), open(d / f"truth.rank{rank}.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            truth[rec["step"]] = rec["hash"]
+    return truth
+
+
+def _finite(state: object) -> bool:
+    """Whether every floating tensor in ``state`` (this rank's shards) holds no NaN/Inf."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    return (
+        not isinstance(state, torch.Tensor) or not state.is_floating_point() or bool(state.isfinite().all())
+    )
+
+
+def _load_tiers(cfg: TieredConfig, rank: int, step: int) -> list[int]:
+    """The tiers holding ``step`` complete when this rank loaded it (the load's record)."""
+    from .records import read_records
+
+    loads = [
+        r for r in read_records(cfg, "load", tail_bytes=1 << 16) if (r["rank"], r["step"]) == (rank, step)
+    ]
+    return loads[-1].get("tiers", []) if loads else []
+
+
+def _quarantined(cfg: TieredConfig, rank: int) -> list[list]:
+    """[step, ident] of the quarantine marks in this rank's own root of each node-local tier."""
+    from .catalog import TierView
+    from .config import node_of
+    from .storage.format import parse_quarantine
+
+    marks = set()
+    for i, tier in enumerate(cfg.tiers):
+        if not tier.is_shared:
+            for name in TierView(cfg, i, node_of(rank), rank).own.list(cfg.namespace):
+                mark = parse_quarantine(name)
+                if mark is not None:
+                    marks.add(mark)
+    return [[s, f"{ident:016x}"] for s, ident in sorted(marks)]
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -163,10 +322,18 @@ class Event:
     fault: str
     at: float  # seconds into the drill
     detail: str = ""
-    expected: int | None = None  # the newest committed step before the fault
+    expected: int | None = None  # the newest committed step before the fault, but for `unloadable`
+    # steps the drill itself made unloadable (every copy damaged, or saved holding NaN): no
+    # promise of the library's covers them, so they are not expected, and not counted as lost
+    unloadable: dict[int, str] = field(default_factory=dict)
     resumed: int | None = None
-    tiers: list[int] = field(default_factory=list)  # read from on resume
+    tiers: list[int] = field(default_factory=list)  # holding the step complete when it was loaded
     match: bool | None = None
+    finite: bool | None = None  # the restored state holds no NaN/Inf, on every rank
+    warnings: list[str] = field(default_factory=list)  # what the library said while resuming
+    errors: list[str] = field(default_factory=list)  # what the ranks that survived a kill raised
+    # a wrong or non-finite state restored without a word: no error, and no warning naming that step
+    silent: bool = False
     recovery_s: float | None = None  # fault to state restored (restart included)
     load_s: float | None = None  # the load alone (slowest rank)
     boot_s: float | None = None  # process start to ready to load: imports, process group, model
@@ -186,23 +353,39 @@ class DrillReport:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def silent_escapes(self) -> int:
+        """Restarts that restored a wrong or non-finite state with no error and no warning
+        naming the step restored."""
+        return sum(e.silent for e in self.events)
+
+    @property
     def ok(self) -> bool:
-        return not any(e.lost for e in self.events)
+        return not any(e.lost for e in self.events) and not self.silent_escapes
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["ok"] = self.ok
+        d["silent_escapes"] = self.silent_escapes
         d["lost"] = [asdict(e) for e in self.events if e.lost]
         return d
 
 
 class Drill:
-    def __init__(self, workdir: str, ram: str, seconds: float, seed: int, faults: list[str]) -> None:
-        self.dir, self.ram, self.seconds = workdir, ram, seconds
+    def __init__(
+        self,
+        workdir: str,
+        ram: str,
+        seconds: float,
+        seed: int,
+        faults: list[str],
+        pause: tuple[float, float] = PAUSE,
+    ) -> None:
+        self.dir, self.ram, self.seconds, self.pause = workdir, ram, seconds, pause
         self.rng = random.Random(seed)
         self.faults = faults
         self.procs: list[subprocess.Popen] = []
         self.attempt = 0
+        self.reports: list[dict] = []  # the ranks' resume reports of the last restart
         self.emulator = self.proxy = None
         self.notes: list[str] = []
         self.t0 = time.monotonic()
@@ -261,12 +444,38 @@ class Drill:
         for p in self.procs:
             p.wait()
 
-    def died(self) -> str | None:
+    def died(self, ranks: list[int] | None = None) -> str | None:
         for r, p in enumerate(self.procs):
-            if p.poll() is not None:
+            if p.poll() is not None and (ranks is None or r in ranks):
                 err = Path(f"{self.dir}/stderr.{self.attempt}.rank{r}").read_text(errors="replace")
                 return f"rank {r} exited with {p.returncode} unasked:\n{err[-3000:]}"
         return None
+
+    def wait(self, event: Event, done: Callable[[], bool], what: str, ranks: list[int] | None = None) -> bool:
+        """Wait until ``done()``; False, with the problem in ``event``, if one of ``ranks`` (default:
+        all) died unasked first or ``COMMAND_TIMEOUT`` passed."""
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not done():
+            why = self.died(ranks)
+            if why or time.monotonic() > deadline:
+                event.problems.append(why or f"the job did not {what} within {COMMAND_TIMEOUT:.0f} s")
+                return False
+            time.sleep(0.02)
+        return True
+
+    def command(self, cmd: dict) -> None:
+        """Tell the ranks what to do (``worker``): every rank sees it at the same step."""
+        _write_json(Path(self.dir) / "command.json", cmd)
+
+    def halted(self, event: Event) -> int | None:
+        """Wait until every rank has halted after the save its command asked for; that step."""
+        paths = [Path(f"{self.dir}/halted.{self.attempt}.rank{r}.json") for r in range(WORLD)]
+        if not self.wait(event, lambda: all(p.exists() for p in paths), "halt after a save"):
+            return None
+        steps = {json.loads(p.read_text())["step"] for p in paths}
+        if len(steps) > 1:
+            event.problems.append(f"the ranks halted after different saves {sorted(steps)}")
+        return min(steps)
 
     def progress(self, rank: int) -> int:
         try:
@@ -274,13 +483,27 @@ class Drill:
         except (OSError, ValueError):
             return 0
 
-    def committed(self) -> int:
-        """The newest step whose save returned on every rank (0: none), or the bucket's newest."""
+    def committed(self, passed: Collection[int] = ()) -> int:
+        """The newest step whose save returned on every rank (0: none), or the bucket's newest;
+        ``passed``: steps not to count (the drill made them unloadable itself)."""
         from .api import status
 
         saved = min(self.progress(r) for r in range(WORLD)) - 1
-        bucket = [r.step for r in status(self.cfg) if r.tier_index == 2 and r.state == "committed"]
+        while saved in passed:
+            saved -= 1  # saves are sequential: the one before was committed too
+        bucket = [
+            r.step
+            for r in status(self.cfg)
+            if r.tier_index == 2 and r.state == "committed" and r.step not in passed
+        ]
         return max([saved, *bucket, 0])
+
+    def marker(self, step: int) -> Marker | None:
+        """``step``'s commit marker on node 0's RAM tier."""
+        from .catalog import TierView
+
+        view = TierView(self.cfg, 0, 0, 0)
+        return view.read_marker(view.own, step)
 
     def wait_resumed(self, event: Event, fault_time: float) -> None:
         """Wait for every rank's resume report of this attempt; check it against ``event.expected``."""
@@ -292,23 +515,36 @@ class Drill:
                 event.problems.append(why or f"the restarted job did not resume in {RESUME_TIMEOUT:.0f} s")
                 return
             time.sleep(0.05)
-        reports = [json.loads(p.read_text()) for p in paths]
+        reports = self.reports = [json.loads(p.read_text()) for p in paths]
         event.resumed = min(r["step"] for r in reports)
         event.tiers = sorted({t for r in reports for t in r.get("tiers", [])})
         event.match = all(r.get("match", r["step"] == 0) for r in reports)
+        event.finite = all(r.get("finite", True) for r in reports)
+        event.warnings = list(dict.fromkeys(w for r in reports for w in r.get("warnings", [])))
+        said = [w for w in event.warnings if re.search(rf"\bstep {event.resumed}\b", w)]
+        event.silent = not (event.match and event.finite) and not said  # no word on the step restored
         event.recovery_s = round(max(r["time"] for r in reports) - fault_time, 3)
         event.load_s = round(max(r.get("load_s", 0.0) for r in reports), 3)
         event.boot_s = round(max(r["boot_s"] for r in reports), 3)
         if len({r["step"] for r in reports}) > 1:
             event.problems.append(f"ranks resumed from different steps {[r['step'] for r in reports]}")
+        if event.expected and any("no_checkpoint" in r for r in reports):
+            why = next(r["no_checkpoint"] for r in reports if "no_checkpoint" in r)
+            event.problems.append(f"load_latest found nothing to load: {why}")
         if event.expected is not None and event.resumed < event.expected:
             event.problems.append(
                 f"resumed from step {event.resumed}, older than committed step {event.expected}"
             )
+        if event.resumed in event.unloadable:
+            why = event.unloadable[event.resumed]
+            event.problems.append(f"resumed from step {event.resumed}, which cannot load right ({why})")
         if not event.match:
             event.problems.append(f"the state restored at step {event.resumed} differs from the one saved")
+        if not event.finite:
+            event.problems.append(f"the state restored at step {event.resumed} holds NaN/Inf")
 
     def restart(self, event: Event, fault_time: float) -> None:
+        Path(self.dir, "command.json").unlink(missing_ok=True)  # done with: the new job does not see it
         self.attempt += 1
         self.launch()
         self.wait_resumed(event, fault_time)
@@ -322,6 +558,122 @@ class Drill:
         self.crash(first=victim)
         event.expected = self.committed()
         self.restart(event, fault_time)
+
+    def fault_kill_save(self, event: Event) -> None:
+        """A rank SIGKILLs itself while its save is in flight; the others fail by themselves."""
+        from .verify import verify_step
+
+        victim = self.rng.randrange(WORLD)
+        others = [r for r in range(WORLD) if r != victim]
+        delay = round(self.rng.uniform(0.0, 0.05), 3)
+        fault_time = time.time()
+        self.command({"do": "kill", "rank": victim, "delay": delay})
+        if not self.wait(
+            event, lambda: self.procs[victim].poll() is not None, "kill a rank mid-save", others
+        ):
+            self.crash()
+            return
+        killed = Path(f"{self.dir}/killed.{self.attempt}.json")
+        if not killed.exists():
+            event.problems.append(self.died([victim]) or f"rank {victim} died, not by the drill's kill")
+            self.crash()
+            return
+        step = json.loads(killed.read_text())["step"]
+        deadline = time.monotonic() + SURVIVOR_TIMEOUT
+        while any(self.procs[r].poll() is None for r in others) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        waited = time.monotonic() - deadline + SURVIVOR_TIMEOUT
+        hung = [r for r in others if self.procs[r].poll() is None]
+        self.crash()  # torchrun stops what is left
+        for r in others:
+            path = Path(f"{self.dir}/error.{self.attempt}.rank{r}.json")
+            if path.exists():
+                e = json.loads(path.read_text())
+                event.errors.append(f"rank {r}, {e['during']}: {e['error']}")
+                event.errors.append(f"rank {r}, its save in flight: {e['save']}")
+            elif r not in hung:
+                event.problems.append(f"rank {r} exited ({self.procs[r].returncode}) with no error recorded")
+        event.detail = (
+            f"rank {victim} SIGKILLed {delay * 1000:.0f} ms into save {step}, still in flight; "
+            + (
+                f"rank(s) {hung} still running {waited:.1f} s later"
+                if hung
+                else f"the others failed and exited within {waited:.1f} s"
+            )
+        )
+        if hung:
+            event.problems.append(
+                f"rank(s) {hung} did not fail within {SURVIVOR_TIMEOUT:.0f} s of their peer's death"
+            )
+        # nothing half-written may be reported committed: a root that committed it must hold it whole
+        checks = [c for node in range(WORLD) for c in verify_step(self.cfg, step, node, node)]
+        bad = [f"tier {c.tier_index}: {'; '.join(c.problems)}" for c in checks if not c.ok]
+        committed = sorted({c.tier_index for c in checks})
+        event.detail += (
+            f"; save {step} committed on tier(s) {committed} (verified whole)"
+            if committed
+            else (f"; save {step} committed nowhere")
+        )
+        if bad:
+            event.problems.append(f"save {step} is committed but not whole: {' | '.join(bad)}")
+        event.expected = self.committed()
+        self.restart(event, fault_time)
+
+    def fault_nan(self, event: Event) -> None:
+        """The state goes NaN on one rank; that step is saved (marked), then the job crashes."""
+        victim = self.rng.randrange(WORLD)
+        fault_time = time.time()
+        self.command({"do": "nan", "rank": victim})
+        step = self.halted(event)
+        self.crash()
+        if step is None:
+            return
+        marker = self.marker(step)
+        marked = marker is not None and not marker.finite
+        event.unloadable = {step: f"saved holding NaN on rank {victim}"}
+        event.detail = (
+            f"a weight of rank {victim} set to NaN before save {step}; the save committed "
+            f"({'marked non-finite' if marked else 'NOT marked non-finite'}), then the job crashed"
+        )
+        if not marked:
+            event.problems.append(f"step {step}'s commit marker does not mark it non-finite")
+        event.expected = self.committed(passed=event.unloadable)
+        self.restart(event, fault_time)
+
+    def fault_damage(self, event: Event) -> None:
+        """Every copy of a part (or the metadata) of the newest step, on the RAM tier only, damaged."""
+        from .storage.format import metadata_key, part_key
+
+        fault_time = time.time()
+        self.command({"do": "halt"})  # after the next step that only the RAM tier takes
+        step = self.halted(event)
+        self.crash()
+        if step is None:
+            return
+        marker = self.marker(step)
+        victim = self.rng.randrange(WORLD)
+        what, key = self.rng.choice(
+            [
+                (f"rank {victim}'s part", part_key(self.cfg.namespace, step, victim)),
+                ("its metadata", metadata_key(self.cfg.namespace, step)),
+            ]
+        )
+        roots = [Path(self.cfg.tiers[0].root(n, n)) for n in range(WORLD)]
+        damaged = [_flip(root / key) for root in roots if (root / key).exists()]
+        event.unloadable = {step: f"every copy of {what} damaged by the drill"}
+        event.detail = (
+            f"step {step}, held by the RAM tier only: a byte flipped in each of the {len(damaged)} "
+            f"copies of {what}; the job crashed"
+        )
+        event.expected = self.committed(passed=event.unloadable)
+        self.restart(event, fault_time)
+        if event.resumed is None or marker is None:
+            return
+        marks = {(s, ident) for r in self.reports for s, ident in r.get("quarantined", [])}
+        quarantined = (step, f"{marker.metadata_xxh3:016x}") in marks
+        event.detail += f"; quarantined: {quarantined}"
+        if not quarantined:
+            event.problems.append(f"the damaged step {step} was not quarantined")
 
     def fault_wipe(self, event: Event) -> None:
         from . import runtime
@@ -358,12 +710,7 @@ class Drill:
             return
         step = steps[-1]
         path = Path(self.cfg.tiers[0].root(0, 0)) / part_key(self.cfg.namespace, step, 0)
-        with open(path, "r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(size // 2)
-            b = f.read(1)
-            f.seek(size // 2)
-            f.write(bytes([b[0] ^ 0xFF]))
+        size = os.path.getsize(_flip(path))
         checks = verify_step(self.cfg, step, 0, 0)
         seen = any(not c.ok for c in checks if c.tier_index == 0)
         event.detail = (
@@ -436,8 +783,9 @@ class Drill:
                 events.append(first)
                 return self.report(events, bucket)
             self.t0 = time.monotonic()  # the faults' clock starts once the job trains
-            while not events or time.monotonic() - self.t0 < self.seconds:  # one fault at least
-                pause = time.monotonic() + self.rng.uniform(2, 5)
+            ran: set[str] = set()
+            while time.monotonic() - self.t0 < self.seconds or not ran.issuperset(self.faults):
+                pause = time.monotonic() + self.rng.uniform(*self.pause)
                 while time.monotonic() < pause:
                     why = self.died()
                     if why:
@@ -447,8 +795,9 @@ class Drill:
                 if not cycle:
                     cycle = self.rng.sample(self.faults, len(self.faults))
                 event = Event(cycle.pop(), round(time.monotonic() - self.t0, 1))
-                getattr(self, f"fault_{event.fault}")(event)
+                getattr(self, f"fault_{event.fault.replace('-', '_')}")(event)
                 events.append(event)
+                ran.add(event.fault)
                 _print_event(event)
                 if any(e.problems for e in events if e.fault != "outage" and e.resumed is None):
                     break  # the job is not running: nothing more to drill
@@ -472,6 +821,17 @@ class Drill:
         return DrillReport(round(time.monotonic() - self.t0, 1), steps, events, bucket, self.notes)
 
 
+def _flip(path: Path) -> Path:
+    """Flip the bits of the byte in the middle of the file at ``path``."""
+    with open(path, "r+b") as f:
+        middle = f.seek(0, os.SEEK_END) // 2
+        f.seek(middle)
+        b = f.read(1)
+        f.seek(middle)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return path
+
+
 def _free_port() -> int:
     import socket
 
@@ -482,22 +842,41 @@ def _free_port() -> int:
 
 def _print_event(e: Event) -> None:
     verdict = "LOST: " + "; ".join(e.problems) if e.problems else "ok"
-    line = f"  [{e.at:6.1f}s] {e.fault:<6} {e.detail}"
+    if e.silent:
+        verdict = "SILENT ESCAPE (a wrong or non-finite state restored without a word); " + verdict
+    line = f"  [{e.at:6.1f}s] {e.fault:<9} {e.detail}"
+    for err in e.errors:
+        line += f"\n           survivor: {_clip(err, 160)}"
     if e.resumed is not None:
         line += (
-            f"\n           resumed from step {e.resumed} (committed: {e.expected}) off tier(s) {e.tiers}, "
-            f"state {'exact' if e.match else 'DIFFERENT'}; "
-            f"recovered in {e.recovery_s:.1f} s (process start {e.boot_s:.1f} s, load {e.load_s:.2f} s)"
+            f"\n           resumed from step {e.resumed} (committed: {e.expected}"
+            + "".join(f"; step {s} not counted: {why}" for s, why in e.unloadable.items())
+            + f") off tier(s) {e.tiers}, state {'exact' if e.match else 'DIFFERENT'}"
+            + ("" if e.finite else " and NON-FINITE")
+            + f"; recovered in {e.recovery_s:.1f} s (process start {e.boot_s:.1f} s, load {e.load_s:.2f} s)"
         )
+        for w in e.warnings:
+            line += f"\n           the library warned: {_clip(w)}"
     elif e.recovery_s is not None:
         line += f"\n           a newer step committed on the bucket {e.recovery_s:.1f} s after the outage"
     print(f"{line}\n           {verdict}", flush=True)
 
 
+def _clip(text: str, width: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def run_drill(
-    seconds: float, workdir: str | None = None, seed: int | None = None, faults: list[str] | None = None
+    seconds: float,
+    workdir: str | None = None,
+    seed: int | None = None,
+    faults: list[str] | None = None,
+    pause: tuple[float, float] = PAUSE,
 ) -> DrillReport:
-    """Run the drill for ``seconds`` of faults and return its report (``report.ok``: nothing lost)."""
+    """Run the drill for ``seconds`` of faults, each kind once at least, and return its report
+    (``report.ok``: nothing lost, no silent escape). ``pause``: seconds of training between
+    faults, drawn in this range."""
     from . import runtime
     from .api import writer_status
     from .jobconfig import load_job_config
@@ -516,7 +895,7 @@ def run_drill(
     ram = f"{workdir}/ram"
     if own_dir and os.access("/dev/shm", os.W_OK):
         ram = tempfile.mkdtemp(prefix="tiered-dcp-drill-", dir="/dev/shm")
-    drill = Drill(workdir, ram, seconds, seed, faults)
+    drill = Drill(workdir, ram, seconds, seed, faults, pause)
     for bucket in ("gs://drill/ckpt", f"{workdir}/bucket"):  # a previous drill's queues and records
         jd = runtime.job_dir(load_job_config(write_config(workdir, ram, bucket, {})))
         if not any(runtime.writer_running(rd) for rd in jd.glob("rank_*")):
@@ -557,21 +936,31 @@ def print_report(report: DrillReport) -> None:
         if es:
             rec = sorted(e.recovery_s for e in es)  # type: ignore[type-var]
             print(
-                f"    {kind:<6} x{len(es)}: recovery {rec[0]:.1f}-{rec[-1]:.1f} s (fault to state restored)"
+                f"    {kind:<9} x{len(es)}: recovery {rec[0]:.1f}-{rec[-1]:.1f} s (fault to state restored)"
             )
     outages = sorted(e.recovery_s for e in faults if e.fault == "outage" and e.recovery_s is not None)
     if outages:
         print(
-            f"    outage x{len(outages)}: a newer step committed on the bucket "
+            f"    outage    x{len(outages)}: a newer step committed on the bucket "
             f"{outages[0]:.1f}-{outages[-1]:.1f} s after"
+        )
+    unloadable = {s: why for e in report.events for s, why in e.unloadable.items()}
+    if unloadable:
+        print(
+            "  steps the drill made unloadable itself, not counted as lost (restarts must pass them over): "
+            + "; ".join(f"step {s}: {why}" for s, why in unloadable.items())
         )
     for note in report.notes:
         print(f"  note: {note}")
+    print(f"\n  silent escapes: {report.silent_escapes}")
     lost = [e for e in report.events if e.lost]
     if lost:
         print("\n  FAILED: " + " | ".join(f"{e.fault} at {e.at:.0f}s: {'; '.join(e.problems)}" for e in lost))
     else:
-        print("\n  OK: nothing committed was lost; every restart restored exactly the state saved")
+        print(
+            "\n  OK: nothing committed was lost; every restart restored exactly the state saved at a step "
+            "no older than the newest committed one (but for the steps listed above), and finite"
+        )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
