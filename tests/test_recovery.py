@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ from tiered_dcp import (
     latest_step,
     load_latest,
     shutdown,
+    wait_for,
+    writer_status,
 )
 
 
@@ -248,3 +251,31 @@ def test_four_ranks_two_nodes_resume_from_the_older_step_on_every_rank(tmp_path)
     results = run_ranks(_four_ranks_two_nodes, 4, str(tmp_path), env={"LOCAL_WORLD_SIZE": 2})
     for r in results:
         assert r == {"step": 2, "exact": True, "after": 2, "nonfinite": 2, "exact_nf": True}, results
+
+
+def test_a_step_saved_again_is_judged_by_its_new_save_not_an_older_copy_on_a_slower_tier(tmp_path):
+    """NaN at step 3, a resume from 2, step 3 saved again (finite) while the SSD still holds
+    the old save of step 3: the new save is loaded, whole, and nothing of the old one."""
+    cfg = TieredConfig("run", [Tier(f"{tmp_path}/ram", every=1, keep=2), Tier(f"{tmp_path}/ssd", every=3)])
+    save_steps(cfg, [1, 2])
+    bad = state(3)
+    bad["w"][0] = float("nan")
+    dcp.save(bad, storage_writer=TieredWriter(cfg, step=3))
+    wait_for(cfg, 3, timeout=60)  # the NaN save of step 3 is on the SSD too
+    assert load_latest(state(0), cfg) == 2
+    (writer,) = writer_status(cfg)
+    os.kill(writer.pid, signal.SIGSTOP)  # the slower tier lags (a bucket, an outage)
+    try:
+        again = state(3)
+        again["w"][1] = 123.0  # not the old bytes anywhere
+        dcp.save(again, storage_writer=TieredWriter(cfg, step=3))
+        assert latest_step(cfg) == 3
+        got = state(0)
+        assert load_latest(got, cfg) == 3
+        assert torch.equal(got["w"], again["w"]) and torch.equal(got["b"], again["b"])
+        (tmp_path / "ram" / part_key("run", 3, 0)).unlink()  # the new save's only copy gone:
+        got = state(0)  # the old save's copy on the SSD must not stand in for it
+        assert load_latest(got, cfg) == 2 and torch.equal(got["w"], state(2)["w"])
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+        shutdown()

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import runtime
-from .catalog import StepState, TierView, copies_marks, loadable_steps, views
+from .catalog import StepState, TierView, copies_marks, loadable_steps, one_save, views
 from .config import TieredConfig, here
 from .errors import TieredCheckpointError
 from .planners.choice import choose, pool_marks
@@ -21,7 +21,7 @@ def latest_step(config: TieredConfig) -> int | None:
     """The newest good step complete on some tier, as seen from this process (no collectives):
     quarantined and non-finite steps are passed over, as ``TieredReader(config)`` does."""
     tier_views = views(config, *here())
-    found = loadable_steps(tier_views, None)  # a bucket: its newest complete good step only
+    found = one_save(loadable_steps(tier_views, None))  # a bucket: its newest complete good step only
     return choose(pool_marks(copies_marks(found, tier_views))).step
 
 

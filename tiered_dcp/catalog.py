@@ -580,9 +580,30 @@ def describe_search(tier_views: Iterable[TierView]) -> str:
     return "\n".join(lines)
 
 
-def copies_marks(found: dict[int, list[StepCopy]], tier_views: Iterable[TierView]) -> list[StepMarks]:
+def one_save(
+    found: dict[int, list[StepCopy]], idents: dict[int, int] | None = None
+) -> dict[int, list[StepCopy]]:
+    """Per step, only the copies of one save of it: ``idents`` (step -> metadata checksum),
+    else that of its fastest tier's copy (the fastest tier takes a step first, so a slower
+    tier may still hold an older save of a step number saved again, until its writer copies
+    the new one). Copies of two saves are never mixed: not their marks, not their items."""
+    out = {}
+    for step, copies in found.items():
+        ident = (idents or {}).get(step, copies[0].marker.metadata_xxh3 if copies else None)
+        kept = [c for c in copies if c.marker.metadata_xxh3 == ident]
+        if kept:
+            out[step] = kept
+    return out
+
+
+def copies_marks(
+    found: dict[int, list[StepCopy]], tier_views: Iterable[TierView], elsewhere: Iterable[int] = ()
+) -> list[StepMarks]:
     """The marks of every copy in ``found`` (``loadable_steps``), and of the newer steps the
-    shared tiers passed over: what ``planners.choice.choose`` chooses from."""
+    shared tiers passed over: what ``planners.choice.choose`` chooses from. A step passed
+    over that ``found`` or ``elsewhere`` (the cluster) holds is judged by those copies: a
+    slower tier may hold an older save of a step number saved again (``one_save``)."""
     by_index = {v.index: v for v in tier_views}
     marks = [c.marks or by_index[c.tier_index].step_marks(c) for copies in found.values() for c in copies]
-    return marks + [m for v in by_index.values() for m in v.passed_over.values()]
+    held = set(found) | set(elsewhere)
+    return marks + [m for v in by_index.values() for m in v.passed_over.values() if m.step not in held]

@@ -41,6 +41,7 @@ from .catalog import (
     copies_marks,
     describe_search,
     loadable_steps,
+    one_save,
     read_metadata_blob,
     views,
 )
@@ -176,8 +177,10 @@ class TieredReader(StorageReader):
             self._group_name = transport.next_name(self.config.namespace, "load")
         else:
             found, cluster = loadable_steps(self._views.values(), step, self._exclude), {}
+        found, cluster = _one_save(found, cluster)
         in_cluster = [c.step_marks for copies in cluster.values() for c in copies.values()]
-        self._candidates = pool_marks(copies_marks(found, self._views.values()) + in_cluster)
+        held = {m.step for m in in_cluster}
+        self._candidates = pool_marks(copies_marks(found, self._views.values(), held) + in_cluster)
         choice = choose(self._candidates, step, self._exclude)
         self.skipped = dict(choice.skipped)  # newer steps passed over, and why
         ns = self.config.namespace
@@ -728,6 +731,20 @@ class TieredReader(StorageReader):
             raise CheckpointCorruptError(f"{why}; {self._next_choice()}", step=self.step)
         seconds = round(time.perf_counter() - self._started, 6)
         record(self.config, "load", self.rank, self.step, tiers=self.tiers, seconds=seconds)
+
+
+def _one_save(
+    found: dict[int, list[StepCopy]], cluster: dict[int, dict[int, ClusterCopy]]
+) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]]]:
+    """Per step, the copies of its fastest tier's save only (``catalog.one_save``), in the
+    cluster and on the shared tiers alike."""
+    seen = [(c.tier_index, s, c.ident) for copies in cluster.values() for s, c in copies.items()]
+    seen += [(c.tier_index, s, c.marker.metadata_xxh3) for s, copies in found.items() for c in copies]
+    idents: dict[int, int] = {}
+    for _, s, ident in sorted(seen):
+        idents.setdefault(s, ident)
+    kept = {t: {s: c for s, c in copies.items() if c.ident == idents[s]} for t, copies in cluster.items()}
+    return one_save(found, idents), kept
 
 
 def _describe_cluster(
