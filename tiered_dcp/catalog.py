@@ -586,11 +586,14 @@ def one_save(
     """Per step, only the copies of one save of it: ``idents`` (step -> metadata checksum),
     else that of its fastest tier's copy (the fastest tier takes a step first, so a slower
     tier may still hold an older save of a step number saved again, until its writer copies
-    the new one). Copies of two saves are never mixed: not their marks, not their items."""
+    the new one). Copies of two saves are never mixed: not their marks, not their items.
+    Formats 1 and 2 kept each tier's records in its metadata, so their checksum differs per
+    tier: those copies are all kept, as before."""
     out = {}
     for step, copies in found.items():
-        ident = (idents or {}).get(step, copies[0].marker.metadata_xxh3 if copies else None)
-        kept = [c for c in copies if c.marker.metadata_xxh3 == ident]
+        current = [c for c in copies if c.marker.has_indexes]
+        ident = (idents or {}).get(step, current[0].marker.metadata_xxh3 if current else None)
+        kept = [c for c in copies if not c.marker.has_indexes or c.marker.metadata_xxh3 == ident]
         if kept:
             out[step] = kept
     return out

@@ -44,6 +44,7 @@ class Holding:
     metadata: bool
     nonfinite_items: int = 0  # the marker's: items saved holding NaN/Inf
     nonfinite: tuple[str, ...] = ()
+    legacy: bool = False  # format 1/2: its metadata (and so ``ident``) differs per tier
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ClusterCopy:
     holders: dict[int, list[int]]  # part rank -> current ranks whose own root holds it
     metadata_at: list[int] = field(default_factory=list)  # ranks whose root has the metadata
     marks: StepMarks | None = None  # quarantined (a mark in any rank's root) or non-finite
+    legacy: bool = False  # a format 1/2 step (``Holding.legacy``)
 
     @property
     def step_marks(self) -> StepMarks:
@@ -72,7 +74,8 @@ def own_holdings(view: TierView) -> dict[int, Holding]:
         md_ok = store.size(metadata_key(view.config.namespace, step)) == marker.metadata_size
         parts = {p.rank for p in marker.parts if view.part_present(store, marker, p.rank)}
         nonfinite = marker.nonfinite_items, tuple(marker.nonfinite)
-        out[step] = Holding(marker.metadata_xxh3, marker.world_size, parts, md_ok, *nonfinite)
+        legacy = not marker.has_indexes
+        out[step] = Holding(marker.metadata_xxh3, marker.world_size, parts, md_ok, *nonfinite, legacy)
     return out
 
 
@@ -89,7 +92,15 @@ def own_marks(view: TierView) -> dict[tuple[int, int], str]:
 def holdings_to_json(holdings: dict[int, Holding]) -> dict[str, list]:
     """A rank's holdings as plain data, for the all-gather: what a peer sends is never code."""
     return {
-        str(s): [h.ident, h.world_size, sorted(h.parts), h.metadata, h.nonfinite_items, list(h.nonfinite)]
+        str(s): [
+            h.ident,
+            h.world_size,
+            sorted(h.parts),
+            h.metadata,
+            h.nonfinite_items,
+            list(h.nonfinite),
+            h.legacy,
+        ]
         for s, h in holdings.items()
     }
 
@@ -97,9 +108,9 @@ def holdings_to_json(holdings: dict[int, Holding]) -> dict[str, list]:
 def holdings_from_json(doc: dict[str, list]) -> dict[int, Holding]:
     return {
         int(s): Holding(
-            int(i), int(w), {int(p) for p in parts}, bool(m), int(n), tuple(str(x) for x in names)
+            int(i), int(w), {int(p) for p in parts}, bool(m), int(n), tuple(str(x) for x in names), bool(old)
         )
-        for s, (i, w, parts, m, n, names) in doc.items()
+        for s, (i, w, parts, m, n, names, old) in doc.items()
     }
 
 
@@ -125,6 +136,7 @@ def cluster_copies(
     for rank, holdings in enumerate(gathered):
         for step, h in holdings.items():
             c = saves.setdefault((step, h.ident), ClusterCopy(tier_index, step, h.ident, {}))
+            c.legacy = c.legacy or h.legacy
             if c.marks is None:
                 why = marks.get((step, h.ident))
                 c.marks = StepMarks(step, why, h.nonfinite_items, h.nonfinite)

@@ -177,10 +177,10 @@ class TieredReader(StorageReader):
             self._group_name = transport.next_name(self.config.namespace, "load")
         else:
             found, cluster = loadable_steps(self._views.values(), step, self._exclude), {}
-        found, cluster = _one_save(found, cluster)
-        in_cluster = [c.step_marks for copies in cluster.values() for c in copies.values()]
+        judged, judged_cluster = _one_save(found, cluster)  # each step by one save's marks
+        in_cluster = [c.step_marks for copies in judged_cluster.values() for c in copies.values()]
         held = {m.step for m in in_cluster}
-        self._candidates = pool_marks(copies_marks(found, self._views.values(), held) + in_cluster)
+        self._candidates = pool_marks(copies_marks(judged, self._views.values(), held) + in_cluster)
         choice = choose(self._candidates, step, self._exclude)
         self.skipped = dict(choice.skipped)  # newer steps passed over, and why
         ns = self.config.namespace
@@ -737,13 +737,25 @@ def _one_save(
     found: dict[int, list[StepCopy]], cluster: dict[int, dict[int, ClusterCopy]]
 ) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]]]:
     """Per step, the copies of its fastest tier's save only (``catalog.one_save``), in the
-    cluster and on the shared tiers alike."""
-    seen = [(c.tier_index, s, c.ident) for copies in cluster.values() for s, c in copies.items()]
-    seen += [(c.tier_index, s, c.marker.metadata_xxh3) for s, copies in found.items() for c in copies]
+    cluster and on the shared tiers alike: what the step is judged by (its marks). Reads
+    may still fall back to a copy of another save of the same step number: see
+    docs/user-guide.md, "Recovery", for that open case."""
+    seen = [
+        (c.tier_index, s, c.ident) for copies in cluster.values() for s, c in copies.items() if not c.legacy
+    ]
+    seen += [
+        (c.tier_index, s, c.marker.metadata_xxh3)
+        for s, copies in found.items()
+        for c in copies
+        if c.marker.has_indexes
+    ]
     idents: dict[int, int] = {}
     for _, s, ident in sorted(seen):
         idents.setdefault(s, ident)
-    kept = {t: {s: c for s, c in copies.items() if c.ident == idents[s]} for t, copies in cluster.items()}
+    kept = {
+        t: {s: c for s, c in copies.items() if c.legacy or c.ident == idents.get(s, c.ident)}
+        for t, copies in cluster.items()
+    }
     return one_save(found, idents), kept
 
 
