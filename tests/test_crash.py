@@ -1,16 +1,20 @@
-"""A rank SIGKILLed in the middle of a large save: the previous step loads on restart."""
+"""A rank SIGKILLed in the middle of a save or before a load: the previous step loads on
+restart, and the survivors say which step, phase and rank."""
 
 import glob
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from crash_worker import config
 from dist_utils import free_port, run_ranks
+from peer_loss_worker import config as peer_loss_config
 
 from tiered_dcp import TieredReader, latest_step, status
 
@@ -70,3 +74,62 @@ def test_rank_killed_mid_save_leaves_previous_step_loadable(tmp_path):
     # the restarted job (same world size) resumes from step 1 on every rank
     results = run_ranks(_reload, 2, root)
     assert results == [(1, 1, [1.0, 1.0])] * 2
+
+
+def _job_losing_rank_1(root: str, mode: str, world: int) -> list[tuple[dict, str]]:
+    """Run tests/peer_loss_worker.py on ``world`` ranks (one per node); rank 1 SIGKILLs
+    itself. Each survivor's reported error and stderr."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            LOCAL_WORLD_SIZE="1",
+        )
+        worker = os.path.join(HERE, "peer_loss_worker.py")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, worker, root, mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        )
+    out = []
+    for rank, p in enumerate(procs):
+        try:
+            stdout, stderr = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank {rank} hung after rank 1 died") from None
+        if rank == 1:
+            assert p.returncode == -signal.SIGKILL
+            continue
+        lines = stdout.decode().strip().splitlines()
+        assert lines, f"rank {rank} reported nothing: {stderr.decode()[-2000:]}"
+        out.append((json.loads(lines[-1]), stderr.decode()))
+    return out
+
+
+def test_peer_killed_mid_save_the_survivors_say_which_step_phase_and_rank(tmp_path):
+    root = str(tmp_path)
+    survivors = _job_losing_rank_1(root, "save", 4)
+    assert len(survivors) == 3
+    said = "step 2: rank(s) [1] stopped answering during the commit agreement"
+    for _, stderr in survivors:  # DCP's own collective then raises torch's error: our line comes first
+        assert said in stderr
+    cfg = peer_loss_config(root)
+    assert latest_step(cfg) == 1  # nothing half-written is reported as committed
+    assert all(r.state != "committed" for r in status(cfg) if r.step == 2)
+
+
+@pytest.mark.parametrize("mode", ["open", "latest"])
+def test_peer_killed_before_a_load_raises_peer_lost_error_on_the_survivors(tmp_path, mode):
+    survivors = _job_losing_rank_1(str(tmp_path), mode, 3)
+    assert len(survivors) == 2
+    for error, _ in survivors:
+        assert error["type"] == "PeerLostError", error
+        assert error["ranks"] == [1] and error["cause"] in ("RuntimeError", "DistBackendError")
+        assert "rank(s) [1] stopped answering" in error["message"]

@@ -19,6 +19,7 @@ from .errors import (
     CheckpointCorruptError,
     NoCheckpointError,
     NonFiniteStateError,
+    PeerLostError,
     SnapshotError,
     TieredCheckpointError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "CheckpointCorruptError",
     "NoCheckpointError",
     "NonFiniteStateError",
+    "PeerLostError",
     "SnapshotError",
     "StepState",
     "Tier",

@@ -23,6 +23,23 @@ class CheckpointCorruptError(TieredCheckpointError):
         return (type(self), (str(self), self.step))
 
 
+class PeerLostError(TieredCheckpointError):
+    """A peer rank stopped answering during a save or a load (it died, or its node did).
+
+    ``step``: the step being saved or loaded (None: the newest, not chosen yet); ``phase``:
+    what the job was doing (the replica exchange, the commit agreement, opening a step...);
+    ``ranks``: the ranks that did not answer, where known (empty: unknown). The gloo or store
+    error that showed it is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, step: int | None = None, phase: str = "", ranks: tuple = ()) -> None:
+        super().__init__(message)
+        self.step, self.phase, self.ranks = step, phase, tuple(ranks)
+
+    def __reduce__(self) -> tuple:  # DCP sends a rank's failure to the others pickled
+        return (type(self), (str(self), self.step, self.phase, self.ranks))
+
+
 class NonFiniteStateError(TieredCheckpointError):
     """A save met NaN/Inf in a floating tensor with ``on_nonfinite="raise"``; names the items."""
 

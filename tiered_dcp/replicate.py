@@ -31,9 +31,9 @@ from tiered_dcp.storage.format import write_index as write_part_index
 from . import dedup, transport
 from .catalog import TierView
 from .cliques import clique
-from .errors import NonFiniteStateError, TieredCheckpointError
+from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
 from .metadata import Records, build_blob, part_index, records_from_json, records_to_json
-from .transport import Group, PeerTimeout, as_bytes_tensor
+from .transport import Group, as_bytes_tensor
 
 log = logging.getLogger("tiered_dcp")
 
@@ -289,12 +289,14 @@ def commit_everywhere(
         store.delete_key(key)
     _OWN_KEYS.clear()
     done = f"{name}/done/{rank}"
-    why = None if error is None else f"{type(error).__name__}: {error}"
-    store.set(done, json.dumps({"error": why}).encode() + b"\n" + records_to_json(records))
+    store.set(done, json.dumps(_outcome(error, rank)).encode() + b"\n" + records_to_json(records))
     _OWN_KEYS.append(done)
+    verdict = f"{name}/commit"
+    if is_coordinator and error is not None:  # the step cannot commit: say so now, not at the timeout
+        _OWN_KEYS.append(verdict)
+        store.set(verdict, json.dumps(_refusal(step, view, [_outcome(error, rank)])))
     if error is not None:
         raise error
-    verdict = f"{name}/commit"
     if is_coordinator:
         _OWN_KEYS.append(verdict)
         keys = [f"{name}/done/{r}" for r in range(len(world))]
@@ -302,43 +304,67 @@ def commit_everywhere(
             store.wait(keys, timeout)
         except Exception as e:
             late = [r for r, k in enumerate(keys) if not store.check([k])]
-            msg = f"step {step}: rank(s) {late} did not finish writing within {timeout.total_seconds():.0f} s"
-            store.set(verdict, json.dumps({"error": msg}))
-            raise PeerTimeout(msg) from e
+            waited = f"no word from them within peer_timeout={timeout.total_seconds():g} s"
+            err = transport.lost(step, "the commit agreement", e, late, waited)
+            store.set(verdict, json.dumps({"error": str(err), "kind": "PeerLostError", "ranks": late}))
+            raise err from e
         merged: Records = {}
         failed = []
-        for r, key in enumerate(keys):
+        for key in keys:
             head, recs = store.get(key).split(b"\n", 1)
-            err = json.loads(head)["error"]
-            if err is not None:
-                failed.append(f"rank {r}: {err}")
+            if json.loads(head)["error"] is not None:
+                failed.append(json.loads(head))
             merged.update(records_from_json(recs))
         if failed:
-            msg = f"step {step} not committed on {view.tier.path}: " + "; ".join(failed)
-            kind = _kind(failed)
-            store.set(verdict, json.dumps({"error": msg, "kind": kind.__name__}))
-            raise kind(msg)
+            refusal = _refusal(step, view, failed)
+            store.set(verdict, json.dumps(refusal))
+            raise _refused(refusal, step)
         blob, marker = build_commit(view, step, metadata(), world, merged)
         _OWN_KEYS.append(f"{verdict}/metadata")
         store.set(f"{verdict}/metadata", blob)  # before the verdict, which says it is there
         store.set(verdict, json.dumps({"error": None, "marker": marker.to_bytes().decode()}))
     if not writes_root:
         return
-    try:
-        store.wait([verdict], timeout)
+    try:  # the coordinator waits ``timeout`` for the slowest rank first: this wait is longer
+        store.wait([verdict], 2 * timeout)
     except Exception as e:
-        raise PeerTimeout(
-            f"step {step}: no commit decision from the coordinator within {timeout.total_seconds():.0f} s"
-        ) from e
+        waited = f"no decision from the coordinator within {2 * timeout.total_seconds():g} s"
+        raise transport.lost(step, "the commit agreement", e, [0], waited) from e
     outcome = json.loads(store.get(verdict))
     if outcome["error"] is not None:
-        kind = NonFiniteStateError if outcome.get("kind") == NonFiniteStateError.__name__ else None
-        raise (kind or TieredCheckpointError)(outcome["error"])
+        raise _refused(outcome, step)
     view.commit(step, store.get(f"{verdict}/metadata"), Marker.from_bytes(outcome["marker"].encode()))
 
 
-def _kind(failed: list[str]) -> type[TieredCheckpointError]:
-    """The class every rank raises for a refused commit: ``NonFiniteStateError`` when that is
-    all that failed (the user asked for it), else the base class."""
-    refused = all(f.split(": ", 1)[1].startswith(f"{NonFiniteStateError.__name__}:") for f in failed)
-    return NonFiniteStateError if refused else TieredCheckpointError
+def _outcome(error: BaseException | None, rank: int) -> dict:
+    """What a rank tells the coordinator about its part: clean (no error), or why not."""
+    if error is None:
+        return {"error": None}
+    ranks = list(error.ranks) if isinstance(error, PeerLostError) else []
+    return {
+        "error": f"rank {rank}: {type(error).__name__}: {error}",
+        "kind": type(error).__name__,
+        "ranks": ranks,
+    }
+
+
+def _refusal(step: int, view: TierView, failed: list[dict]) -> dict:
+    """The coordinator's verdict on a step some rank could not write: every reason, and the
+    class every rank raises for it: ``NonFiniteStateError`` when that is all that failed (the
+    user asked for it), ``PeerLostError`` (with the lost ranks) when a peer was lost."""
+    kinds = {f["kind"] for f in failed}
+    kind = kinds.pop() if len(kinds) == 1 else TieredCheckpointError.__name__
+    if PeerLostError.__name__ in {f["kind"] for f in failed}:
+        kind = PeerLostError.__name__
+    ranks = sorted({r for f in failed for r in f["ranks"]})
+    msg = f"step {step} not committed on {view.tier.path}: " + "; ".join(f["error"] for f in failed)
+    return {"error": msg, "kind": kind, "ranks": ranks}
+
+
+def _refused(outcome: dict, step: int) -> TieredCheckpointError:
+    """The error a refused commit raises on every rank (``_refusal``)."""
+    if outcome.get("kind") == PeerLostError.__name__:
+        return PeerLostError(outcome["error"], step, "the commit agreement", tuple(outcome.get("ranks", ())))
+    if outcome.get("kind") == NonFiniteStateError.__name__:
+        return NonFiniteStateError(outcome["error"])
+    return TieredCheckpointError(outcome["error"])

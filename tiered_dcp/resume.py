@@ -47,7 +47,8 @@ def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwa
             continue
         skipped.update(reader.skipped)
         try:
-            dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs)
+            with transport.watching_peers(reader.step, "the load"):  # DCP's collectives raise torch's
+                dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs)
         except (CheckpointException, CheckpointCorruptError, NoCheckpointError) as e:
             why = _data_failure(e)
             if why is None or reader.step in failed:

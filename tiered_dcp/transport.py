@@ -13,27 +13,105 @@ through the store itself.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from .errors import TieredCheckpointError
+from .errors import PeerLostError, TieredCheckpointError
 
+log = logging.getLogger("tiered_dcp")
 _SEQ: dict[str, int] = {}
 _CLIENTS: dict[tuple[int, str, int, float], dist.Store] = {}
 OPENED: deque[list[int]] = deque(maxlen=1000)  # members of the last groups this process opened (tests)
+CHECK_IN = 5.0  # seconds the survivors of a broken collective wait for each other to say so
 
 
-class PeerTimeout(TieredCheckpointError):
-    """A peer did not answer within ``TieredConfig.peer_timeout`` (or its connection broke)."""
+class PeerTimeout(PeerLostError):
+    """A peer did not answer within ``TieredConfig.peer_timeout`` (or its connection broke).
+
+    Raised where the step is not known (a group's transfer); a load falls back to another
+    source, a save turns it into its own ``PeerLostError`` (``lost``)."""
+
+
+def lost(
+    step: int | None,
+    phase: str,
+    cause: BaseException,
+    ranks: Sequence[int] | None = None,
+    why: str | None = None,
+) -> PeerLostError:
+    """The ``PeerLostError`` for ``cause`` (a broken collective, a peer that timed out),
+    naming the ranks that did not answer: ``ranks`` where the caller knows them, else those
+    that did not check in (``silent_ranks``); ``why`` says how it showed (default: the first
+    line of ``cause``)."""
+    if isinstance(cause, PeerLostError) and cause.ranks and ranks is None:
+        ranks = cause.ranks
+    if ranks is None:
+        ranks = silent_ranks()
+    who = f"rank(s) {sorted(ranks)}" if ranks else "a peer rank (which one could not be told)"
+    what = "the newest step" if step is None else f"step {step}"
+    if why is None:
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+    return PeerLostError(
+        f"{what}: {who} stopped answering during {phase} ({why}); the job cannot go on: restart "
+        "it (its resume loads the newest committed step; a save this interrupted is never committed)",
+        step,
+        phase,
+        tuple(sorted(ranks or ())),
+    )
+
+
+def silent_ranks(wait: float = CHECK_IN) -> tuple[int, ...]:
+    """The ranks that did not check in within ``wait`` seconds after a collective broke.
+
+    Each survivor sets its own key in the job's store (torch's prefixed one: a restarted
+    job's attempt has its own) and waits for the others'. Empty when the store itself does
+    not answer: it lives with rank 0 or the launcher, which may be what died.
+    """
+    try:
+        job, rank, world = store(), dist.get_rank(), dist.get_world_size()
+        job.set(f"tiered_dcp/alive/{rank}", "1")
+        deadline = time.monotonic() + wait
+        missing = list(range(world))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not job.check([f"tiered_dcp/alive/{r}"])]
+            time.sleep(0.05)
+        return tuple(missing)
+    except Exception:  # noqa: BLE001 - the store is gone too: who stopped cannot be told
+        return ()
+
+
+def broken_collective(e: BaseException) -> bool:
+    """Whether ``e`` is torch's error for a collective or store call that a lost peer broke."""
+    if isinstance(e, TieredCheckpointError):
+        return False
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "Broken pipe")
+    )
+
+
+@contextlib.contextmanager
+def watching_peers(step: int | None, phase: str) -> Iterator[None]:
+    """Raise a collective broken by a lost peer as a ``PeerLostError`` (``lost``)."""
+    try:
+        yield
+    except Exception as e:
+        if not (dist_up() and broken_collective(e)):
+            raise
+        raise lost(step, phase, e) from e
 
 
 def dist_up() -> bool:
@@ -113,33 +191,38 @@ class Group:
         except Exception as e:  # the store's wait timed out: a member never arrived
             raise PeerTimeout(f"ranks {self.members} did not all join within {timeout:.0f} s: {e}") from e
 
-    def _wait(self, works: list[Any], what: str) -> None:
+    def _wait(self, works: list[tuple[int | None, Any]], what: str) -> None:
+        """Wait for ``works`` (each with the peer it is with; None: every member) until the
+        deadline; a failure names the peer, as the rank that stopped answering."""
         deadline = time.monotonic() + self.timeout
-        for w in works:
+        for peer, w in works:
             left = max(deadline - time.monotonic(), 0.001)
             try:
                 w.wait(datetime.timedelta(seconds=left))
             except Exception as e:
-                raise PeerTimeout(
-                    f"{what} with ranks {self.members} failed after {self.timeout:.0f} s: {e}"
-                ) from e
+                me = self.members[self.me]
+                ranks = [peer] if peer is not None else [m for m in self.members if m != me]
+                raise PeerTimeout(f"{what} with rank(s) {ranks} failed: {e}", ranks=tuple(ranks)) from e
 
     def allgather(self, blob: bytes) -> list[bytes]:
         """Every member's ``blob``, in member order (bytes: what a member sends is never code)."""
         n = len(self.members)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-        self._wait([self.pg.allgather([sizes], [torch.tensor([len(blob)], dtype=torch.int64)])], "allgather")
+        self._wait(
+            [(None, self.pg.allgather([sizes], [torch.tensor([len(blob)], dtype=torch.int64)]))], "allgather"
+        )
         longest = max(int(s) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(blob)] = as_bytes_tensor(blob)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
-        self._wait([self.pg.allgather([out], [mine])], "allgather")
+        self._wait([(None, self.pg.allgather([out], [mine]))], "allgather")
         return [out[i][: int(sizes[i])].numpy().tobytes() for i in range(n)]
 
     def post(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> list[Any]:
-        """Start every send and receive; they run in gloo's threads until ``wait``.
+    ) -> list[tuple[int, Any]]:
+        """Start every send and receive (each with its peer); they run in gloo's threads until
+        ``wait``.
 
         The k-th send from A to B meets the k-th receive at B from A: both sides list
         their buffers in the same order.
@@ -153,10 +236,10 @@ class Group:
                 tags[(kind, peer)] = tag + 1
                 other = self.members.index(peer)
                 op = self.pg.send if kind == "send" else self.pg.recv
-                works.append(op([t], other, tag))
+                works.append((peer, op([t], other, tag)))
         return works
 
-    def wait(self, works: list[Any]) -> None:
+    def wait(self, works: list[tuple[int, Any]]) -> None:
         self._wait(works, "replica transfer")
 
     def close(self) -> None:

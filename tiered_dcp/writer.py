@@ -37,7 +37,7 @@ from .catalog import TierView, bounded
 from .checkpoint_id import new_id, step_id, step_of
 from .cliques import check_cliques
 from .config import TieredConfig, node_of
-from .errors import NonFiniteStateError, TieredCheckpointError
+from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
 from .leases import owner_record
 from .metadata import Records
 from .records import record
@@ -45,6 +45,7 @@ from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_i
 from .runtime import MAX_PENDING, Job, writer_handle
 from .staging import POOL, examine
 from .tensors import all_finite, as_cpu_contiguous, byte_view
+from .transport import PeerTimeout
 
 log = logging.getLogger("tiered_dcp")
 
@@ -372,6 +373,8 @@ class TieredWriter(StorageWriter, AsyncStager):
                 records = self._write_node_local(first, items, aliases, world, planner, name, refused)
         except BaseException as e:
             _abandon(first, self.step, self.rank, slower, e)
+            if isinstance(e, PeerLostError):  # DCP's next collective raises torch's error instead
+                log.error("%s", e)
             raise
         self._record(first, items, time.perf_counter() - started)
         if slower:
@@ -419,7 +422,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                 self.sent_bytes = swap.sent
             del part
         except Exception as e:  # told to every rank, so that none waits for this one
-            error = e
+            error = transport.lost(self.step, "the replica exchange", e) if isinstance(e, PeerTimeout) else e
             if swap is not None:
                 swap.abort()
         error = error or refused
@@ -434,9 +437,10 @@ class TieredWriter(StorageWriter, AsyncStager):
             md.storage_meta = self.storage_meta()
             return md
 
-        commit_everywhere(
-            first, self.step, self.rank, world, self.is_coordinator, metadata, records, error, name
-        )
+        with transport.watching_peers(self.step, "the commit agreement"):  # the store may be gone
+            commit_everywhere(
+                first, self.step, self.rank, world, self.is_coordinator, metadata, records, error, name
+            )
         return records
 
     def _record(self, first: TierView, items: list[RawItem], commit_seconds: float) -> None:
