@@ -593,6 +593,10 @@ class Drill:
                 event.errors.append(f"rank {r}, its save in flight: {e['save']}")
             elif r not in hung:
                 event.problems.append(f"rank {r} exited ({self.procs[r].returncode}) with no error recorded")
+            said = Path(f"{self.dir}/stderr.{self.attempt}.rank{r}")
+            text = said.read_text(errors="replace") if said.exists() else ""
+            lost = [ln for ln in text.splitlines() if "stopped answering" in ln]
+            event.errors += [f"rank {r}, tiered-dcp said: {ln}" for ln in lost[:1]]
         event.detail = (
             f"rank {victim} SIGKILLed {delay * 1000:.0f} ms into save {step}, still in flight; "
             + (
