@@ -61,7 +61,7 @@ from .cluster import (
     read_raw,
 )
 from .config import TieredConfig, node_of
-from .discovery import all_gather_bytes, all_read, broadcast_bytes, shared_steps
+from .discovery import all_agree, all_gather_bytes, all_read, broadcast_bytes, shared_steps
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .leases import Leases
 from .records import record
@@ -248,11 +248,7 @@ class TieredReader(StorageReader):
                 r for rs in copies[self.step].holders.values() for r in rs
             }:
                 ok = self._leases.take(self._views[tier_index].own) and ok
-        if self._dist:
-            flag = torch.tensor([int(ok)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            ok = bool(flag.item())
-        return ok
+        return all_agree(ok) if self._dist else ok
 
     # -- choosing the step -------------------------------------------------------------
 
