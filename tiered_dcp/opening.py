@@ -68,7 +68,7 @@ class OpenStep:
     own roots of node-local tiers and ``own`` this rank's own root's of those (with a
     process group), ``copy_at`` the copy read on each tier, ``sources`` all of that as the
     load planner routes it (``planners.load``), ``metadata`` the copies' metadata. Made by
-    ``open``; ``quarantine``, ``next_choice`` and ``release`` serve the reads after it.
+    ``open``; ``quarantine``, ``next_choice``, ``release`` and ``read_done`` serve the reads.
     """
 
     step: int  # the step chosen

@@ -10,7 +10,8 @@ where its part's index in that root says (read once per opened step), straight i
 destination tensor when the stored chunk is exactly what is asked, else into a scratch
 tensor that is narrowed. Every chunk is verified before the planner sees it; a failure
 moves the item to its next source, with a warning naming the bad file. An item left with
-no good copy fails the load, and quarantines the step when every failure proves damage.
+no good copy fails the load, and quarantines the step (``OpenStep.quarantine``) when the
+failures prove damage.
 """
 
 from __future__ import annotations
@@ -273,8 +274,8 @@ class StepReads:
         once for all items, whenever a node-local tier is pooled; it picks each item's
         holders in the route's order itself) with what is still missing; then the rest.
         An item left with no good copy raises ``NoCheckpointError`` when every failure was a
-        removal, else ``CheckpointCorruptError``, quarantining the step when every failure
-        proves damage.
+        removal, else ``CheckpointCorruptError``, and quarantines the step unless a tier or
+        peer failed to answer or a copy was removed (no proof of damage).
         """
         self.failures = {}
         self._unproven = set()
