@@ -6,7 +6,7 @@ Four real processes on gloo (torch.multiprocessing spawn) play two nodes
 (LOCAL_WORLD_SIZE=2: ranks 0-1 on node 0, ranks 2-3 on node 1), replication 2/2 on one
 node-local RAM tier under /dev/shm, each rank saving its own ``--mib`` MiB. One step is
 saved, then loaded ``--loads`` times with every root intact and ``--loads`` times after
-node 1's root is deleted. Timed is ``TieredReader._read_from_peers`` alone (the peer
+node 1's root is deleted. Timed is ``reading.StepReads._read_from_peers`` alone (the peer
 phase: agreeing on the wish lists and moving the items), the slowest rank's time per load
 (all_reduce MAX); printed is the median, the minimum and the maximum over the loads, after
 one discarded warm-up load of each kind, and the groups this phase opened per load. Also
@@ -36,22 +36,35 @@ from bench_replication import free_port
 from common import make_state
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, transport
+from tiered_dcp.reading import StepReads
 
 WORLD = 4
 RANKS_PER_NODE = 2
 
 
-class TimedReader(TieredReader):
-    """A reader that keeps how long its peer phase took on this rank."""
+class TimedReads(StepReads):
+    """A load plan's execution that keeps how long its peer phase took on this rank."""
 
     peer_s = 0.0
 
-    def _read_from_peers(self, pending: list, planner: Any) -> list:
+    def _read_from_peers(self, pending: list, planner: Any, routes: dict) -> list:
         t0 = time.perf_counter()
         try:
-            return super()._read_from_peers(pending, planner)
+            return super()._read_from_peers(pending, planner, routes)
         finally:
             self.peer_s = time.perf_counter() - t0
+
+
+class TimedReader(TieredReader):
+    """A reader whose reads are ``TimedReads``: ``peer_s`` is its last load's peer phase."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timed = self._reads = TimedReads(self._opened)
+
+    @property
+    def peer_s(self) -> float:
+        return self._timed.peer_s
 
 
 def slowest(seconds: float) -> float:

@@ -11,6 +11,11 @@ the items they load.
 
 The load holds one lease on a shared tier, rank 0's, given back when every rank has read
 (``all_read``): a store counter, no request to the bucket.
+
+Every collective a load runs over the process group outside DCP is one of this module's
+functions: ``broadcast_bytes``, ``all_gather_bytes`` and ``all_agree`` (whether the step was
+leased on every rank). The peer exchange (``cluster.PeerExchange``) agrees through the job's
+store instead, and moves bytes only within groups of two ranks, bounded by ``peer_timeout``.
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ def all_gather_bytes(blob: bytes) -> list[bytes]:
     out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(out, mine)
     return [out[r][: int(sizes[r])].numpy().tobytes() for r in range(world)]
+
+
+def all_agree(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank: True on every rank only when it is True on all."""
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def shared_steps(

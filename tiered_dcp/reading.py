@@ -1,0 +1,305 @@
+"""Executing a load plan: each item read from its route's sources, in fallback order.
+
+``planners.load`` routes every item of DCP's ``LoadPlan`` (``plan_routes``, once per load,
+from the opened step's ``sources``: ``opening``) to its sources. ``StepReads`` reads each
+item's leading own sources (this rank's own root of each node-local tier holding the
+item's part, fastest first; alone, every tier holding the step), then runs the peer
+exchange (``cluster.PeerExchange``, collective) with what is still missing, serving what
+peers ask of its own roots, then the remaining sources (shared tiers). An item is read
+where its part's index in that root says (read once per opened step), straight into the
+destination tensor when the stored chunk is exactly what is asked, else into a scratch
+tensor that is narrowed. Every chunk is verified before the planner sees it; a failure
+moves the item to its next source, with a warning naming the bad file. An item left with
+no good copy fails the load, and quarantines the step (``OpenStep.quarantine``) when the
+failures prove damage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from tiered_dcp.planners.load import ItemRoute, ReadSource, plan_routes
+from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
+from tiered_dcp.storage import Storage
+from tiered_dcp.storage.codec import ChecksumMismatch, read_item, verify_raw
+from tiered_dcp.storage.format import ItemInfo, PartIndex, Record, part_key
+
+from . import metadata as md_blob
+from . import user_values
+from .catalog import StepCopy, TierView
+from .cluster import PeerExchange, PeerRequest, check_raw, read_raw
+from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
+from .opening import OpenStep
+from .tensors import byte_view, dtype_from_name
+from .transport import PeerTimeout
+
+log = logging.getLogger("tiered_dcp")
+
+
+class StepReads:
+    """The reads of one opened step (``opening.OpenStep``): ``read_all`` executes a load plan.
+
+    The parts' indexes it reads are kept for the step's later loads; ``failures`` (item ->
+    what failed where) and the items no failure proved damaged are the last load's.
+    """
+
+    def __init__(self, opened: OpenStep) -> None:
+        self._opened = opened
+        self.config, self.rank, self.step = opened.config, opened.rank, opened.step
+        self._views = opened.views
+        self._metadata = opened.metadata
+        self._held: dict[tuple[str, int, int], PartIndex | None] = {}  # (root, tier, part) -> index
+        self.failures: dict[int, list[str]] = {}  # id(item) -> its failed reads, this load
+        self._unproven: set[int] = set()  # items a failure other than damage kept from a source
+
+    def _routes(self, plan: LoadPlan) -> list[ItemRoute]:
+        """The load plan (``planners.load``): every item's sources in fallback order."""
+        md = self._metadata.cluster
+
+        def part(req: ReadItem) -> int | None:
+            info = None if md is None else md_blob.item_info(md, req.storage_index)
+            return None if info is None else info.rank
+
+        return plan_routes(self._opened.sources, ((req.storage_index, part(req)) for req in plan.items))
+
+    def _part_index(
+        self, view: TierView, store: Storage, copy: StepCopy, part: int, md: Metadata
+    ) -> PartIndex | None:
+        """Part's records in ``store``, or None when the root lacks it whole."""
+        key = (store.url, view.index, part)
+        if key not in self._held:
+            index = None
+            if view.part_present(store, copy.marker, part):
+                index = view.part_index(store, copy.marker, part)
+                if index is None and not copy.marker.has_indexes:  # format 1/2: the metadata's records
+                    index = md_blob.legacy_index(md, self.config.namespace, self.step, part)
+            self._held[key] = index
+        return self._held[key]
+
+    def _locate(self, src: ReadSource, req: ReadItem) -> tuple[Record, Storage] | None:
+        copy = self._opened.copy_at[src.tier]
+        md = self._metadata.of(copy)
+        info = None if md is None else md_blob.item_info(md, req.storage_index)
+        if md is None or info is None:
+            return None
+        view: TierView = self._views[copy.tier_index]
+        # own root named: only it (peers serve what it lacks); else the root holding the part
+        own_only = src.kind == "own" and src.root is not None
+        store = view.own if own_only else view.part_store(copy.marker, info.rank)
+        index = self._part_index(view, store, copy, info.rank, md)
+        rec = None if index is None else index.records.get(md_blob.item_key(req.storage_index))
+        return None if rec is None else (rec, store)
+
+    def _read_one(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
+        if req.type == LoadItemType.BYTE_IO:
+            raw = bytearray(rec.raw_length)
+            read_item(store, rec, memoryview(raw))
+            planner.load_bytes(req, user_values.checked(raw))
+            return
+        target = planner.resolve_tensor(req).detach()
+        dtype, shape = dtype_from_name(rec.dtype or ""), list(rec.shape or ())
+        if (
+            whole_item_request(req, shape)
+            and target.dtype == dtype
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and list(target.shape) == shape
+        ):
+            out = byte_view(target)
+            if rec.codec == "raw" and rec.codecs is None and rec.blocks is None:
+                if len(out):
+                    store.read_into(rec.file, rec.offset, out)
+                verify_raw(rec, out)
+            else:  # compressed or in blocks: decoded straight into the target, in parallel
+                read_item(store, rec, out)
+            planner.commit_tensor(req, target)
+            return
+        full = torch.empty(shape, dtype=dtype)
+        read_item(store, rec, byte_view(full))
+        self._place(req, planner, full, target)
+
+    def _place(self, req: ReadItem, planner: LoadPlanner, full: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the requested piece of a whole stored item into the target and commit it."""
+        piece = narrow_to_request(full, req)
+        if piece.size() != target.size():
+            raise TieredCheckpointError(
+                f"item {req.storage_index.fqn}: stored piece {tuple(piece.size())} does not "
+                f"fit the target {tuple(target.size())}"
+            )
+        target.copy_(piece)
+        planner.commit_tensor(req, target)
+
+    def _read_direct(self, req: ReadItem, planner: LoadPlanner, sources: tuple[ReadSource, ...]) -> bool:
+        """Read ``req`` from the first of its route's ``sources`` (none a peer) that is good."""
+        for src in sources:
+            located = self._locate(src, req)
+            if located is None:
+                continue
+            rec, store = located
+            try:
+                self._read_one(req, planner, rec, store)
+                return True
+            except (ChecksumMismatch, OSError) as e:
+                where = store.describe(rec.file)
+                view = self._views[src.tier]
+                if isinstance(e, FileNotFoundError) and view.read_marker(store, self.step) is None:
+                    what = "was removed (the step is no longer committed there: another job's retention?)"
+                    self._unproven.add(id(req))
+                elif isinstance(e, ChecksumMismatch | FileNotFoundError):  # missing from a committed copy
+                    what = "is damaged"
+                else:  # a tier that failed to answer proves nothing about the bytes
+                    what = "could not be read"
+                    self._unproven.add(id(req))
+                self.failures.setdefault(id(req), []).append(f"{where} {what}: {e}")
+                log.warning(
+                    "step %d: item %r in %s %s (%s); trying another copy",
+                    self.step,
+                    req.storage_index.fqn,
+                    where,
+                    what,
+                    e,
+                )
+        return False
+
+    # -- peers --------------------------------------------------------------------------
+
+    def _next_peer(self, req: ReadItem, peers: Iterator[ReadSource]) -> tuple[int, PeerRequest] | None:
+        """The next holder of ``req`` in its route's order (``planners.load``), as a request."""
+        assert self._metadata.cluster is not None
+        info = md_blob.item_info(self._metadata.cluster, req.storage_index)
+        src = next(peers, None)
+        if info is None or src is None or src.holder is None:
+            return None
+        return src.holder, PeerRequest(src.tier, info.rank, req.storage_index, info.raw_length)
+
+    def _serve(self, req: PeerRequest) -> bytearray | None:
+        view = self._views[req.tier_index]
+        try:
+            own = self._opened.own[req.tier_index]  # asked only of ranks whose own root holds the part
+            md = self._metadata.of(own)
+            index = None if md is None else self._part_index(view, view.own, own, req.part, md)
+            if index is None:
+                raise KeyError("its part is not whole here")
+            return read_raw(view.own, index.records[md_blob.item_key(req.index)])
+        except (ChecksumMismatch, OSError, KeyError) as e:
+            log.warning(
+                "step %d: cannot serve item %r of rank %d's part from %s to a peer: %s",
+                self.step,
+                req.index.fqn,
+                req.part,
+                view.own.describe(part_key(self.config.namespace, self.step, req.part)),
+                e,
+            )
+            return None
+
+    def _read_from_peers(
+        self, pending: list[ReadItem], planner: LoadPlanner, routes: dict[int, ItemRoute]
+    ) -> list[ReadItem]:
+        """Fetch items from peers that hold them, round by round; return those still missing.
+
+        Every rank takes part (it may have to serve) until no rank wants anything; an
+        intact load ends after one round of store operations, no group opened. A peer
+        that does not answer within ``peer_timeout`` ends the exchange for this rank: what
+        is left is read from a shared tier holding the step.
+        """
+        assert self._metadata.cluster is not None
+        peers = {id(r): iter(routes[id(r)].peers) for r in pending}  # each tried once, in order
+        exchange = PeerExchange(
+            self._opened.group_name, self.rank, dist.get_world_size(), self.config.peer_timeout
+        )
+        try:
+            while True:
+                wanted: dict[int, list[PeerRequest]] = {}
+                order: dict[int, list[ReadItem]] = {}
+                for req in pending:
+                    found = self._next_peer(req, peers[id(req)])
+                    if found is not None:
+                        holder, peer_req = found
+                        wanted.setdefault(holder, []).append(peer_req)
+                        order.setdefault(holder, []).append(req)
+                arrived = exchange.round(wanted, self._serve)
+                if arrived is None:
+                    return pending
+                reqs = [r for holder in wanted for r in order[holder]]
+                done = set()
+                for (holder, _, buf), req in zip(arrived, reqs, strict=True):
+                    info = md_blob.item_info(self._metadata.cluster, req.storage_index)
+                    assert info is not None  # asked for only when the metadata knows it
+                    try:
+                        check_raw(info, buf)
+                        self._deliver(req, planner, info, buf)
+                    except ChecksumMismatch as e:
+                        self.failures.setdefault(id(req), []).append(f"from rank {holder}: {e}")
+                        log.warning(
+                            "step %d: item %r from rank %d arrived damaged (%s)",
+                            self.step,
+                            req.storage_index.fqn,
+                            holder,
+                            e,
+                        )
+                        continue
+                    done.add(id(req))
+                pending = [r for r in pending if id(r) not in done]
+        except PeerTimeout as e:
+            self._unproven.update(id(r) for r in pending)  # a peer that did not answer may hold them
+            if pending:
+                log.warning(
+                    "step %d: a peer did not answer within %.0f s (%s); reading the %d item(s) "
+                    "still missing from a shared tier",
+                    self.step,
+                    self.config.peer_timeout,
+                    e,
+                    len(pending),
+                )
+            return pending
+
+    def _deliver(self, req: ReadItem, planner: LoadPlanner, info: ItemInfo, buf: torch.Tensor) -> None:
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, user_values.checked(buf.numpy().tobytes()))
+            return
+        target = planner.resolve_tensor(req).detach()
+        full = buf.view(dtype_from_name(info.dtype or "")).reshape(info.shape or ())
+        self._place(req, planner, full, target)
+
+    def read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Execute the load plan: each item from its route's sources, in order.
+
+        Its own roots first; then every rank takes part in the peer exchange (collective, so
+        once for all items, whenever a node-local tier is pooled; it picks each item's
+        holders in the route's order itself) with what is still missing; then the rest.
+        An item left with no good copy raises ``NoCheckpointError`` when every failure was a
+        removal, else ``CheckpointCorruptError``, and quarantines the step unless a tier or
+        peer failed to answer or a copy was removed (no proof of damage).
+        """
+        self.failures = {}
+        self._unproven = set()
+        routes = {id(req): r for req, r in zip(plan.items, self._routes(plan), strict=True)}
+        split = {key: r.split_at_exchange() for key, r in routes.items()}
+        pending = [req for req in plan.items if not self._read_direct(req, planner, split[id(req)][0])]
+        if self._opened.cluster:
+            pending = self._read_from_peers(pending, planner, routes)
+        pending = [req for req in pending if not self._read_direct(req, planner, split[id(req)][1])]
+        if pending:
+            req = pending[0]
+            failures = self.failures.get(id(req), [])
+            detail = "; ".join(failures) or "no tier or peer holds it"
+            if failures and all(" was removed " in f for f in failures):
+                raise NoCheckpointError(
+                    f"step {self.step} was removed from every tier it was being read from (a lease that "
+                    f"expired, or another job's retention on a shared tier): {detail}"
+                )
+            why = (
+                f"step {self.step}: no good copy of item {req.storage_index.fqn!r} "
+                f"(offset {list(req.storage_index.offset or [])}) left"
+                f"{f' (and {len(pending) - 1} more)' if len(pending) > 1 else ''}: {detail}"
+            )
+            if failures and not self._unproven.intersection(id(r) for r in pending):
+                raise self._opened.quarantine(why)
+            # a tier or peer that did not answer is no proof of damage: nothing is quarantined
+            raise CheckpointCorruptError(f"{why}; {self._opened.next_choice()}", step=self.step)
