@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -92,10 +92,10 @@ class TieredReader(StorageReader):
 
     Without ``step``, steps that are quarantined (an earlier load found an item with no good
     copy left) or non-finite (saved holding NaN/Inf) are passed over (``planners.choice``),
-    and so are ``exclude`` (``load_latest``'s steps that just failed); ``skipped`` says which
-    newer steps were, and why. A load that finds an item with no good copy left quarantines
-    the step where this rank reaches it, and its error names the step the next reader
-    will choose.
+    and so are ``exclude`` (``load_latest``'s steps that just failed; a mapping gives each
+    one's reason); ``skipped`` says which newer steps were, and why. A load that finds an
+    item with no good copy left quarantines the step where this rank reaches it, and its
+    error names the step the next reader will choose.
     """
 
     def __init__(
@@ -104,7 +104,7 @@ class TieredReader(StorageReader):
         step: int | None = None,
         *,
         no_dist: bool = False,
-        exclude: Iterable[int] = (),
+        exclude: Iterable[int] | Mapping[int, str] = (),
     ) -> None:
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredReader: config must be a TieredConfig, got {type(config).__name__}")
@@ -124,7 +124,7 @@ class TieredReader(StorageReader):
         self._cluster: list[ClusterCopy] = []
         self._cluster_md: Metadata | None = None
         self._urls: dict[int, dict[int, str]] = {}  # tier -> rank -> its own root
-        self._exclude = set(exclude)
+        self._exclude = dict(exclude) if isinstance(exclude, Mapping) else dict.fromkeys(exclude, "")
         for attempt in range(CHOICES):
             try:
                 found, cluster, lost = self._choose(step)
@@ -176,7 +176,7 @@ class TieredReader(StorageReader):
             found, cluster, lost = self._pool(step)
             self._group_name = transport.next_name(self.config.namespace, "load")
         else:
-            found, cluster = loadable_steps(self._views.values(), step, self._exclude), {}
+            found, cluster = loadable_steps(self._views.values(), step, set(self._exclude)), {}
         judged, judged_cluster = _one_save(found, cluster)  # each step by one save's marks
         in_cluster = [c.step_marks for copies in judged_cluster.values() for c in copies.values()]
         held = {m.step for m in in_cluster}
@@ -199,7 +199,7 @@ class TieredReader(StorageReader):
 
     def _next_choice(self) -> str:
         """What the next reader will load, now that this step failed: for error messages."""
-        nxt = choose(self._candidates, None, self._exclude | {self.step}).step
+        nxt = choose(self._candidates, None, {**self._exclude, self.step: ""}).step
         if nxt is None:
             return "no older good step is known here: the next load finds none unless another tier holds one"
         return f"the next TieredReader(config) or load_latest loads step {nxt}"
@@ -261,7 +261,7 @@ class TieredReader(StorageReader):
     ) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
         """Every rank's holdings, pooled: node-local steps by union; shared tiers' newest
         complete step as rank 0 found it (``discovery``: the bucket is asked once per load)."""
-        found = shared_steps(list(self._views.values()), step, self._exclude)
+        found = shared_steps(list(self._views.values()), step, set(self._exclude))
         pooled = [v for v in self._views.values() if v.placement.pooled]
         cluster: dict[int, dict[int, ClusterCopy]] = {}
         lost: dict[int, dict[int, list[int]]] = {}
