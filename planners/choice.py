@@ -76,13 +76,12 @@ def choose(
     if requested is not None:
         return Choice(requested if requested in candidates else None, {})
     skipped: dict[int, str] = {}
-    for step in sorted(candidates, reverse=True):
-        marks = candidates[step]
-        if step in exclude:
+    for step in sorted({*candidates, *exclude}, reverse=True):  # an excluded step is named even
+        if step in exclude:  # where the look that found the candidates left it out (a shared tier's)
             why = exclude.get(step) if isinstance(exclude, Mapping) else None
             skipped[step] = why or "it failed to load just now"
-        elif not marks.good:
-            skipped[step] = marks.why()
+        elif not candidates[step].good:
+            skipped[step] = candidates[step].why()
         else:
             return Choice(step, skipped)
     return Choice(None, skipped)

@@ -71,11 +71,6 @@ def resume(
                 raise
             failed[e.step] = str(e)
             continue
-        except NoCheckpointError as e:
-            if not failed:
-                raise
-            passed = describe_skipped({**skipped, **failed})
-            raise NoCheckpointError(f"{caller}: no step loads (passed over: {passed}); {e}") from e
         skipped.update(reader.skipped)
         why = unusable(reader.step) if unusable is not None else None
         if why:
