@@ -4,7 +4,8 @@ Every rank calls it on the same pooled facts (``TieredReader`` gathers them firs
 every rank makes the same choice with no further talk. A step is passed over when it is
 *quarantined* (a load found an item of it with no good copy left, ``format.quarantine_key``)
 or *non-finite* (its save found NaN/Inf, ``Marker.nonfinite_items``), or when the caller
-excludes it (``load_latest``: it failed to load just now). Falling back after a failed load
+excludes it (``load_latest``: it failed to load just now, or cannot be loaded through its
+caller, with the reason given). Falling back after a failed load
 is choosing again. Torch-free.
 """
 
@@ -65,19 +66,22 @@ class Choice:
 
 
 def choose(
-    candidates: Mapping[int, StepMarks], requested: int | None = None, exclude: Collection[int] = ()
+    candidates: Mapping[int, StepMarks],
+    requested: int | None = None,
+    exclude: Collection[int] | Mapping[int, str] = (),
 ) -> Choice:
     """``requested`` if it is among the complete ``candidates`` (marked or not: asked for by
-    number, it is loaded anyway); else the newest good candidate not in ``exclude``."""
+    number, it is loaded anyway); else the newest good candidate not in ``exclude`` (a
+    mapping gives the reason each is excluded; "" or a plain collection: it failed to load)."""
     if requested is not None:
         return Choice(requested if requested in candidates else None, {})
     skipped: dict[int, str] = {}
-    for step in sorted(candidates, reverse=True):
-        marks = candidates[step]
-        if step in exclude:
-            skipped[step] = "it failed to load just now"
-        elif not marks.good:
-            skipped[step] = marks.why()
+    for step in sorted({*candidates, *exclude}, reverse=True):  # an excluded step is named even
+        if step in exclude:  # where the look that found the candidates left it out (a shared tier's)
+            why = exclude.get(step) if isinstance(exclude, Mapping) else None
+            skipped[step] = why or "it failed to load just now"
+        elif not candidates[step].good:
+            skipped[step] = candidates[step].why()
         else:
             return Choice(step, skipped)
     return Choice(None, skipped)

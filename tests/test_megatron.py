@@ -6,7 +6,9 @@ launches.
 """
 
 import importlib.util
+import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -186,7 +188,7 @@ def _one_rank(rank, world, root):
 
 
 def _argument_errors(root):
-    from tiered_dcp.megatron import TieredLoadStrategy, TieredSaveStrategy, step_from_dir
+    from tiered_dcp.megatron import TieredLoadStrategy, TieredSaveStrategy, load_latest, step_from_dir
 
     assert step_from_dir("/ckpts/iter_0000100") == 100
     assert step_from_dir("global_step42") == 42
@@ -200,6 +202,11 @@ def _argument_errors(root):
     os.makedirs(f"{root}/ckpt/by_hand")
     with pytest.raises(NoCheckpointError, match="tiered_dcp.json"):
         TieredLoadStrategy(cfg)._step(f"{root}/ckpt/by_hand")
+    sd = sharded_sd(0, 1, 0, empty=True)
+    with pytest.raises(ValueError, match="checkpoint directory itself"):  # save_dir is its parent
+        load_latest(sd, f"{root}/ckpt/iter_0000100", cfg)
+    with pytest.raises(ValueError, match="TieredLoadStrategy"):
+        load_latest(sd, f"{root}/ckpt", cfg, sharded_strategy=TieredLoadStrategy(cfg))
 
 
 def test_save_load_sync_async_metadata_strict_reshard(tmp_path):
@@ -216,3 +223,124 @@ def test_save_load_sync_async_metadata_strict_reshard(tmp_path):
         assert (tmp_path / f"ram/0/mg/step_{step:012d}/COMMITTED").exists()
         assert (tmp_path / f"bucket/mg/step_{step:012d}/COMMITTED").exists()
     run_ranks(_one_rank, 1, root)
+
+
+# -- the resume: the newest good step, through the directory that names it ----------------
+
+
+def flip_item(root: str, step: int, fqn: str) -> None:
+    """Flip a byte inside item ``fqn``'s data in rank 0's part of ``step``, on the RAM tier."""
+    from tiered_dcp.storage import open_storage
+    from tiered_dcp.storage.format import read_index
+
+    store = open_storage(f"{root}/ram/0")
+    (record,) = [r for k, r in read_index(store, "mg", step, 0).records.items() if k.fqn == fqn]
+    with open(f"{root}/ram/0/{record.file}", "r+b") as f:
+        f.seek(record.offset + 5)
+        byte = f.read(1)
+        f.seek(record.offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _resume(rank, world, root):
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from tiered_dcp.megatron import TieredSaveStrategy, load_latest
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("tiered_dcp").addHandler(handler)
+
+    def resume(target=None):
+        warnings.clear()
+        loaded, step = load_latest(target or sharded_sd(rank, world, 0, empty=True), save_dir, cfg)
+        said = [w for w in warnings if "megatron.load_latest loaded step" in w]
+        return loaded, step, said
+
+    cfg, save_dir = make_config(root), f"{root}/ckpt"
+    with pytest.raises(NoCheckpointError):  # nothing at all (not even save_dir)
+        load_latest(sharded_sd(rank, world, 0, empty=True), save_dir, cfg)
+
+    def save(step, nan=False):
+        sd = sharded_sd(rank, world, step)
+        if nan and rank == 1:
+            sd["w"].data[0, 0] = float("nan")
+        ckpt = f"{save_dir}/iter_{step:07d}"
+        os.makedirs(ckpt, exist_ok=True)
+        dist_checkpointing.save(sd, ckpt, sharded_strategy=TieredSaveStrategy(cfg))
+        if rank == 0:  # Megatron-LM's tracker names the newest save; load_latest does not read it
+            with open(f"{save_dir}/latest_checkpointed_iteration.txt", "w") as f:
+                f.write(str(step))
+
+    save(1)
+    save(2)
+    dist.barrier()
+    if rank == 0:  # step 2 is on the RAM tier only: its only copy of w's first rows
+        flip_item(root, 2, "w")
+    dist.barrier()
+    loaded, step, said = resume()
+    assert step == 1
+    check_loaded(loaded, rank, world, 1)  # exact values of the older step
+    out = {"damaged": said}
+
+    save(3, nan=True)  # non-finite on one rank: marked for all, passed over
+    loaded, step, said = resume()
+    assert step == 1
+    check_loaded(loaded, rank, world, 1)
+    out["nonfinite"] = said
+
+    save(4)
+    dist.barrier()
+    if rank == 0:  # its directory gone (Megatron-LM's cleanup, a crash before the small files)
+        shutil.rmtree(f"{save_dir}/iter_0000004")
+    dist.barrier()
+    dirs = []  # the sharded state dict made from the directory about to be loaded
+    loaded, step, said = resume(lambda d: dirs.append(d) or sharded_sd(rank, world, 0, empty=True))
+    assert step == 1 and dirs == [f"{save_dir}/iter_0000001"]
+    check_loaded(loaded, rank, world, 1)
+    out["gone"] = said
+
+    save(5)  # a good newer step loads, with no warning
+    loaded, step, said = resume()
+    assert step == 5 and said == []
+    check_loaded(loaded, rank, world, 5)
+
+    dist.barrier()
+    if rank == 0:  # Megatron had not written metadata.json yet: not a checkpoint it loads
+        os.remove(f"{save_dir}/iter_0000005/metadata.json")
+    dist.barrier()
+    loaded, step, said = resume()
+    assert step == 1
+    out["unfinished"] = said
+
+    dist.barrier()
+    if rank == 0:  # no directory names any step
+        for name in os.listdir(save_dir):
+            if name.startswith("iter_"):
+                shutil.rmtree(f"{save_dir}/{name}")
+    dist.barrier()
+    with pytest.raises(NoCheckpointError) as info:
+        load_latest(sharded_sd(rank, world, 0, empty=True), save_dir, cfg)
+    out["none"] = str(info.value)
+    return out
+
+
+def test_load_latest_resumes_from_the_newest_step_that_loads_through_its_directory(tmp_path):
+    """Two ranks: the newest step damaged (its only copy), then non-finite, then its
+    directory gone or unfinished: every rank resumes from the older step, exactly, and rank 0
+    (only) says why; with no step at all, or none named by a directory, NoCheckpointError."""
+    results = run_ranks(_resume, 2, str(tmp_path))
+    r0, r1 = results
+    assert r1 == {"damaged": [], "nonfinite": [], "gone": [], "unfinished": [], "none": r1["none"]}
+    (damaged,) = r0["damaged"]
+    assert "loaded step 1" in damaged and "step 2: " in damaged and "damaged" in damaged
+    (nonfinite,) = r0["nonfinite"]
+    assert "step 3: non-finite (NaN/Inf in w" in nonfinite and "step 2: quarantined" in nonfinite
+    (gone,) = r0["gone"]
+    assert "step 4: no checkpoint directory under" in gone and "step 3: non-finite" in gone
+    (unfinished,) = r0["unfinished"]
+    assert "step 5: " in unfinished and "iter_0000005 is not a complete Megatron checkpoint" in unfinished
+    for r in results:
+        assert "step 5: no checkpoint directory" in r["none"] and "step 1: no checkpoint" in r["none"]

@@ -304,3 +304,16 @@ def test_on_nonfinite_raise_on_one_rank_fails_the_save_on_every_rank(tmp_path):
         assert r["raised"][0] == "NonFiniteStateError" and "w.1" in r["raised"][1], results
         assert r["latest"] == 1
     assert not list(tmp_path.glob("ram/*/" + marker_key("run", 2)))
+
+
+def test_an_excluded_step_is_passed_over_with_the_reason_its_caller_gives():
+    from tiered_dcp.planners.choice import Choice, StepMarks, choose
+
+    steps = {s: StepMarks(s) for s in (1, 2, 3)}
+    assert choose(steps, exclude={3}).skipped == {3: "it failed to load just now"}
+    got = choose(steps, exclude={3: "no iteration directory names it", 2: ""})
+    assert got.step == 1
+    assert got.skipped == {3: "no iteration directory names it", 2: "it failed to load just now"}
+    got = choose(steps, exclude={4: "gone"})  # not among the candidates (a shared tier left it out)
+    assert got.step == 3 and got.skipped == {4: "gone"}
+    assert choose({}, exclude={4: "gone"}) == Choice(None, {4: "gone"})

@@ -1,9 +1,10 @@
 """Megatron-core ``dist_checkpointing`` through the tiers (the ``tiered-dcp[megatron]`` extra).
 
-    from tiered_dcp.megatron import TieredLoadStrategy, TieredSaveStrategy
+    from tiered_dcp.megatron import TieredLoadStrategy, TieredSaveStrategy, load_latest
 
     dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=TieredSaveStrategy(config))
     dist_checkpointing.load(sharded_sd, ckpt_dir, sharded_strategy=TieredLoadStrategy(config))
+    state, step = load_latest(sharded_sd, save_dir, config)  # the resume call
 
 Megatron (0.19+) keeps no strategy registry, and ``serialization.save`` swaps any strategy
 that is not a ``TorchDistSaveShardedStrategy`` for a stock one, so the save strategy is a
@@ -19,6 +20,10 @@ thread of this process over a gloo group of its own, and the request's ``async_f
 the process Megatron's ``AsyncCallsQueue`` starts) only waits for that thread, so that the
 queue's "done on every rank" means committed on the fastest tier. The finalize step raises
 the save's error, if any, and writes the small files.
+
+``load_latest`` is the resume: the newest step of the tiers that loads, through the
+checkpoint directory under ``save_dir`` that names it (a step can only be loaded through
+the directory it was saved to: Megatron reads the common state from there).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 try:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CONFIG_FNAME
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -63,9 +71,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from . import transport
 from .config import TieredConfig
+from .discovery import broadcast_bytes
 from .errors import NoCheckpointError
 from .reader import TieredReader
+from .resume import resume
 from .runtime import pid_alive
 from .writer import TieredWriter
 
@@ -196,6 +207,7 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
         super().__init__()
         self.config = config
         self.step = step
+        self._reader: TieredReader | None = None  # load_latest's reader of ``step``, used once
 
     def _step(self, ckpt_dir: str | os.PathLike) -> int:
         """The step to load: ``step``, else the one ``ckpt_dir`` names.
@@ -229,7 +241,10 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
 
     def load(self, sharded_state_dict: dict, checkpoint_dir: str | os.PathLike, *args: Any) -> dict:
         """Megatron's torch_dist load, reading from the tiers instead of ``checkpoint_dir``."""
-        reader = TieredReader(self.config, self._step(checkpoint_dir))  # collective: every rank
+        step = self._step(checkpoint_dir)
+        reader, self._reader = self._reader, None
+        if reader is None or reader.step != step:
+            reader = TieredReader(self.config, step)  # collective: every rank
         flexible = [t for t in _sharded_tensors(sharded_state_dict) if not t.allow_shape_mismatch]
         mismatch = {t.key: t for t in _sharded_tensors(sharded_state_dict) if t.allow_shape_mismatch}
         flat, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
@@ -267,6 +282,101 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         raise NotImplementedError("TieredLoadStrategy: a committed step of the tiers is never rewritten")
+
+
+def load_latest(
+    sharded_state_dict: dict | Callable[[str], dict],
+    save_dir: str | os.PathLike,
+    config: TieredConfig,
+    **load_kwargs: Any,
+) -> tuple[Any, int]:
+    """Megatron's resume: load the newest step of ``config`` that loads completely, through
+    the checkpoint directory under ``save_dir`` that names it (``iter_0000100/tiered_dcp.json``),
+    on every rank the same step; return what ``dist_checkpointing.load`` returns, and the step.
+
+    The steps are chosen as ``tiered_dcp.load_latest`` chooses them (``resume``): quarantined
+    and non-finite steps are passed over, and so is a step whose load fails for its data
+    (quarantined by that load) and a step that no complete checkpoint directory under
+    ``save_dir`` names (gone, or its save stopped before Megatron wrote ``metadata.json``);
+    one warning (rank 0) names each newer step passed over, and why. ``NoCheckpointError``
+    when none loads. Megatron's tracker file is not read: a directory newer than the one it
+    names loads if its step does.
+
+    ``sharded_state_dict`` is the one to load into, or a callable that makes it from the
+    checkpoint directory about to be loaded (Megatron-LM builds it from what the checkpoint
+    holds: ``dist_checkpointing.load_content_metadata(ckpt_dir)``). ``load_kwargs`` go to
+    ``dist_checkpointing.load`` (``strict``, ``validate_access_integrity``...); an error that
+    is not about the step's data is raised as is.
+    """
+    _check_config(config, "load_latest")
+    if "sharded_strategy" in load_kwargs:
+        raise ValueError("tiered_dcp.megatron.load_latest: the strategy is TieredLoadStrategy(config)")
+    dirs, why_not = _checkpoint_dirs(save_dir, config.namespace)
+
+    def unusable(step: int) -> str | None:
+        if step in dirs:
+            return None
+        return why_not.get(step) or f"no checkpoint directory under {save_dir} names it ({POINTER})"
+
+    def load(reader: TieredReader) -> Any:
+        ckpt_dir = dirs[reader.step]
+        strategy = TieredLoadStrategy(config, step=reader.step)
+        strategy._reader = reader  # the step's reader, chosen and leased: not a second one
+        target = sharded_state_dict(ckpt_dir) if callable(sharded_state_dict) else sharded_state_dict
+        return dist_checkpointing.load(target, ckpt_dir, sharded_strategy=strategy, **load_kwargs)
+
+    step, loaded = resume(config, load, caller="tiered_dcp.megatron.load_latest", unusable=unusable)
+    return loaded, step
+
+
+def _checkpoint_dirs(save_dir: str | os.PathLike, namespace: str) -> tuple[dict[int, str], dict[int, str]]:
+    """Step -> the checkpoint directory under ``save_dir`` to load it through; step -> why the
+    directories naming it cannot be. Rank 0's look, the same on every rank (its error too)."""
+    blob = None
+    if not transport.dist_up() or dist.get_rank() == 0:
+        try:
+            blob = json.dumps([*_scan(Path(save_dir), namespace), None]).encode()
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            blob = json.dumps([{}, {}, f"{type(e).__name__}: {e}"]).encode()
+    if transport.dist_up():
+        blob = broadcast_bytes(blob)
+    dirs, why_not, error = json.loads(blob)
+    if error is not None:
+        raise ValueError(f"tiered_dcp.megatron.load_latest: {save_dir}: {error}")
+    return {int(s): d for s, d in dirs.items()}, {int(s): w for s, w in why_not.items()}
+
+
+def _scan(save_dir: Path, namespace: str) -> tuple[dict[int, str], dict[int, str]]:
+    """The checkpoint directories directly under ``save_dir`` saved under ``namespace``: each
+    step's, where ``metadata.json`` says Megatron finished it (two naming one step: the one
+    written last, whose common state goes with the step's newest save)."""
+    if (save_dir / POINTER).exists():
+        raise ValueError(
+            f"it is a checkpoint directory itself (it holds {POINTER}): pass the directory that "
+            "holds the iter_... directories (Megatron-LM's --save / --load)"
+        )
+    found: dict[int, tuple[int, str]] = {}
+    why_not: dict[int, str] = {}
+    try:
+        children = sorted(p for p in save_dir.iterdir() if p.is_dir())
+    except FileNotFoundError:  # no save_dir yet: no directory names any step
+        return {}, {}
+    for d in children:
+        pointer = read_pointer(d)
+        if not isinstance(pointer, dict) or pointer.get("namespace") != namespace:
+            continue
+        step = pointer.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            continue
+        try:
+            json.loads((d / CONFIG_FNAME).read_text())
+            written = (d / POINTER).stat().st_mtime_ns
+        except (OSError, ValueError) as e:
+            why_not[step] = f"{d} is not a complete Megatron checkpoint ({CONFIG_FNAME}: {e})"
+            continue
+        if step not in found or written >= found[step][0]:
+            found[step] = (written, str(d))
+    return {s: d for s, (_, d) in found.items()}, {s: w for s, w in why_not.items() if s not in found}
 
 
 def _sharded_tensors(tree: Any) -> list[ShardedTensor]:
@@ -378,4 +488,11 @@ def _done_dir() -> Path:
     return _DONE_DIR
 
 
-__all__ = ["POINTER", "TieredLoadStrategy", "TieredSaveStrategy", "read_pointer", "step_from_dir"]
+__all__ = [
+    "POINTER",
+    "TieredLoadStrategy",
+    "TieredSaveStrategy",
+    "load_latest",
+    "read_pointer",
+    "step_from_dir",
+]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -81,11 +81,13 @@ class OpenStep:
     copy_at: dict[int, StepCopy]  # tier -> the copy read there
     sources: Sources
 
-    def __init__(self, config: TieredConfig, rank: int, with_group: bool, exclude: Iterable[int]) -> None:
+    def __init__(
+        self, config: TieredConfig, rank: int, with_group: bool, exclude: Iterable[int] | Mapping[int, str]
+    ) -> None:
         self.config = config
         self.rank, self.node = rank, node_of(rank)
         self.with_group = with_group  # the ranks agree over a process group
-        self.exclude = set(exclude)
+        self.exclude = dict(exclude) if isinstance(exclude, Mapping) else dict.fromkeys(exclude, "")
         self.views = {v.index: v for v in views(config, self.node, rank, IndexCache())}  # one per load
         self.copies: list[StepCopy] = []
         self.cluster: list[ClusterCopy] = []
@@ -100,7 +102,7 @@ class OpenStep:
         *,
         rank: int,
         with_group: bool,
-        exclude: Iterable[int] = (),
+        exclude: Iterable[int] | Mapping[int, str] = (),
     ) -> OpenStep:
         """Choose ``step`` (None: the newest complete good step), lease it and share its
         metadata; ``NoCheckpointError`` when there is none. Collective ``with_group``."""
@@ -163,7 +165,7 @@ class OpenStep:
             found, cluster, lost = self._pool(step)
             self.group_name = transport.next_name(self.config.namespace, "load")
         else:
-            found, cluster = loadable_steps(self.views.values(), step, self.exclude), {}
+            found, cluster = loadable_steps(self.views.values(), step, set(self.exclude)), {}
         judged, judged_cluster = _one_save(found, cluster)  # each step by one save's marks
         in_cluster = [c.step_marks for copies in judged_cluster.values() for c in copies.values()]
         held = {m.step for m in in_cluster}
@@ -186,7 +188,7 @@ class OpenStep:
 
     def next_choice(self) -> str:
         """What the next reader will load, now that this step failed: for error messages."""
-        nxt = choose(self.candidates, None, self.exclude | {self.step}).step
+        nxt = choose(self.candidates, None, {**self.exclude, self.step: ""}).step
         if nxt is None:
             return "no older good step is known here: the next load finds none unless another tier holds one"
         return f"the next TieredReader(config) or load_latest loads step {nxt}"
@@ -255,7 +257,7 @@ class OpenStep:
     ) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
         """Every rank's holdings, pooled: node-local steps by union; shared tiers' newest
         complete step as rank 0 found it (``discovery``: the bucket is asked once per load)."""
-        found = shared_steps(list(self.views.values()), step, self.exclude)
+        found = shared_steps(list(self.views.values()), step, set(self.exclude))
         pooled = [v for v in self.views.values() if v.placement.pooled]
         cluster: dict[int, dict[int, ClusterCopy]] = {}
         lost: dict[int, dict[int, list[int]]] = {}

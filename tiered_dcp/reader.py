@@ -10,9 +10,10 @@ read from its next source with a warning naming the bad file.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -24,9 +25,12 @@ from torch.futures import Future
 from . import transport
 from .checkpoint_id import new_id, step_id, step_of
 from .config import TieredConfig, node_of
+from .errors import PeerLostError
 from .opening import OpenStep
 from .reading import StepReads
 from .records import record
+
+log = logging.getLogger("tiered_dcp")
 
 
 def _dist_rank() -> tuple[int, bool]:
@@ -48,7 +52,8 @@ class TieredReader(StorageReader):
 
     Without ``step``, steps that are quarantined (an earlier load found an item with no good
     copy left) or non-finite (saved holding NaN/Inf) are passed over (``planners.choice``),
-    and so are ``exclude`` (``load_latest``'s steps that just failed); ``skipped`` says which
+    and so are ``exclude`` (``load_latest``'s steps that just failed; a mapping gives each
+    one's reason); ``skipped`` says which
     newer steps were, and why. A load that finds an item with no good copy left quarantines
     the step where this rank reaches it, and its error names the step the next reader
     will choose.
@@ -60,7 +65,7 @@ class TieredReader(StorageReader):
         step: int | None = None,
         *,
         no_dist: bool = False,
-        exclude: Iterable[int] = (),
+        exclude: Iterable[int] | Mapping[int, str] = (),
     ) -> None:
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredReader: config must be a TieredConfig, got {type(config).__name__}")
@@ -72,7 +77,8 @@ class TieredReader(StorageReader):
         rank, up = _dist_rank()
         self.rank, self.node = rank, node_of(rank)
         self._dist = up and not no_dist
-        opened = OpenStep.open(config, step, rank=rank, with_group=self._dist, exclude=exclude)
+        with transport.watching_peers(step, "opening a step to load"):  # a lost rank: PeerLostError
+            opened = OpenStep.open(config, step, rank=rank, with_group=self._dist, exclude=exclude)
         self._opened, self._reads = opened, StepReads(opened)
         self.step, self.skipped = opened.step, opened.skipped
         if not self._dist:  # metadata refused on every tier: say so here, not as DCP's AssertionError
@@ -139,9 +145,13 @@ class TieredReader(StorageReader):
         sources, in order; collective with a process group) and record the load; the
         step's leases go whatever happened (a shared tier's once every rank has read)."""
         try:
-            self._reads.read_all(plan, planner)
+            with transport.watching_peers(self.step, "the load's reads"):
+                self._reads.read_all(plan, planner)
             seconds = round(time.perf_counter() - self._started, 6)
             record(self.config, "load", self.rank, self.step, tiers=self.tiers, seconds=seconds)
+        except PeerLostError as e:  # DCP's next collective fails on the same rank with torch's error
+            log.error("%s", e)
+            raise
         finally:
             self._opened.read_done()
         fut: Future[None] = Future()

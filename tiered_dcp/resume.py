@@ -6,12 +6,17 @@ quarantined by that load (``TieredReader``), and the choice is made again withou
 (``planners.choice``); quarantined and non-finite steps are passed over from the start.
 Every rank sees the same failures (DCP gathers them into one ``CheckpointException``), so
 every rank excludes the same steps and the readers agree on the next one.
+
+``resume`` is that loop, for any way of loading the chosen step: ``load_latest`` loads it
+with ``dcp.load``, ``tiered_dcp.megatron.load_latest`` through its Megatron checkpoint
+directory (and passes over a step that has none).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -25,6 +30,8 @@ from .reader import TieredReader
 
 log = logging.getLogger("tiered_dcp")
 
+T = TypeVar("T")
+
 
 def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwargs: Any) -> int:
     """Load the newest step that loads completely into ``state_dict``, on every rank the same
@@ -35,7 +42,26 @@ def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwa
     ``dcp_load_kwargs`` go to ``dcp.load`` (``planner``, ``process_group``...); an error that
     is not about the step's data (a state_dict that does not match, say) is raised as is.
     """
-    failed: dict[int, str] = {}
+    step, _ = resume(config, lambda reader: dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs))
+    return step
+
+
+def resume(
+    config: TieredConfig,
+    load: Callable[[TieredReader], T],
+    *,
+    caller: str = "load_latest",
+    unusable: Callable[[int], str | None] | None = None,
+) -> tuple[int, T]:
+    """Choose the newest good step (``TieredReader(config)``), ``load(reader)`` it, and on a
+    failure for the step's data exclude it and choose again; return the step loaded and what
+    ``load`` returned. ``unusable(step)``, when given, is asked first: a reason passes the
+    step over without loading it. Every rank must call this with the same arguments, and
+    ``unusable`` must answer the same on every rank (its answer may come from a collective:
+    every rank asks about the same steps in the same order). One warning (rank 0, naming
+    ``caller``) lists the newer steps passed over; ``NoCheckpointError`` when none loads.
+    """
+    failed: dict[int, str] = {}  # steps excluded here, and why
     skipped: dict[int, str] = {}
     while True:
         try:
@@ -46,17 +72,21 @@ def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwa
             failed[e.step] = str(e)
             continue
         skipped.update(reader.skipped)
+        why = unusable(reader.step) if unusable is not None else None
+        if why:
+            failed[reader.step] = why
+            continue
         try:
             with transport.watching_peers(reader.step, "the load"):  # DCP's collectives raise torch's
-                dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs)
+                loaded = load(reader)
         except (CheckpointException, CheckpointCorruptError, NoCheckpointError) as e:
             why = _data_failure(e)
             if why is None or reader.step in failed:
                 raise
             failed[reader.step] = why
             continue
-        _warn(reader.step, {**skipped, **failed})
-        return reader.step
+        _warn(caller, reader.step, {**skipped, **failed})
+        return reader.step, loaded
 
 
 def _data_failure(e: BaseException) -> str | None:
@@ -69,7 +99,7 @@ def _data_failure(e: BaseException) -> str | None:
     return "; ".join(dict.fromkeys(str(f) for f in ours)) if ours else None
 
 
-def _warn(step: int, passed: dict[int, str]) -> None:
+def _warn(caller: str, step: int, passed: dict[int, str]) -> None:
     newer = {s: why for s, why in passed.items() if s > step}
     if newer and (not transport.dist_up() or dist.get_rank() == 0):
-        log.warning("load_latest loaded step %d, passing over %s", step, describe_skipped(newer))
+        log.warning("%s loaded step %d, passing over %s", caller, step, describe_skipped(newer))
