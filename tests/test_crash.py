@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from crash_worker import config
 from dist_utils import free_port, run_ranks
 from peer_loss_worker import config as peer_loss_config
+from test_cli_export import cli
 
 from tiered_dcp import TieredReader, latest_step, status
 
@@ -69,7 +70,10 @@ def test_rank_killed_mid_save_leaves_previous_step_loadable(tmp_path):
     cfg = config(root)
     assert latest_step(cfg) == 1  # keep=1: retention must not have run before a commit
     states = {(r.tier_index, r.step): r.state for r in status(cfg)}
-    assert states[(0, 1)] == "committed" and states[(0, 2)] in ("writing", "clean")
+    # rank 1 SIGKILLed, rank 0 killed by this test: no process of the save is left
+    assert states[(0, 1)] == "committed" and states[(0, 2)] == "incomplete"
+    r = cli("ls", "-n", "crash", f"{root}/ram/{{node}}", f"{root}/ssd")
+    assert "step 2 on tier 0: incomplete: never committed" in r.stdout and "safe to remove" in r.stdout
     assert glob.glob(dirty), "the half-written part should still be there, under its dirty name"
     # the restarted job (same world size) resumes from step 1 on every rank
     results = run_ranks(_reload, 2, root)

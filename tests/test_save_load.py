@@ -100,11 +100,11 @@ def test_deleted_data_file_falls_back_to_previous_step(tmp_path):
     (part,) = glob.glob(str(tmp_path / "ram/run/step_000000000002/rank_*.part"))
     os.remove(part)
     assert latest_step(cfg) == 1
-    assert [r.state for r in status(cfg)] == ["committed", "committed", "incomplete"]
+    assert [r.state for r in status(cfg)] == ["committed", "committed", "damaged"]
     reader, got = load(cfg)
     assert reader.step == 1
     assert_state_equal(got, value_kinds(1))
-    with pytest.raises(NoCheckpointError, match="committed but incomplete: \\[2\\]"):
+    with pytest.raises(NoCheckpointError, match="committed but damaged \\(a file missing\\): \\[2\\]"):
         TieredReader(cfg, step=2)
 
 

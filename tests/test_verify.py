@@ -2,7 +2,10 @@
 compressed tiers, exactly the damaged tier (and root, and replica) named on real damage."""
 
 import glob
+import os
 import shutil
+import subprocess
+import sys
 
 from conftest import settle
 from dist_utils import run_ranks
@@ -10,6 +13,7 @@ from test_cli_export import cli
 from test_replication import NODES, WORLD, _save
 from test_replication import make_config as replicated_config
 from test_save_load import flip_byte, save
+from tiered_dcp.storage.format import pin_key
 
 from tiered_dcp import Tier, TieredConfig, wait_for
 from tiered_dcp.verify import verify_step
@@ -83,3 +87,28 @@ def test_a_damaged_replica_is_named_as_such_and_a_wiped_root_is_no_damage(tmp_pa
     assert [r.present for r in ram.roots if r.url.endswith("/ram/1")] == [False]
     r = cli("verify", "-n", "job", f"{root}/ram/{{node}}", "--step", "2")
     assert "holds nothing of step 2" in r.stdout, r.stdout
+
+
+def _dead_owner() -> bytes:
+    """An owner record (pin) of a process that has ended: what a SIGKILLed save leaves."""
+    code = "import sys; from tiered_dcp.leases import owner_record; sys.stdout.buffer.write(owner_record())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout
+
+
+def test_a_root_the_commit_never_reached_is_incomplete_not_damage(tmp_path):
+    root = str(tmp_path)
+    run_ranks(_save_two_steps, WORLD, root, env=NODES)
+    cfg = replicated_config(root)
+    wait_for(cfg, 2, timeout=60)
+    # node 1's RAM root: its parts of step 2 but no marker, and the pin of a save that is gone
+    # (its root writer SIGKILLed between the coordinator's verdict and writing the marker)
+    sdir = f"{root}/ram/1/job/step_000000000002"
+    os.remove(f"{sdir}/COMMITTED")
+    with open(f"{root}/ram/1/{pin_key('job', 2, 2, 1)}", "wb") as f:
+        f.write(_dead_owner())
+    (ram, _) = verify_step(cfg, 2)
+    assert ram.ok, ram.problems  # node 0's root holds every part (its own and its replicas)
+    (node1,) = [r for r in ram.roots if r.url.endswith("/ram/1")]
+    assert node1.incomplete and "safe to remove" in node1.incomplete and sdir in node1.incomplete
+    r = cli("verify", "-n", "job", f"{root}/ram/{{node}}", "--step", "2")
+    assert "incomplete: never committed" in r.stdout and "DAMAGED" not in r.stdout, r.stdout

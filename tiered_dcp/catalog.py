@@ -90,10 +90,10 @@ class StepState:
     tier_index: int
     tier: str
     step: int
-    state: str  # queued | writing | clean (parts, no marker yet) | committed | incomplete | failed | skipped
+    state: str  # queued | writing | clean | committed | damaged | incomplete | failed | skipped (user guide)
     size_bytes: int
     created: float | None
-    error: str | None = None  # why a writer process did not write it (states failed, skipped)
+    error: str | None = None  # why it is not usable (failed, skipped, damaged, incomplete)
     logical_bytes: int = 0  # committed: the raw bytes of the step's items held in this tier
     stored_bytes: int = 0  # what its records name (after compression, before dedup)
     written_bytes: int = 0  # what its writers wrote for it here (without the blocks it reused)
@@ -383,9 +383,10 @@ class TierView:
                 self.index,
                 self.tier.path,
                 step,
-                "incomplete" if missing else "committed",
+                "damaged" if missing else "committed",
                 size,
                 c.marker.created,
+                f"committed, but not loadable from here: {'; '.join(missing)}" if missing else None,
             )
             self._byte_counts(rows[step], c)
         for store in self.scan_roots():
@@ -412,9 +413,26 @@ class TierView:
                 error = "its save ended before it wrote anything"
         if error is not None:
             state = "failed"
+        elif data and self.interrupted(store, step, names):
+            state, error = "incomplete", self.leftover(store, step)
         else:
             state = "writing" if not data or any(DIRTY in n for n in data) else "clean"
         return StepState(self.index, self.tier.path, step, state, size, None, error)
+
+    def interrupted(self, store: Storage, step: int, names: list[str] | None = None) -> bool:
+        """Whether an uncommitted step's save stopped before its commit and left no note (it
+        was killed, or its node lost): it pinned the step, and no pin's process is alive."""
+        if names is None:
+            names = store.list(step_dir(self.config.namespace, step))
+        return any(_is_pin(n) for n in names) and self.abandoned(store, step)
+
+    def leftover(self, store: Storage, step: int) -> str:
+        """What ``ls`` and ``verify`` say of an interrupted save's files (``interrupted``)."""
+        where = store.describe(step_dir(self.config.namespace, step))
+        return (
+            "never committed: the save that wrote it stopped before its commit (killed, or its "
+            f"node lost); nothing reads it, safe to remove: {where}"
+        )
 
     def _byte_counts(self, row: StepState, copy: StepCopy) -> None:
         """Fill a committed row's logical / stored / written bytes from its parts' indexes."""
@@ -575,7 +593,7 @@ def describe_search(tier_views: Iterable[TierView]) -> str:
             )
             continue
         broken = sorted(set(committed) - set(complete))
-        extra = f"; committed but incomplete: {broken}" if broken else ""
+        extra = f"; committed but damaged (a file missing): {broken}" if broken else ""
         lines.append(f"  tier {view.index} [{roots}]: complete steps {complete or 'none'}{extra}")
     return "\n".join(lines)
 

@@ -86,6 +86,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
     for line in [header, *table]:
         print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
+    for r in rows:  # what a state that is not a good step means, and what to do
+        if r.error and r.state in ("damaged", "incomplete"):
+            print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
     writers = writer_status(cfg)
     if writers:
         print("writer processes on this node:")
@@ -176,6 +179,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for r in c.roots:
             if not r.present:
                 print(f"  root {r.url}: holds nothing of step {step} (wiped, or not reachable from here)")
+                continue
+            if r.incomplete:
+                print(f"  root {r.url}: {r.incomplete}")
                 continue
             replicas = f", replicas of rank(s) {r.replicas}" if r.replicas else ""
             held = sorted(set(r.parts) - set(r.replicas))

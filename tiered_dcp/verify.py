@@ -5,7 +5,9 @@ each part it holds (the rank's own and, on a replicated node-local tier, its cli
 replicas) is read through that root's own index (``storage/format.py``) and the codec
 that loads use, and every item is checked against its chunk checksums and against the
 metadata. A root that holds nothing of the step (a wiped node, or a node this machine does
-not see) is reported, not counted as damage; a part no reachable root holds whole is.
+not see), or only files of it that were never committed there (a save killed before its
+commit: "incomplete", safe to remove), is reported, not counted as damage; a part no
+reachable root holds whole is.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class RootCheck:
     bytes_read: int = 0
     problems: list[str] = field(default_factory=list)
     present: bool = True  # False: the root holds nothing of the step (wiped, or not reachable)
+    incomplete: str | None = None  # files of the step but no commit here: what they are, not damage
 
     @property
     def ok(self) -> bool:
@@ -101,7 +104,9 @@ def _verify_tier(view: TierView, copy: StepCopy) -> TierCheck:
             root = roots.get(store.url)
             if root is None:  # one listing per root, not one per part it holds
                 root = roots[store.url] = RootCheck(store.url, present=_holds_step(store, view, step))
-            if not root.present:
+                if root.present:
+                    root.incomplete = _uncommitted(view, store, marker)
+            if not root.present or root.incomplete:
                 continue
             if _verify_copy(view, store, marker, p.rank, items.get(p.rank, []), root, md):
                 whole.add(p.rank)
@@ -117,6 +122,20 @@ def _verify_tier(view: TierView, copy: StepCopy) -> TierCheck:
     check.roots = list(roots.values())
     check.items = sum(len(items.get(r, [])) for r in {p for root in check.roots for p in root.parts})
     return check
+
+
+def _uncommitted(view: TierView, store: Storage, marker: Marker) -> str | None:
+    """Why ``store``'s files of the step are not the committed save's (None when they are):
+    it has no marker of that save (a save that stopped before its commit here, or one still
+    under way). Such files are never read, so they are not damage."""
+    mine = view.read_marker(store, marker.step)
+    if mine is not None and mine.metadata_xxh3 == marker.metadata_xxh3:
+        return None
+    if mine is not None:
+        return "holds another save of this step number, committed there: verify it on its own"
+    if view.interrupted(store, marker.step):
+        return "incomplete: " + view.leftover(store, marker.step)
+    return "not committed here (a save or a writer process may still be writing it): not read"
 
 
 def _holds_step(store: Storage, view: TierView, step: int) -> bool:
