@@ -111,7 +111,8 @@ class TieredReader(StorageReader):
             step = step_of(self.config.namespace, checkpoint_id, "TieredReader")
             if step != self.step:
                 self._opened.release()  # the step chosen before is not read after all
-                self.__init__(self.config, step, no_dist=not self._dist)  # type: ignore[misc]
+                exclude = self._opened.exclude  # error messages' next choice passes them over still
+                self.__init__(self.config, step, no_dist=not self._dist, exclude=exclude)  # type: ignore[misc]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
