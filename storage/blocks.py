@@ -31,15 +31,16 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import xxhash
 
 from . import owners
 from .base import Buffer, Storage
-from .codec import ChecksumMismatch, Encoder, checksum, decode_chunk, encode_block, read_block
+from .codec import ChecksumMismatch, Encoder, checksummer, decode_chunk, encode_block, read_block
 from .format import (
     BLOCK_HEADER,
     GC_EPOCH,
@@ -69,32 +70,89 @@ def block_id(raw: Buffer) -> str:
     return xxhash.xxh3_128_hexdigest(raw)
 
 
-def fingerprints(
-    chunks: list[memoryview], blocked: list[bool], known: list[str | None]
-) -> list[tuple[int, str | None]]:
-    """Each chunk's checksum, and for a ``blocked`` one its block id (``known``'s, when the
-    save planner named it already). A block of the previous call keeps its checksum: the
-    id names the bytes, and the checksum is a function of them, so an unchanged block is
-    hashed once, not twice. Large chunks are hashed on the blocks' threads (xxhash
-    releases the GIL on large buffers, so this scales with the cores), small ones inline."""
-    global _LAST_CHECKSUMS
-    last = _LAST_CHECKSUMS
+def block_hasher() -> Any:
+    """``block_id`` fed piece by piece (``update``, then ``hexdigest``): the same name."""
+    return xxhash.xxh3_128()
 
-    def one(i: int) -> tuple[int, str | None]:
-        if not blocked[i]:
-            return checksum(chunks[i]), None
-        name = known[i] or block_id(chunks[i])
-        h = last.get(name)
-        return (checksum(chunks[i]) if h is None else h), name
+
+Screen = Callable[[memoryview], bool]  # a check of a chunk's bytes (the non-finite check)
+SCREEN_PIECE = 1 << 20  # bytes hashed, then screened while they are still in cache
+
+
+class Print(NamedTuple):
+    """What ``fingerprints`` found of one chunk."""
+
+    checksum: int
+    block: str | None  # its block id, for a blocked chunk
+    passed: bool  # its screen found nothing (True when it had none)
+
+
+def fingerprints(
+    chunks: list[memoryview],
+    blocked: list[bool],
+    known: list[str | None],
+    screens: list[Screen | None] | None = None,
+) -> list[Print]:
+    """Each chunk's checksum, for a ``blocked`` one its block id (``known``'s, when the save
+    planner named it already), and whether its screen passed.
+
+    A chunk's screen runs piece by piece right after each ``SCREEN_PIECE`` is hashed, while
+    those bytes are in cache, so beside the hash it costs a fraction of a pass of its own.
+    A block of the previous call keeps its checksum and its screens' answers: the id names
+    the bytes, and both are functions of them, so an unchanged block is hashed (and screened)
+    once, not twice. Large chunks are hashed on the blocks' threads (xxhash and torch
+    release the GIL on large buffers, so this scales with the cores), small ones inline."""
+    global _LAST
+    last = _LAST
+    screens = screens or [None] * len(chunks)
+
+    def one(i: int) -> Print:
+        chunk, screen = chunks[i], screens[i]
+        verdict: bool | None = None if screen else True
+        name = known[i] if blocked[i] else None
+        if blocked[i] and name is None:
+            hasher = block_hasher()
+            verdict, name = _fed(hasher, chunk, screen), hasher.hexdigest()
+        h, verdicts = last.get(name, (None, {})) if name else (None, {})
+        if verdict is None:
+            verdict = verdicts.get(screen)
+        if h is None:
+            hasher = checksummer()
+            ran = _fed(hasher, chunk, screen if verdict is None else None)
+            h, verdict = hasher.intdigest(), ran if verdict is None else verdict
+        if verdict is None:  # an unchanged block the planner named, not screened this way yet
+            verdict = _fed(None, chunk, screen)
+        return Print(h, name, verdict)
 
     big = [i for i, c in enumerate(chunks) if len(c) >= PARALLEL_HASH]
     futures = {i: pool().submit(one, i) for i in big} if len(big) > 1 else {}
     got = [futures[i].result() if i in futures else one(i) for i in range(len(chunks))]
-    _LAST_CHECKSUMS = {name: h for h, name in got if name is not None}
+    _LAST = {}
+    for p, screen in zip(got, screens, strict=True):
+        if p.block is not None:
+            verdicts = dict(last.get(p.block, (0, {}))[1])
+            if screen is not None:
+                verdicts[screen] = p.passed
+            _LAST[p.block] = (p.checksum, verdicts)
     return got
 
 
-_LAST_CHECKSUMS: dict[str, int] = {}  # block id -> checksum, of the last save's blocks
+def _fed(hasher: Any, buf: memoryview, screen: Screen | None) -> bool:
+    """Feeds ``buf`` to ``hasher`` (if any), screening each piece after it; whether all passed
+    (screening stops at the first piece that fails: one is enough)."""
+    if screen is None:
+        hasher.update(buf)
+        return True
+    passed = True
+    for start in range(0, len(buf), SCREEN_PIECE):
+        piece = buf[start : start + SCREEN_PIECE]
+        if hasher is not None:
+            hasher.update(piece)
+        passed = passed and screen(piece)
+    return passed
+
+
+_LAST: dict[str, tuple[int, dict[Screen, bool]]] = {}  # block id -> its checksum and screens' answers
 
 
 def blocked(kind: str, raw_length: int) -> bool:

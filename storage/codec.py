@@ -46,6 +46,11 @@ def checksum(buf: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
+def checksummer() -> Any:
+    """``checksum`` fed piece by piece (``update``, then ``intdigest``): the same value."""
+    return xxhash.xxh3_64()
+
+
 def split(view: memoryview, chunk_bytes: int = CHUNK_BYTES) -> list[memoryview]:
     """Zero-copy slices of at most ``chunk_bytes``; one empty slice for an empty item."""
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view

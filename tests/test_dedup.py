@@ -280,12 +280,12 @@ def test_an_unchanged_block_keeps_its_checksum_and_a_changed_one_gets_its_own():
         ([b, c, a, small], [True, True, True, False]),
     ):
         got = fingerprints(chunks, blocked, [None] * len(chunks))
-        assert [h for h, _ in got] == [checksum(x) for x in chunks]
-        assert [n for _, n in got] == [
+        assert [p.checksum for p in got] == [checksum(x) for x in chunks]
+        assert [p.block for p in got] == [
             block_id(x) if cut else None for x, cut in zip(chunks, blocked, strict=True)
         ]
     named = fingerprints([c], [True], [block_id(c)])  # the planner's id: same answer
-    assert named == [(checksum(c), block_id(c))]
+    assert named == [(checksum(c), block_id(c), True)]
 
 
 def test_a_block_the_gc_deleted_or_a_wiped_root_lost_is_written_again(tmp_path):

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from tiered_dcp.storage.blocks import BLOCK_BYTES, SCREEN_PIECE, block_id, fingerprints
+from tiered_dcp.storage.codec import checksum
 from tiered_dcp.storage.format import Marker, marker_key, parse_quarantine, part_key, step_dir
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -165,6 +167,57 @@ def test_every_nonfinite_value_is_caught_in_every_float_dtype(tmp_path, value):
     dcp.save(sd, storage_writer=TieredWriter(cfg, step=9))
     assert Marker.from_bytes((tmp_path / "ram" / marker_key("run", 9)).read_bytes()).finite
     shutdown()
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_a_nonfinite_value_deep_in_a_large_tensor_is_caught_and_an_unchanged_block_keeps_its_answer(
+    tmp_path, dedup
+):
+    """The check runs piece by piece beside the hash: a NaN in the last piece of a later
+    chunk (or 1 MiB block) is found in float32 and bfloat16; with dedup an unchanged block
+    keeps its answer in the next save, and its fix is seen; float16 values whose row sums
+    overflow are still finite (the element-wise fallback)."""
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ram"), keep=5)], dedup=dedup)
+    n = (9 << 20) // 4  # 9 MiB of float32: two 8 MiB chunks, or nine 1 MiB blocks
+    sd = {
+        "f32": torch.zeros(n),
+        "bf16": torch.zeros(2 * n, dtype=torch.bfloat16),
+        "f16": torch.full((1 << 19,), 60000.0, dtype=torch.float16),  # finite; row sums overflow
+    }
+    marks = lambda step: Marker.from_bytes((tmp_path / "ram" / marker_key("run", step)).read_bytes())  # noqa: E731
+    dcp.save(sd, storage_writer=TieredWriter(cfg, step=1))
+    assert marks(1).finite
+    sd["f32"][n - 5] = float("nan")
+    sd["bf16"][(9 << 20) // 2 - 700_000] = float("-inf")  # the 9th MiB, two pieces before the end
+    for step in (2, 3):  # step 3: the same bytes again (dedup: the blocks' remembered answers)
+        dcp.save(sd, storage_writer=TieredWriter(cfg, step=step))
+        assert marks(step).nonfinite == ["bf16", "f32"], step
+    sd["f32"][n - 5] = 0.0
+    dcp.save(sd, storage_writer=TieredWriter(cfg, step=4))
+    assert marks(4).nonfinite == ["bf16"]
+    shutdown()
+
+
+def test_a_screen_runs_once_per_block_and_only_where_asked():
+    """``fingerprints``: a screen sees every byte of a chunk (piece by piece) on the first
+    call, and a block's answer is remembered for the next call (also when the planner
+    named the block); a block first hashed without the screen is screened when asked."""
+    seen: list[int] = []
+
+    def screen(piece: memoryview) -> bool:
+        seen.append(len(piece))
+        return bytes(piece[:1]) != b"\xff"
+
+    good, bad = (memoryview(bytes([v]) * (BLOCK_BYTES + 10)) for v in (0, 0xFF))
+    got = fingerprints([good, bad], [True, True], [None, None], [screen, screen])
+    assert [p.passed for p in got] == [True, False] and sum(seen) == len(good) + SCREEN_PIECE
+    seen.clear()
+    again = fingerprints([good, bad], [True, True], [p.block for p in got], [screen, screen])
+    assert again == got and seen == []
+    other = memoryview(bytes([1]) * 100)
+    fingerprints([other], [True], [None])  # no screen
+    (p,) = fingerprints([other], [True], [block_id(other)], [screen])
+    assert p.passed and seen == [100] and p.checksum == checksum(other)
 
 
 def test_on_nonfinite_raise_fails_the_save_before_it_is_committed(tmp_path):

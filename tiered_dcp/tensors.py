@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 
@@ -26,25 +29,42 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-FINITE_ROW = 1024  # elements summed together when screening a tensor for NaN/Inf
+FINITE_ROW = 1024  # float16 elements summed together when screening a tensor for NaN/Inf
 CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def all_finite(t: torch.Tensor) -> bool:
     """Whether a CPU tensor holds no NaN/Inf (True for dtypes it does not check).
 
-    A sum is non-finite whenever one of its terms is (IEEE: NaN and Inf propagate), so
-    row sums screen the tensor at memory speed; only a non-finite row sum (a NaN/Inf, or
-    a finite row that overflowed) is checked element by element. Rows of ``FINITE_ROW``
-    keep float16 sums of ordinary values from overflowing. Other dtypes (float8, complex,
-    integers) are not checked.
+    A sum is non-finite whenever one of its terms is (IEEE: NaN and Inf propagate), so a
+    sum screens the tensor at memory speed; only a non-finite sum (a NaN/Inf, or finite
+    values that overflowed) is checked element by element. float16 is summed in rows of
+    ``FINITE_ROW``, so that ordinary values do not overflow its range. Other dtypes
+    (float8, complex, integers) are not checked.
     """
     if t.dtype not in CHECKED_DTYPES or t.numel() == 0:
         return True
     flat = t.reshape(-1)
-    cut = flat.numel() // FINITE_ROW * FINITE_ROW
-    sums = [flat[:cut].view(-1, FINITE_ROW).sum(dim=1)] if cut else []
-    sums.append(flat[cut:].sum().reshape(1))
-    if all(bool(torch.isfinite(s).all()) for s in sums):
-        return True
-    return bool(torch.isfinite(flat).all())
+    if t.dtype == torch.float16:
+        cut = flat.numel() // FINITE_ROW * FINITE_ROW
+        sums = [flat[:cut].view(-1, FINITE_ROW).sum(dim=1)] if cut else []
+        if cut < flat.numel():
+            sums.append(flat[cut:].sum().reshape(1))
+        screened = all(bool(torch.isfinite(s).all()) for s in sums)
+    else:
+        screened = bool(flat.sum().isfinite())
+    return screened or bool(torch.isfinite(flat).all())
+
+
+@functools.cache
+def finite_screen(dtype: torch.dtype) -> Callable[[memoryview], bool] | None:
+    """``all_finite`` of a piece of a tensor's bytes, for ``storage.blocks.fingerprints`` to
+    run beside the hash (None for dtypes it does not check). One object per dtype: a block's
+    answer is remembered per screen."""
+    if dtype not in CHECKED_DTYPES:
+        return None
+    return functools.partial(_finite_bytes, dtype)
+
+
+def _finite_bytes(dtype: torch.dtype, piece: memoryview) -> bool:
+    return all_finite(torch.frombuffer(piece, dtype=dtype)) if len(piece) else True

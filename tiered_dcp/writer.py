@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from tiered_dcp.planners.save import ALIASES, Alias, plan_global, tag_local_plan
 from tiered_dcp.storage import blocks
+from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.format import NONFINITE_NAMES, failed_key, index_key, part_key, pin_key
 
@@ -44,7 +45,7 @@ from .records import record
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
 from .runtime import MAX_PENDING, Job, writer_handle
 from .staging import POOL, examine
-from .tensors import all_finite, as_cpu_contiguous, byte_view
+from .tensors import as_cpu_contiguous, byte_view, finite_screen
 from .transport import PeerTimeout
 
 log = logging.getLogger("tiered_dcp")
@@ -68,14 +69,16 @@ def resolve_items(
     """Each write item's bytes, chunked and checksummed (with dedup, large tensors cut into
     blocks and each named: this runs in the save's async part, off the training stall).
     ``check_finite``: floating tensors holding NaN/Inf get ``nonfinite`` in their facts,
-    which their records keep (``tensors.all_finite``: one pass at memory speed)."""
+    which their records keep (``tensors.finite_screen``, run beside the hash while the
+    bytes are in cache)."""
     items: list[RawItem] = []
     cuts: list[bool] = []
     known: list[str | None] = []  # per chunk: its block id, where the planner named it
-    checks: list[tuple[dict[str, Any], ConcurrentFuture[bool]]] = []  # (an item's facts, finite?)
+    screens: list[Screen | None] = []  # per chunk: its tensor's non-finite check
     planned: dict[MetadataIndex, list[str]] = getattr(planner, "block_ids", None) or {}
     for item in plan.items:
         data = planner.resolve_data(item)
+        screen = None
         if item.type == WriteItemType.BYTE_IO:
             owner: object = data.getvalue()
             view = memoryview(owner)
@@ -84,10 +87,7 @@ def resolve_items(
             t = as_cpu_contiguous(data)
             owner, view = t, byte_view(t)
             extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
-            if check_finite and len(view) >= blocks.PARALLEL_HASH:  # beside the hashing, on its
-                checks.append((extra, blocks.pool().submit(all_finite, t)))  # threads (no GIL held)
-            elif check_finite and not all_finite(t):
-                extra["nonfinite"] = True
+            screen = finite_screen(t.dtype) if check_finite else None
         cut = as_blocks and blocks.blocked(extra["kind"], len(view))
         chunks = split(view, blocks.BLOCK_BYTES if cut else CHUNK_BYTES)
         ids = planned.get(item.index) if cut else None
@@ -96,16 +96,16 @@ def resolve_items(
         items.append(RawItem(item.index, chunks, [], extra, owner, [] if cut else None))
         cuts.extend([cut] * len(chunks))
         known.extend(ids or [None] * len(chunks))
-    prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], cuts, known))
-    for extra, finite in checks:
-        if not finite.result():
-            extra["nonfinite"] = True
+        screens.extend([screen] * len(chunks))
+    prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], cuts, known, screens))
     for it in items:
         for _ in it.chunks:
-            h, name = next(prints)
-            it.hashes.append(h)
+            p = next(prints)
+            it.hashes.append(p.checksum)
             if it.ids is not None:
-                it.ids.append(name)
+                it.ids.append(p.block)
+            if not p.passed:
+                it.extra["nonfinite"] = True
     return items
 
 
