@@ -11,6 +11,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_writer_process import full_disk  # noqa: F401  (a fixture: a real 1 MiB tmpfs)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, hostmem, shutdown
@@ -83,3 +84,15 @@ def test_what_a_configuration_holds(shm, tmp_path, monkeypatch):
     with open(f"{shm}/ram/0/plan/step_000000000001/rank_00000.part", "wb") as f:
         f.write(b"x" * 4096)
     assert hostmem.plan(cfg, n, 0).tiers[0].held == 4096
+
+
+def test_the_fastest_tier_on_a_full_tmpfs_is_refused_a_slower_one_is_not(tmp_path, full_disk):  # noqa: F811
+    """A real 1 MiB tmpfs: the tier a save writes itself must fit in it; a slower tier on it
+    is the writer process's to report (training goes on), and counts against memory only."""
+    big = {"w": torch.randn(1 << 18)}  # 1 MiB: three steps of it do not fit
+    first = TieredConfig("tiny", [Tier(str(full_disk), keep=2)])
+    with pytest.raises(CheckpointException, match=f"{full_disk} needs 3.00 MiB|{full_disk} needs 0.00 GiB"):
+        dcp.save(big, storage_writer=TieredWriter(first, step=1))
+    slower = TieredConfig("tiny", [Tier(str(tmp_path / "ram"), keep=2), Tier(str(full_disk), keep=2)])
+    p = hostmem.plan(slower, 1 << 20, 0, first=0)
+    assert [t.written_here for t in p.tiers] == [False] and not p.shortfalls()

@@ -91,6 +91,7 @@ class TierHold:
     copies: int  # parts per rank in this root: 1, or the clique's on a node-local tier
     nbytes: int
     held: int  # what the namespace holds there already (replaced step by step)
+    written_here: bool  # the save writes it itself (a slower tier is the writer process's)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class MemoryPlan:
         """What does not fit, one sentence each (empty when everything does)."""
         out = []
         for mount, free in self.free.items():
-            need = sum(t.nbytes for t in self.tiers if t.mount == mount)
+            need = sum(t.nbytes for t in self.tiers if t.mount == mount and t.written_here)
             if mount == self.staging_mount:
                 need += self.staging
             have = free + sum(t.held for t in self.tiers if t.mount == mount) + self._reused(mount)
@@ -141,9 +142,12 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def plan(config: TieredConfig, state_bytes: int, staging_copies: int, reused: int = 0) -> MemoryPlan:
+def plan(
+    config: TieredConfig, state_bytes: int, staging_copies: int, first: int = 0, reused: int = 0
+) -> MemoryPlan:
     """What ``config`` will hold in this node's memory for saves of ``state_bytes`` per rank,
-    with ``staging_copies`` staged copies per rank (0 for a sync save)."""
+    with ``staging_copies`` staged copies per rank (0 for a sync save); ``first``: the tier
+    the save writes itself."""
     node, rank = here()
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     tiers = []
@@ -166,7 +170,7 @@ def plan(config: TieredConfig, state_bytes: int, staging_copies: int, reused: in
         ns_dir = os.path.join(root, config.namespace)
         held = held_bytes(ns_dir) if os.path.isdir(ns_dir) else 0
         nbytes = state_bytes * local * copies * steps
-        tiers.append(TierHold(i, root, mount, steps, copies, nbytes, held))
+        tiers.append(TierHold(i, root, mount, steps, copies, nbytes, held, i == first))
     shm, _ = mount_of("/dev/shm") if os.path.isdir("/dev/shm") else ("", "")
     mounts = {t.mount for t in tiers} | ({shm} if staging_copies and shm else set())
     return MemoryPlan(
@@ -181,18 +185,20 @@ def plan(config: TieredConfig, state_bytes: int, staging_copies: int, reused: in
     )
 
 
-_GUARDED: set[tuple[str, int, int]] = set()
+_GUARDED: set[tuple[str, int, int, int]] = set()
 
 
-def guard(config: TieredConfig, state_bytes: int, staging_copies: int, reused: int = 0) -> None:
+def guard(config: TieredConfig, state_bytes: int, staging_copies: int, first: int, reused: int = 0) -> None:
     """Refuse (``ValueError``) a save whose configuration cannot fit in this host's memory.
 
-    Once per process, namespace, state size and staging; the numbers and what to change
-    are in the message."""
-    key = (config.namespace, state_bytes, staging_copies)
+    Every memory tier counts against ``MemAvailable``; a tmpfs's free space is checked for
+    the tier the save writes itself (``first``): a slower tier that fills up is the writer
+    process's to report while training goes on. Once per process, namespace, state size and
+    staging; the numbers and what to change are in the message."""
+    key = (config.namespace, state_bytes, staging_copies, first)
     if key in _GUARDED:
         return
-    p = plan(config, state_bytes, staging_copies, reused)
+    p = plan(config, state_bytes, staging_copies, first, reused)
     short = p.shortfalls()
     if short:
         raise ValueError(

@@ -270,7 +270,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         started = time.perf_counter()
         POOL.slots = self.staging_slots
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
-        hostmem.guard(self.config, examined.nbytes, self.staging_slots, POOL.info()["bytes"])
+        staged_now = POOL.info()["bytes"]
+        hostmem.guard(self.config, examined.nbytes, self.staging_slots, self.tier_indexes[0], staged_now)
         if not self.background_staging:
             staged = POOL.stage(examined)
             self.stage_seconds = time.perf_counter() - started
@@ -356,7 +357,7 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._waited:  # a sync save: nothing was staged
-            hostmem.guard(self.config, plan_bytes(plan), 0)
+            hostmem.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
             self._wait_for_writer(self.rank)
         started = time.perf_counter()
         self.sent_bytes = 0
