@@ -15,20 +15,24 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from .base import Buffer, Reservation, Storage
 from .registry import register_backend
 
 DIRTY = ".dirty-"
-_VOLATILE_FS = {"tmpfs", "ramfs"}
+MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose files live in the host's memory
 
 
-@functools.lru_cache(maxsize=256)
-def needs_fsync(path: str) -> bool:
-    """False for memory-backed file systems, True for everything else."""
-    best, fstype = "", ""
-    real = os.path.realpath(path)
+def mount_of(path: str) -> tuple[str, str]:
+    """(mount point, file system type) of the file system ``path`` (or its nearest existing
+    ancestor) is on, from ``/proc/self/mounts``; ("", "") where that cannot be read."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    real = os.path.realpath(p)
+    best = ("", "")
     try:
         with open("/proc/self/mounts") as f:
             for line in f:
@@ -36,11 +40,17 @@ def needs_fsync(path: str) -> bool:
                 if len(parts) < 3:
                     continue
                 mnt = parts[1].replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, fstype = mnt, parts[2]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, parts[2])
     except OSError:
-        return True
-    return fstype not in _VOLATILE_FS
+        pass
+    return best
+
+
+@functools.lru_cache(maxsize=256)
+def needs_fsync(path: str) -> bool:
+    """False for memory-backed file systems, True for everything else (and when unknown)."""
+    return mount_of(path)[1] not in MEMORY_FS
 
 
 def _write_all(fd: int, buf: Buffer) -> None:

@@ -20,37 +20,14 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from tiered_dcp.storage.local import MEMORY_FS, mount_of
 
 from .config import TieredConfig, here
 
 log = logging.getLogger("tiered_dcp")
 
-MEMORY_FS = ("tmpfs", "ramfs")
 GiB = 1 << 30
-
-
-def mount_of(path: str) -> tuple[str, str]:
-    """(mount point, file system type) of the file system ``path`` (or its nearest existing
-    ancestor) is on, from ``/proc/mounts``; ("", "") where that cannot be read."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    real = os.path.realpath(p)
-    best = ("", "")
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                point = fields[1].replace("\\040", " ")
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best[0]):
-                    best = (point, fields[2])
-    except OSError:
-        pass
-    return best
 
 
 def mem_available() -> int | None:
