@@ -19,7 +19,7 @@ Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
 - ``load``: ``tiers`` (read from), ``seconds`` (reader constructed to last item read).
 
 Recording never fails a save or a load: an unwritable directory is logged once and ignored.
-The directory lives with the writer processes' runtime dirs (``runtime.job_dir``), outside
+The directory lives with the writer processes' runtime dirs (``rundir.job_dir``), outside
 the ``rank_*`` dirs that ``shutdown`` tidies up. Appends are single ``write`` calls of one
 short line, so the trainer and its writer process can append to one file at once.
 """
@@ -35,7 +35,7 @@ from typing import Any
 
 from .config import TieredConfig, node_of
 from .private_dir import mkdir_private
-from .runtime import job_dir
+from .rundir import job_dir
 
 log = logging.getLogger("tiered_dcp")
 

@@ -43,7 +43,8 @@ from .leases import owner_record
 from .metadata import Records
 from .records import record
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
-from .runtime import MAX_PENDING, Job, writer_handle
+from .rundir import Job
+from .runtime import MAX_PENDING, writer_handle
 from .staging import POOL, examine
 from .tensors import as_cpu_contiguous, byte_view, finite_screen
 from .transport import PeerTimeout
