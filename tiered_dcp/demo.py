@@ -106,10 +106,10 @@ def _state_hash(state) -> str:
 
 def _loaded_from(cfg, rank: int) -> list[int]:
     """The tiers this rank's last load read from, as its load record says (``records``)."""
-    from .records import read_records
+    from .records import Kind, read_records
 
-    loads = [r for r in read_records(cfg, "load", tail_bytes=1 << 16) if r["rank"] == rank]
-    return list(loads[-1]["tiers"])
+    loads = [r for r in read_records(cfg, Kind.LOAD, tail_bytes=1 << 16) if r.rank == rank]
+    return list(loads[-1].tiers or ())
 
 
 def _build(mesh, hidden: int = 2048):

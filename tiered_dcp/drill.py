@@ -288,12 +288,10 @@ def _finite(state: object) -> bool:
 
 def _load_tiers(cfg: TieredConfig, rank: int, step: int) -> list[int]:
     """The tiers holding ``step`` complete when this rank loaded it (the load's record)."""
-    from .records import read_records
+    from .records import Kind, read_records
 
-    loads = [
-        r for r in read_records(cfg, "load", tail_bytes=1 << 16) if (r["rank"], r["step"]) == (rank, step)
-    ]
-    return loads[-1].get("tiers", []) if loads else []
+    loads = [r for r in read_records(cfg, Kind.LOAD, tail_bytes=1 << 16) if (r.rank, r.step) == (rank, step)]
+    return list(loads[-1].tiers or ()) if loads else []
 
 
 def _quarantined(cfg: TieredConfig, rank: int) -> list[list]:

@@ -40,7 +40,7 @@ from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, wr
 from . import dedup
 from .catalog import StepCopy, TierView, read_metadata_blob
 from .placement import nodes_of
-from .records import record
+from .records import Kind, record
 from .rundir import Job, Outcome, OutcomeState, RunDir, TierHealth, TierState
 from .runtime import POLL, pid_alive
 
@@ -332,7 +332,7 @@ class Persister:
         latency = round(outcome.finished - job.enqueued, 3)
         record(
             self.config,
-            "persist",
+            Kind.PERSIST,
             job.rank,
             job.step,
             tier=job.target,

@@ -83,9 +83,10 @@ def config_json(config: TieredConfig) -> bytes:
 # -- the records ----------------------------------------------------------------------------
 
 
-class _StrEnum(str, Enum):
+class StrEnum(str, Enum):
     """A state stored as its plain string (the JSON on disk is the value), shown as it too:
-    ``str()``, ``%s`` and f-strings give ``failing``, not ``TierState.FAILING``."""
+    ``str()``, ``%s`` and f-strings give ``failing``, not ``TierState.FAILING`` (what
+    ``enum.StrEnum`` does from Python 3.11; this package still runs on 3.10)."""
 
     def __str__(self) -> str:
         return self.value
@@ -94,7 +95,7 @@ class _StrEnum(str, Enum):
         return format(self.value, spec)
 
 
-class TierState(_StrEnum):
+class TierState(StrEnum):
     """The writer's verdict on a slower tier (``health/t<tier>.json``)."""
 
     HEALTHY = "healthy"
@@ -102,7 +103,7 @@ class TierState(_StrEnum):
     FAILING = "failing"  # a write failed, or its requests have failed for a while
 
 
-class OutcomeState(_StrEnum):
+class OutcomeState(StrEnum):
     """What became of a queued step on its target tier (``results/t<tier>_s<step>.json``)."""
 
     COMMITTED = "committed"  # written, and this rank's writer committed the target's root
@@ -111,19 +112,26 @@ class OutcomeState(_StrEnum):
     SKIPPED = "skipped"  # a newer step took its place in the queue of a tier that was down
 
 
-def _is_int(v: Any) -> bool:
+# Checks of the values a JSON record holds (``records`` uses them for the timing lines too).
+
+
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or check(v)
 
 
-def _valid(
+def valid_record(
     d: Any, checks: dict[str, Callable[[Any], bool]], required: set[str], extra_ok: bool = True
 ) -> bool:
     """Whether ``d`` is a dict with the ``required`` keys and every known key's value passes
@@ -159,18 +167,18 @@ class Job:
     enqueued: float  # time.time() of the hand-off
 
     _CHECKS = {
-        "step": _is_int,
-        "source": _is_int,
-        "target": _is_int,
-        "rank": _is_int,
-        "node": _is_int,
-        "enqueued": _is_number,
+        "step": is_int,
+        "source": is_int,
+        "target": is_int,
+        "rank": is_int,
+        "node": is_int,
+        "enqueued": is_number,
     }
 
     @classmethod
     def from_dict(cls, d: Any) -> Job | None:
         """The job ``d`` describes; None unless it has exactly a job's fields and types."""
-        if not _valid(d, cls._CHECKS, set(cls._CHECKS), extra_ok=False):
+        if not valid_record(d, cls._CHECKS, set(cls._CHECKS), extra_ok=False):
             return None
         return cls(**d)
 
@@ -193,21 +201,21 @@ class Outcome:
     finished: float | None = None  # time.time()
 
     _CHECKS = {
-        "step": _is_int,
-        "target": _is_int,
+        "step": is_int,
+        "target": is_int,
         "state": lambda v: v in OutcomeState._value2member_map_,
-        "rank": _optional(_is_int),
-        "error": _optional(lambda v: isinstance(v, str)),
-        "seconds": _optional(_is_number),
-        "write_s": _optional(_is_number),
-        "bytes": _optional(_is_int),
-        "finished": _optional(_is_number),
+        "rank": optional(is_int),
+        "error": optional(is_str),
+        "seconds": optional(is_number),
+        "write_s": optional(is_number),
+        "bytes": optional(is_int),
+        "finished": optional(is_number),
     }
 
     @classmethod
     def from_dict(cls, d: Any) -> Outcome | None:
         """The outcome ``d`` records; None if it is not one (keys it does not know are ignored)."""
-        if not _valid(d, cls._CHECKS, {"step", "target", "state"}):
+        if not valid_record(d, cls._CHECKS, {"step", "target", "state"}):
             return None
         known = {k: d[k] for k in cls._CHECKS if k in d}
         return cls(**{**known, "state": OutcomeState(d["state"])})
@@ -239,16 +247,16 @@ class TierHealth:
     error: str | None = None
 
     _CHECKS = {
-        "tier": _is_int,
+        "tier": is_int,
         "state": lambda v: v in TierState._value2member_map_,
-        "since": _optional(_is_number),
-        "error": _optional(lambda v: isinstance(v, str)),
+        "since": optional(is_number),
+        "error": optional(is_str),
     }
 
     @classmethod
     def from_dict(cls, d: Any) -> TierHealth | None:
         """The verdict ``d`` records; None if it is not one (keys it does not know are ignored)."""
-        if not _valid(d, cls._CHECKS, {"tier", "state"}):
+        if not valid_record(d, cls._CHECKS, {"tier", "state"}):
             return None
         return cls(d["tier"], TierState(d["state"]), d.get("since"), d.get("error"))
 
