@@ -116,6 +116,8 @@ MALFORMED = [
     "[1, 2]",
     "null",
     '"text"',
+    '{"step": 1, "source": 0, "target": 1, "rank": 0, "node": 0, "enqueued": [1]}',
+    '{"step": 1, "target": 1, "tier": 1, "state": ["failed"]}',  # unhashable: refused, no crash
 ]
 
 
@@ -201,6 +203,7 @@ def test_timing_records_read_back_as_written_and_bad_lines_are_skipped(tmp_path)
         f.write('{"kind": "save", "rank": 0, "node": 0, "step": 2}\n')  # no time: not a record
         f.write('{"kind": "backup", "rank": 0, "node": 0, "step": 2, "time": 1.0}\n')  # unknown kind
         f.write('{"kind": "save", "rank": 0, "node": 0, "step": "2", "time": 1.0}\n')
+        f.write('{"kind": ["save"], "rank": 0, "node": 0, "step": 2, "time": 1.0}\n')
         f.write('{"kind": "save", "rank": 0, "no')  # cut by a crash
     save, load = read_records(cfg)
     assert isinstance(save, TimingRecord) and save.kind is Kind.SAVE

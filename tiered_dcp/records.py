@@ -40,7 +40,7 @@ from typing import Any
 
 from .config import TieredConfig, node_of
 from .private_dir import mkdir_private
-from .rundir import StrEnum, is_int, is_number, is_str, job_dir, optional, valid_record
+from .rundir import StrEnum, is_int, is_number, is_str, job_dir, one_of, optional, valid_record
 
 log = logging.getLogger("tiered_dcp")
 
@@ -78,7 +78,7 @@ class TimingRecord:
     seconds: float | None = None  # load: reader constructed to last item read
 
     _CHECKS = {
-        "kind": lambda v: v in Kind._value2member_map_,
+        "kind": one_of(Kind),
         "rank": is_int,
         "node": is_int,
         "step": is_int,

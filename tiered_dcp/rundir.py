@@ -127,6 +127,12 @@ def is_str(v: Any) -> bool:
     return isinstance(v, str)
 
 
+def one_of(states: type[Enum]) -> Callable[[Any], bool]:
+    """A check that a value is the string of one of ``states``."""
+    values = {m.value for m in states}
+    return lambda v: isinstance(v, str) and v in values
+
+
 def optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or check(v)
 
@@ -203,7 +209,7 @@ class Outcome:
     _CHECKS = {
         "step": is_int,
         "target": is_int,
-        "state": lambda v: v in OutcomeState._value2member_map_,
+        "state": one_of(OutcomeState),
         "rank": optional(is_int),
         "error": optional(is_str),
         "seconds": optional(is_number),
@@ -248,7 +254,7 @@ class TierHealth:
 
     _CHECKS = {
         "tier": is_int,
-        "state": lambda v: v in TierState._value2member_map_,
+        "state": one_of(TierState),
         "since": optional(is_number),
         "error": optional(is_str),
     }
