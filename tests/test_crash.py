@@ -65,6 +65,7 @@ def test_rank_killed_mid_save_leaves_previous_step_loadable(tmp_path):
         procs[0].wait(timeout=30)
     except subprocess.TimeoutExpired:
         procs[0].kill()
+        procs[0].wait()  # reaped: a zombie still counts as alive to the owner check
     procs[1].wait()
 
     cfg = config(root)

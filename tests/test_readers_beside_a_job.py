@@ -3,6 +3,7 @@ failed save leaves nothing behind. Real processes, real files, a real full tmpfs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -125,13 +126,21 @@ def test_lease_owners_elsewhere_hold_until_their_expiry():
 def test_a_save_that_fills_a_real_tmpfs_leaves_nothing_after_the_next_commit(tmp_path, full_disk):  # noqa: F811
     # the RAM tier is a real 1 MiB tmpfs; a slower tier makes the save write pins first
     cfg = TieredConfig("job", [Tier(str(full_disk), keep=2), Tier(str(tmp_path / "ssd"))])
-    dcp.save(small_state(1, mib=0), storage_writer=TieredWriter(cfg, step=1))
+    quarter = lambda step: {"w": torch.full((1 << 16,), float(step))}  # noqa: E731  (256 KiB)
+    dcp.save(quarter(1), storage_writer=TieredWriter(cfg, step=1))
+    filler = full_disk / "filler"  # something else fills the tmpfs after the memory guard passed,
+    with open(filler, "wb") as f, contextlib.suppress(OSError):  # but for 128 KiB: room for pins,
+        while True:  # not for the part
+            f.write(bytes(64 << 10))
+            f.flush()
+    os.truncate(filler, os.path.getsize(filler) - (128 << 10))
     with pytest.raises(CheckpointException, match="No space left"):
-        dcp.save(small_state(2, mib=2), storage_writer=TieredWriter(cfg, step=2))
+        dcp.save(quarter(2), storage_writer=TieredWriter(cfg, step=2))
+    filler.unlink()
     rows = {(r.tier_index, r.step): r for r in status(cfg)}
     assert rows[(0, 2)].state == "failed" and "No space left" in rows[(0, 2)].error, rows
     names = os.listdir(full_disk / "job/step_000000000002")
     assert not [n for n in names if n.startswith(("pin.", "rank_"))], names  # part and pins gone already
-    dcp.save(small_state(3, mib=0), storage_writer=TieredWriter(cfg, step=3))
+    dcp.save(quarter(3), storage_writer=TieredWriter(cfg, step=3))
     assert steps_on_disk(full_disk) == [1, 3]  # the failed step's directory is gone
     assert (0, 2) not in {(r.tier_index, r.step) for r in status(cfg)}

@@ -114,6 +114,11 @@ class Examined:
     refresh: list[int] = field(default_factory=list)  # the leaves with a per-save part
 
     @property
+    def nbytes(self) -> int:
+        """The bytes a staged copy of this state takes (its arena)."""
+        return sum(_nbytes(p) for p in self.flat_pieces)
+
+    @property
     def signature(self) -> tuple:
         """What decides the buffers' layout: every leaf's kind, pieces and static metadata."""
         return tuple(self.layouts)
@@ -182,7 +187,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _allocate(ex: Examined) -> _Slot:
-    total = sum(_nbytes(p) for pieces in ex.pieces for p in pieces)
+    total = ex.nbytes
     storage = torch.UntypedStorage._new_shared(max(total, 1), device="cpu")
     arena = torch.empty(0, dtype=torch.uint8).set_(storage)
     arena.fill_(0)  # touch every page now, not during the first save's copy

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -33,7 +34,7 @@ from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.format import NONFINITE_NAMES, failed_key, index_key, part_key, pin_key
 
-from . import dedup, preemption, scores, transport
+from . import dedup, hostmem, preemption, scores, transport
 from .catalog import TierView, bounded
 from .checkpoint_id import new_id, step_id, step_of
 from .cliques import check_cliques
@@ -108,6 +109,15 @@ def resolve_items(
             if not p.passed:
                 it.extra["nonfinite"] = True
     return items
+
+
+def plan_bytes(plan: SavePlan) -> int:
+    """The tensor bytes a local plan writes (its byte items are small, and not counted)."""
+    return sum(
+        math.prod(it.tensor_data.chunk.sizes) * it.tensor_data.properties.dtype.itemsize
+        for it in plan.items
+        if it.tensor_data is not None
+    )
 
 
 def encode_part(
@@ -260,11 +270,13 @@ class TieredWriter(StorageWriter, AsyncStager):
         self._wait_for_writer(_current_rank())
         started = time.perf_counter()
         POOL.slots = self.staging_slots
+        examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
+        staged_now = POOL.info()["bytes"]
+        hostmem.guard(self.config, examined.nbytes, self.staging_slots, self.tier_indexes[0], staged_now)
         if not self.background_staging:
-            staged = POOL.stage(state_dict)
+            staged = POOL.stage(examined)
             self.stage_seconds = time.perf_counter() - started
             return staged
-        examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
         future = _staging_thread().submit(POOL.stage, examined, POOL.reserve())
         self.stage_seconds = time.perf_counter() - started
         return future
@@ -346,6 +358,7 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._waited:  # a sync save: nothing was staged
+            hostmem.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
             self._wait_for_writer(self.rank)
         started = time.perf_counter()
         self.sent_bytes = 0

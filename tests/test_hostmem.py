@@ -1,0 +1,98 @@
+"""The memory guard: a configuration that cannot fit in host memory is refused before the
+first byte is staged, with both numbers and what to change (real /proc/meminfo, real
+/dev/shm)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_writer_process import full_disk  # noqa: F401  (a fixture: a real 1 MiB tmpfs)
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tiered_dcp import Tier, TieredConfig, TieredWriter, hostmem, shutdown
+from tiered_dcp.staging import POOL
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+
+STATE_MIB = 8
+
+
+@pytest.fixture
+def shm():
+    d = tempfile.mkdtemp(prefix="hostmem-", dir="/dev/shm")
+    yield d
+    shutdown()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def state() -> dict:
+    return {"w": torch.randn(STATE_MIB << 18)}
+
+
+def too_many_steps() -> int:
+    """A keep whose steps of the state are more than this host's memory and /dev/shm."""
+    most = max(hostmem.mem_available() or 0, hostmem.free_bytes("/dev/shm"))
+    return 2 * most // (STATE_MIB << 20)
+
+
+def test_an_async_save_that_cannot_fit_is_refused_before_anything_is_staged(shm):
+    cfg = TieredConfig("big", [Tier(f"{shm}/ram", keep=too_many_steps())])
+    staged_before = POOL.info()["bytes"]
+    with pytest.raises(ValueError) as info:
+        dcp.async_save(state(), storage_writer=TieredWriter(cfg, step=1))
+    msg = str(info.value)
+    assert "cannot fit in this host's memory" in msg and "GiB available" in msg and "GiB free" in msg
+    assert "Lower keep" in msg and f"{shm}/ram" in msg
+    assert POOL.info()["bytes"] == staged_before  # nothing staged
+    assert not os.path.exists(f"{shm}/ram/big")  # nothing written
+
+
+def test_a_sync_save_that_cannot_fit_is_refused_and_one_that_fits_saves(shm):
+    cfg = TieredConfig("big", [Tier(f"{shm}/ram", keep=too_many_steps())])
+    with pytest.raises(CheckpointException, match="cannot fit in this host's memory"):
+        dcp.save(state(), storage_writer=TieredWriter(cfg, step=1))
+    assert not os.path.exists(f"{shm}/ram/big")
+    fits = TieredConfig("fits", [Tier(f"{shm}/ram", keep=2)])
+    dcp.save(state(), storage_writer=TieredWriter(fits, step=1))
+    assert os.path.isdir(f"{shm}/ram/fits")
+
+
+def test_what_a_configuration_holds(shm, tmp_path, monkeypatch):
+    """Disk tiers are not counted; a node-local memory tier holds its clique's copies of keep
+    steps plus the one being written, per local rank; dedup counts one step; staging is per
+    slot; a namespace's files already there count as reusable."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    n = 1 << 20
+    cfg = TieredConfig(
+        "plan",
+        [Tier(f"{shm}/ram/{{node}}", keep=2), Tier(str(tmp_path / "ssd"), keep=1)],
+        replication_factor=2,
+        replication_jump=4,
+    )
+    p = hostmem.plan(cfg, n, staging_copies=2)
+    (ram,) = p.tiers
+    assert (ram.index, ram.steps, ram.copies, ram.nbytes) == (0, 3, 2, n * 4 * 2 * 3)
+    assert ram.mount == "/dev/shm" and p.staging == n * 2 * 4 and not p.shortfalls()
+    dedup = TieredConfig("plan", [Tier(f"{shm}/ram", keep=2)], dedup=True)
+    assert hostmem.plan(dedup, n, 0).tiers[0].steps == 1
+    os.makedirs(f"{shm}/ram/0/plan/step_000000000001")
+    with open(f"{shm}/ram/0/plan/step_000000000001/rank_00000.part", "wb") as f:
+        f.write(b"x" * 4096)
+    assert hostmem.plan(cfg, n, 0).tiers[0].held == 4096
+
+
+def test_the_fastest_tier_on_a_full_tmpfs_is_refused_a_slower_one_is_not(tmp_path, full_disk):  # noqa: F811
+    """A real 1 MiB tmpfs: the tier a save writes itself must fit in it; a slower tier on it
+    is the writer process's to report (training goes on), and counts against memory only."""
+    big = {"w": torch.randn(1 << 18)}  # 1 MiB: three steps of it do not fit
+    first = TieredConfig("tiny", [Tier(str(full_disk), keep=2)])
+    with pytest.raises(CheckpointException, match=f"{full_disk} needs 3.00 MiB|{full_disk} needs 0.00 GiB"):
+        dcp.save(big, storage_writer=TieredWriter(first, step=1))
+    slower = TieredConfig("tiny", [Tier(str(tmp_path / "ram"), keep=2), Tier(str(full_disk), keep=2)])
+    p = hostmem.plan(slower, 1 << 20, 0, first=0)
+    assert [t.written_here for t in p.tiers] == [False] and not p.shortfalls()

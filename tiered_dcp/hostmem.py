@@ -1,0 +1,211 @@
+"""Host memory: what a configuration will hold in RAM, what the host has, and the guard.
+
+A RAM tier (a directory on tmpfs or ramfs, such as ``/dev/shm``) and the staging copies
+of async saves live in the host's memory. A configuration that cannot fit is not found
+out until the kernel's OOM killer ends the job, often an hour in, when retention first
+holds ``keep`` steps plus the one being written; ``guard`` compares the two numbers
+before the first byte of the first save is staged and refuses with both of them.
+
+Per node, a memory tier holds each local rank's part (and its clique peers' replicas on a
+node-local tier) of ``keep`` steps plus the one being written; every local rank is
+assumed to hold as much as this one (the ranks of a sharded model do, to a few percent).
+Dedup makes the kept steps share their unchanged blocks, so with ``dedup=True`` only one
+step is counted (the least a tier holds). A tier with ``keep=None`` grows by a step per
+save and is counted as one; a warning says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import TieredConfig, here
+
+log = logging.getLogger("tiered_dcp")
+
+MEMORY_FS = ("tmpfs", "ramfs")
+GiB = 1 << 30
+
+
+def mount_of(path: str) -> tuple[str, str]:
+    """(mount point, file system type) of the file system ``path`` (or its nearest existing
+    ancestor) is on, from ``/proc/mounts``; ("", "") where that cannot be read."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    real = os.path.realpath(p)
+    best = ("", "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best[0]):
+                    best = (point, fields[2])
+    except OSError:
+        pass
+    return best
+
+
+def mem_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def held_bytes(path: str) -> int:
+    """What the files under ``path`` hold (a namespace's kept steps, reused as they are replaced)."""
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):  # removed since the listing
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+    return total
+
+
+@dataclass(frozen=True)
+class TierHold:
+    """What one memory tier will hold on this node at most (a step more than it keeps)."""
+
+    index: int
+    path: str  # this node's root
+    mount: str
+    steps: int  # kept steps plus the one being written
+    copies: int  # parts per rank in this root: 1, or the clique's on a node-local tier
+    nbytes: int
+    held: int  # what the namespace holds there already (replaced step by step)
+    written_here: bool  # the save writes it itself (a slower tier is the writer process's)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a configuration will hold in this node's memory, beside what the host has."""
+
+    state: int  # this rank's bytes per save
+    local_ranks: int
+    tiers: list[TierHold]
+    staging: int  # the async saves' staged copies, all local ranks
+    staging_mount: str  # where they live (torch's shared memory)
+    available: int | None  # MemAvailable
+    free: dict[str, int]  # mount -> free bytes of each memory file system involved
+    reused: int  # staging this process holds already (its buffers are reused)
+
+    def shortfalls(self) -> list[str]:
+        """What does not fit, one sentence each (empty when everything does)."""
+        out = []
+        for mount, free in self.free.items():
+            need = sum(t.nbytes for t in self.tiers if t.mount == mount and t.written_here)
+            if mount == self.staging_mount:
+                need += self.staging
+            have = free + sum(t.held for t in self.tiers if t.mount == mount) + self._reused(mount)
+            if need > have:
+                out.append(f"{mount} needs {_gib(need)} and has {_gib(have)} free")
+        if self.available is not None:
+            need = sum(t.nbytes for t in self.tiers) + self.staging
+            have = self.available + sum(t.held for t in self.tiers) + self.reused
+            if need > have:
+                out.append(f"the host needs {_gib(need)} of memory and has {_gib(have)} available")
+        return out
+
+    def _reused(self, mount: str) -> int:
+        return self.reused if mount == self.staging_mount else 0
+
+    def describe(self) -> str:
+        parts = [
+            f"tier {t.index} ({t.path}): {_gib(self.state)} x {self.local_ranks} local rank(s)"
+            f"{f' x {t.copies} copies' if t.copies > 1 else ''} x {t.steps} step(s) = {_gib(t.nbytes)}"
+            for t in self.tiers
+        ]
+        if self.staging:
+            parts.append(f"staging of async saves: {_gib(self.staging)}")
+        return "; ".join(parts)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def plan(
+    config: TieredConfig, state_bytes: int, staging_copies: int, first: int = 0, reused: int = 0
+) -> MemoryPlan:
+    """What ``config`` will hold in this node's memory for saves of ``state_bytes`` per rank,
+    with ``staging_copies`` staged copies per rank (0 for a sync save); ``first``: the tier
+    the save writes itself."""
+    node, rank = here()
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    tiers = []
+    for i, tier in enumerate(config.tiers):
+        if not tier.is_local_fs:
+            continue
+        root = tier.root(node, rank).removeprefix("file://")
+        mount, fstype = mount_of(root)
+        if fstype not in MEMORY_FS:
+            continue
+        if tier.keep is None:
+            log.warning(
+                "tier %s is in memory (%s) and keeps every step (keep=None): it grows by a step "
+                "per save until the host runs out; give it a keep",
+                tier.path,
+                fstype,
+            )
+        steps = 1 if config.dedup or tier.keep is None else tier.keep + 1
+        copies = 1 if tier.is_shared else config.replication_factor  # with its clique peers' replicas
+        ns_dir = os.path.join(root, config.namespace)
+        held = held_bytes(ns_dir) if os.path.isdir(ns_dir) else 0
+        nbytes = state_bytes * local * copies * steps
+        tiers.append(TierHold(i, root, mount, steps, copies, nbytes, held, i == first))
+    shm, _ = mount_of("/dev/shm") if os.path.isdir("/dev/shm") else ("", "")
+    mounts = {t.mount for t in tiers} | ({shm} if staging_copies and shm else set())
+    return MemoryPlan(
+        state=state_bytes,
+        local_ranks=local,
+        tiers=tiers,
+        staging=state_bytes * staging_copies * local,
+        staging_mount=shm,
+        available=mem_available(),
+        free={m: free_bytes(m) for m in sorted(mounts) if m},
+        reused=reused,
+    )
+
+
+_GUARDED: set[tuple[str, int, int, int]] = set()
+
+
+def guard(config: TieredConfig, state_bytes: int, staging_copies: int, first: int, reused: int = 0) -> None:
+    """Refuse (``ValueError``) a save whose configuration cannot fit in this host's memory.
+
+    Every memory tier counts against ``MemAvailable``; a tmpfs's free space is checked for
+    the tier the save writes itself (``first``): a slower tier that fills up is the writer
+    process's to report while training goes on. Once per process, namespace, state size and
+    staging; the numbers and what to change are in the message."""
+    key = (config.namespace, state_bytes, staging_copies, first)
+    if key in _GUARDED:
+        return
+    p = plan(config, state_bytes, staging_copies, first, reused)
+    short = p.shortfalls()
+    if short:
+        raise ValueError(
+            f"TieredConfig {config.namespace!r} cannot fit in this host's memory: "
+            f"{'; '.join(short)}. It would hold {p.describe()}. Lower keep on the memory "
+            "tier, save to it less often (a larger every, with a disk tier every step), move "
+            "it to a disk tier, turn on dedup=True if much of the state does not change, or "
+            "lower TieredWriter(staging_slots=...)"
+        )
+    _GUARDED.add(key)
