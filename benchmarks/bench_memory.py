@@ -34,7 +34,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 MiB = 1 << 20
@@ -189,7 +188,8 @@ def main() -> None:
     for case in [c.strip() for c in args.cases.split(",")]:
         mode = CASES[case]
         mib = args.process_mib if mode == "process" else args.mib
-        runs = sorted((measure(case, mib, args.saves, mode) for _ in range(args.runs)), key=lambda r: r["peak"])
+        runs = [measure(case, mib, args.saves, mode) for _ in range(args.runs)]
+        runs.sort(key=lambda r: r["peak"])
         out[case] = {"mib": mib, **runs[len(runs) // 2]}
     print(f"peak host memory of {args.saves} async saves, as multiples of the state (medians of {args.runs})")
     print(f"{'case':<30}{'MiB':>6}{'peak':>8}{'shared':>8}{'anon':>8}")
