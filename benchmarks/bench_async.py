@@ -37,7 +37,7 @@ from common import MiB, make_state, report  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, wait_for, writer_status
-from tiered_dcp.runtime import job_dir
+from tiered_dcp.rundir import job_dir
 
 warnings.filterwarnings("ignore")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import tempfile
 import time
@@ -30,13 +29,13 @@ from common import MiB, files, new_bytes
 from tiered_dcp.storage.codec import Encoder
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, wait_for
-from tiered_dcp.runtime import job_name, rundir
+from tiered_dcp.rundir import RunDir
 
 warnings.filterwarnings("ignore")
 
 
 def writer_seconds(cfg: TieredConfig, tier: int, step: int) -> float:
-    return json.loads((rundir(cfg, 0) / "results" / job_name(tier, step)).read_text())["seconds"]
+    return RunDir.of(cfg, 0).outcomes()[(step, tier)].seconds
 
 
 def lora(mib: int, step: int) -> dict:

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from common import MiB, make_state
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, status, wait_for, writer_status
-from tiered_dcp.runtime import rundir
+from tiered_dcp.rundir import RunDir
 
 warnings.filterwarnings("ignore")
 TARGETS = {"rss_mb": 100.0, "first_step_s": 1.0}  # the design's targets for the writer process
@@ -79,7 +79,7 @@ def one_run(run: int, state: dict, shm: str, disk: str) -> dict:
     mem = memory_mb(w.pid)
     start = started_at(w.pid, now)
     created = {r.tier_index: r.created for r in status(cfg) if r.step == 1 and r.state == "committed"}
-    ready = os.stat(rundir(cfg, 0) / "writer.pid").st_mtime  # written once its imports are done
+    ready = os.stat(RunDir.of(cfg, 0).pid_path).st_mtime  # written once its imports are done
     res = {
         "rss_mb": mem["VmRSS"],
         "hwm_mb": mem["VmHWM"],

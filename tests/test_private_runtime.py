@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown
 from tiered_dcp.private_dir import UnsafeDirectoryError, ensure_private
-from tiered_dcp.runtime import Job, config_json, queued, rundir, runtime_root
+from tiered_dcp.rundir import Job, RunDir, config_json, runtime_root
 
 NOBODY = 65534
 
@@ -101,7 +101,7 @@ def test_malformed_job_files_are_never_acted_on(tmp_path):
     )
     good = {"step": 4, "source": 0, "target": 1, "rank": 0, "node": 0, "enqueued": 1.5}
     (q / "t01_s000000000004.json").write_text(json.dumps(good))
-    assert queued(tmp_path) == [Job(**good)]
+    assert RunDir(tmp_path).queued() == [Job(**good)]
 
 
 # -- the directory ------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_runtime_dir_is_created_private_and_its_files_are_ours_alone(tmp_path, r
     settle(cfg)
     root = runtime_root()
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
-    rd = rundir(cfg, 0)
+    rd = RunDir.of(cfg, 0).path
     seen = []
     for dirpath, dirnames, filenames in os.walk(root):
         for d in dirnames:
@@ -162,7 +162,7 @@ def test_a_leftover_config_pickle_is_never_unpickled(tmp_path, runtime_dir):
     """Even in our own directory: the writer reads config.json, never config.pkl."""
     cfg = two_tiers(tmp_path)
     marker = tmp_path / "pwned"
-    rd = rundir(cfg, 0)
+    rd = RunDir.of(cfg, 0).path
     rd.mkdir(parents=True)
     (rd / "config.pkl").write_bytes(pickle.dumps(Payload(str(marker))))
     save(cfg, 1)
@@ -231,7 +231,7 @@ def rundir_of(cfg: TieredConfig, root: str) -> str:
     old = os.environ["TIERED_DCP_RUNTIME_DIR"]
     os.environ["TIERED_DCP_RUNTIME_DIR"] = probe
     try:
-        return os.path.join(root, os.path.relpath(rundir(cfg, 0), probe))
+        return os.path.join(root, os.path.relpath(RunDir.of(cfg, 0).path, probe))
     finally:
         os.environ["TIERED_DCP_RUNTIME_DIR"] = old
         os.rmdir(probe)

@@ -86,7 +86,7 @@ def _save(rank, world, root, steps, changing=False, keep=None):
     the save. With ``keep``, the last step is loaded at the end."""
     import torch.distributed as dist
 
-    from tiered_dcp.records import read_records
+    from tiered_dcp.records import Kind, read_records
 
     cfg = make_config(root, keep)
     mesh = init_device_mesh("cpu", (world,))
@@ -95,7 +95,7 @@ def _save(rank, world, root, steps, changing=False, keep=None):
         writer = TieredWriter(cfg, step=step)
         dcp.save(state(step, mesh, step if changing else 0), storage_writer=writer)
         dist.barrier()
-        recorded = [r["sent"] for r in read_records(cfg, "save") if r["rank"] == rank and r["step"] == step]
+        recorded = [r.sent for r in read_records(cfg, Kind.SAVE) if r.rank == rank and r.step == step]
         listings = [files(f"{root}/ram/{n}") for n in range(world)] if rank == 0 else None
         out.append((writer.sent_bytes, recorded, listings))
         dist.barrier()

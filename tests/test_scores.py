@@ -15,7 +15,7 @@ from dist_utils import run_ranks
 from test_goodput import cli
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, wait_for
-from tiered_dcp.records import record
+from tiered_dcp.records import Kind, TimingRecord, record
 from tiered_dcp.scores import (
     FLOOR_SECONDS,
     MIN_SAVES,
@@ -28,21 +28,13 @@ from tiered_dcp.scores import (
 )
 
 
-def rec(rank, step, seconds, tier=1, nbytes=1000, kind="persist"):
-    return {
-        "kind": kind,
-        "rank": rank,
-        "node": rank // 2,
-        "step": step,
-        "tier": tier,
-        "write_s": seconds,
-        "bytes": nbytes,
-    }
+def rec(rank, step, seconds, tier=1, nbytes=1000, kind=Kind.PERSIST):
+    return TimingRecord(kind, rank, rank // 2, step, 0.0, tier=tier, write_s=seconds, bytes=nbytes)
 
 
 def test_scores_by_hand():
     recs = [rec(r, s, 0.1) for s in range(1, 6) for r in range(4)]
-    recs = [x if x["rank"] != 2 else rec(2, x["step"], 0.25) for x in recs]  # rank 2: 0.4 of its peers
+    recs = [x if x.rank != 2 else rec(2, x.step, 0.25) for x in recs]  # rank 2: 0.4 of its peers
     recs += [rec(1, 6, 0.2)] + [rec(r, 6, 0.1) for r in (0, 2, 3)]  # rank 1 slow once; rank 2 recovers
     recs += [rec(0, 7, 0.001), rec(1, 7, 0.01)]  # too quick to tell: not scored
     recs += [rec(0, 8, 0.1), rec(1, 8, 0.1, nbytes=0)]  # rank 1 wrote nothing: not scored
@@ -143,7 +135,7 @@ def write_saves(cfg: TieredConfig, saves: list[dict[int, float]], nbytes: int = 
         for rank, seconds in times.items():
             record(
                 cfg,
-                "persist",
+                Kind.PERSIST,
                 rank,
                 step,
                 tier=1,

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -36,7 +35,7 @@ from tiered_dcp import (
     wait_for,
     writer_status,
 )
-from tiered_dcp.runtime import rundir
+from tiered_dcp.rundir import RunDir
 
 QUICK_FAILURE = {"idle_timeout": 1.0, "retry_timeout": 2.0}
 
@@ -219,15 +218,15 @@ def test_the_writer_exits_after_its_trainer_died_with_the_bucket_down(gcs_bucket
     cfg = TieredConfig(
         "run", [Tier(str(tmp_path / "ram")), Tier(url, storage_options=options)], writer_drain_timeout=3.0
     )
-    rd = rundir(cfg, 0)
+    rd = RunDir.of(cfg, 0)
     t0 = time.monotonic()
     until(lambda: not writer_status(cfg)[0].queue, 30, "the writer gives up")
     until(lambda: not writer_status(cfg)[0].running, 10, "the writer exits")
     assert time.monotonic() - t0 < 20
     (w,) = writer_status(cfg)
-    out = "".join((rd / name).read_text() for name in ("writer.log", "writer.out") if (rd / name).exists())
+    out = "".join(p.read_text() for p in (rd.log_path, rd.out_path) if p.exists())
     assert {s for s, _, _ in w.failed} == {1, 2}, (w, out)
     assert all("gave up" in why and "writer_drain_timeout=3" in why for _, _, why in w.failed)
-    log = Path(rd / "writer.log").read_text()
+    log = rd.log_path.read_text()
     assert "not persisted" in log
     assert os.listdir(tmp_path / "ram" / "run")  # the fast tier keeps its steps

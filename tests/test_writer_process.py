@@ -28,8 +28,8 @@ from tiered_dcp import (
     wait_for,
     writer_status,
 )
-from tiered_dcp.persist import prune_results
-from tiered_dcp.runtime import Job, job_name, results, rundir, write_json
+from tiered_dcp.persist import KEEP_RESULTS
+from tiered_dcp.rundir import Job, Outcome, OutcomeState, RunDir
 from tiered_dcp.staging import POOL
 from tiered_dcp.writer import writer_handle
 
@@ -57,7 +57,7 @@ def only(cfg: TieredConfig, index: int) -> TieredConfig:
 
 def writer_pids(cfg: TieredConfig) -> list[int]:
     """Live processes running a writer for ``cfg`` (found by their command line)."""
-    needle = str(rundir(cfg, 0).parent).encode()
+    needle = str(RunDir.of(cfg, 0).path.parent).encode()
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -295,7 +295,7 @@ def test_wait_for_and_cli_show_the_queue(tmp_path, monkeypatch):
     monkeypatch.delenv("TIERED_DCP_WRITER_MBPS")
     wait_for(cfg, 1, tier=str(tmp_path / "ssd"), timeout=60)
     assert shutdown(wait=True, timeout=60)  # the writer exits, and its runtime dir goes
-    assert writer_status(cfg) == [] and not rundir(cfg, 0).exists()
+    assert writer_status(cfg) == [] and not RunDir.of(cfg, 0).exists()
 
 
 def test_a_step_whose_save_never_committed_is_abandoned_and_reported(tmp_path):
@@ -319,15 +319,15 @@ def test_a_step_whose_save_never_committed_is_abandoned_and_reported(tmp_path):
 
 def test_outcomes_are_pruned_and_a_new_trainer_clears_a_dead_ones(tmp_path):
     cfg = TieredConfig("pr", [Tier(str(tmp_path / "ram")), Tier(str(tmp_path / "ssd"))])
-    rd = rundir(cfg, 0)
-    (rd / "results").mkdir(parents=True)
+    rd = RunDir.of(cfg, 0)
+    rd.make()
     for step in range(150):
-        write_json(rd / "results" / job_name(1, step), {"step": step, "target": 1, "state": "failed"})
-    prune_results(rd / "results", 1)
-    assert sorted(results(rd)) == [(s, 1) for s in range(50, 150)]
+        rd.write_outcome(Outcome(step=step, target=1, state=OutcomeState.FAILED))
+    rd.prune_outcomes(1, KEEP_RESULTS)
+    assert sorted(rd.outcomes()) == [(s, 1) for s in range(50, 150)]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (rd / "owner").write_text(str(dead.pid))  # the outcomes of a trainer that is gone
+    (rd.path / "owner").write_text(str(dead.pid))  # the outcomes of a trainer that is gone
     dcp.save(small_state(1), storage_writer=TieredWriter(cfg, step=1))
     settle(cfg)
-    assert list(results(rd)) == [(1, 1)] and results(rd)[(1, 1)]["state"] == "committed"
+    assert list(rd.outcomes()) == [(1, 1)] and rd.outcomes()[(1, 1)].state is OutcomeState.COMMITTED

@@ -15,6 +15,7 @@ from .catalog import StepState, TierView, copies_marks, loadable_steps, one_save
 from .config import TieredConfig, here
 from .errors import TieredCheckpointError
 from .planners.choice import choose, pool_marks
+from .rundir import OutcomeState, RunDir, TierState
 
 
 def latest_step(config: TieredConfig) -> int | None:
@@ -42,28 +43,23 @@ class WriterInfo:
 def writer_status(config: TieredConfig) -> list[WriterInfo]:
     """The writer processes of this job's ranks on this node, with their queues and failures."""
     out = []
-    jd = runtime.job_dir(config)
-    for rd in sorted(jd.glob("rank_*")) if jd.is_dir() else []:
-        outcomes = runtime.results(rd).items()
+    for rd in RunDir.all_of(config):
+        outcomes = rd.outcomes().values()
         failed, skipped = (
-            [
-                (step, tier, res.get("error", ""))
-                for (step, tier), res in outcomes
-                if res.get("state") == state
-            ]
-            for state in ("failed", "skipped")
+            [(o.step, o.target, o.error or "") for o in outcomes if o.state is state]
+            for state in (OutcomeState.FAILED, OutcomeState.SKIPPED)
         )
-        health = (runtime.tier_health(rd, t) for t in range(len(config.tiers)))
+        health = (rd.health(t) for t in range(len(config.tiers)))
         out.append(
             WriterInfo(
-                rank=int(rd.name.removeprefix("rank_")),
-                pid=runtime.writer_pid(rd),
-                running=runtime.writer_running(rd),
-                queue=[(j.step, j.target) for j in runtime.queued(rd)],
+                rank=rd.rank,
+                pid=rd.writer_pid(),
+                running=rd.writer_running(),
+                queue=[(j.step, j.target) for j in rd.queued()],
                 failed=failed,
-                log=str(rd / "writer.log"),
+                log=str(rd.log_path),
                 skipped=skipped,
-                unhealthy={h["tier"]: h for h in health if h["state"] != runtime.HEALTHY},
+                unhealthy={h.tier: h.to_dict() for h in health if h.state is not TierState.HEALTHY},
             )
         )
     return out

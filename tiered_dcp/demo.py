@@ -106,10 +106,10 @@ def _state_hash(state) -> str:
 
 def _loaded_from(cfg, rank: int) -> list[int]:
     """The tiers this rank's last load read from, as its load record says (``records``)."""
-    from .records import read_records
+    from .records import Kind, read_records
 
-    loads = [r for r in read_records(cfg, "load", tail_bytes=1 << 16) if r["rank"] == rank]
-    return list(loads[-1]["tiers"])
+    loads = [r for r in read_records(cfg, Kind.LOAD, tail_bytes=1 << 16) if r.rank == rank]
+    return list(loads[-1].tiers or ())
 
 
 def _build(mesh, hidden: int = 2048):
@@ -410,8 +410,8 @@ def _ms(seconds: float) -> str:
 
 def _node_loss_scene(workdir: str, ram: str) -> bool:
     """Lose a node after the newest step left the shared tier behind; resume from peers."""
-    from . import runtime
     from .api import status, writer_status
+    from .rundir import job_dir
 
     cfg = node_loss_config(workdir, ram)
     names = ["RAM", "bucket"]
@@ -422,7 +422,7 @@ def _node_loss_scene(workdir: str, ram: str) -> bool:
         if os.path.exists(f"{workdir}/report.{phase}.rank{rank}.json"):
             os.remove(f"{workdir}/report.{phase}.rank{rank}.json")
     if not any(w.running for w in writer_status(cfg)):
-        shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+        shutil.rmtree(job_dir(cfg), ignore_errors=True)
     nodes = NL_WORLD // NL_LOCAL
     lost_ranks = list(range(NL_LOST * NL_LOCAL, (NL_LOST + 1) * NL_LOCAL))
     layout = ", ".join(f"{n * NL_LOCAL}-{(n + 1) * NL_LOCAL - 1}" for n in range(nodes))
@@ -453,7 +453,7 @@ def _node_loss_scene(workdir: str, ram: str) -> bool:
         deadline = time.time() + 5  # the writers exit once their queues are empty
         while any(w.running for w in writer_status(cfg)) and time.time() < deadline:
             time.sleep(0.05)
-        shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+        shutil.rmtree(job_dir(cfg), ignore_errors=True)
     bucket = max((r.step for r in status(cfg) if r.tier_index == 1 and r.state == "committed"), default=None)
     step = reports[0]["step"]
     lost_root = cfg.tiers[0].root(NL_LOST, lost_ranks[0])
@@ -504,9 +504,9 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
     """Run the demo; return 0 when the resumed state matched the saved one in both scenes."""
     if not 1 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 2 and {steps - 1}")
-    from . import runtime
     from .api import status, wait_for, writer_status
     from .errors import TieredCheckpointError
+    from .rundir import job_dir
     from .runtime import MAX_PENDING
 
     own_dir = workdir is None
@@ -522,7 +522,7 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
         if os.path.exists(f"{workdir}/{stale}"):
             os.remove(f"{workdir}/{stale}")
     if not any(w.running for w in writer_status(cfg)):  # a previous run's queue and results
-        shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+        shutil.rmtree(job_dir(cfg), ignore_errors=True)
     slower = range(1, len(cfg.tiers))
     print(
         f"tiered-dcp demo: {WORLD} ranks on gloo train an FSDP2 MLP for {steps} steps, "
@@ -653,7 +653,7 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
             deadline = time.time() + 5  # the writers exit once their trainer is gone
             while any(w.running for w in writer_status(cfg)) and time.time() < deadline:
                 time.sleep(0.05)
-            shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+            shutil.rmtree(job_dir(cfg), ignore_errors=True)
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(ram, ignore_errors=True)
 

@@ -288,12 +288,10 @@ def _finite(state: object) -> bool:
 
 def _load_tiers(cfg: TieredConfig, rank: int, step: int) -> list[int]:
     """The tiers holding ``step`` complete when this rank loaded it (the load's record)."""
-    from .records import read_records
+    from .records import Kind, read_records
 
-    loads = [
-        r for r in read_records(cfg, "load", tail_bytes=1 << 16) if (r["rank"], r["step"]) == (rank, step)
-    ]
-    return loads[-1].get("tiers", []) if loads else []
+    loads = [r for r in read_records(cfg, Kind.LOAD, tail_bytes=1 << 16) if (r.rank, r.step) == (rank, step)]
+    return list(loads[-1].tiers or ()) if loads else []
 
 
 def _quarantined(cfg: TieredConfig, rank: int) -> list[list]:
@@ -680,21 +678,22 @@ class Drill:
             event.problems.append(f"the damaged step {step} was not quarantined")
 
     def fault_wipe(self, event: Event) -> None:
-        from . import runtime
+        from .rundir import RunDir
+        from .runtime import pid_alive
 
         node = self.rng.randrange(WORLD)  # one rank per node: the node's rank is `node`
         fault_time = time.time()
         self.crash()
         event.expected = self.committed()
-        rd = runtime.rundir(self.cfg, node)
-        pid = runtime.writer_pid(rd)
-        if pid is not None and runtime.pid_alive(pid):
+        rd = RunDir.of(self.cfg, node)
+        pid = rd.writer_pid()
+        if pid is not None and pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # the node's writer process dies with it
         for tier in self.cfg.tiers:
             if not tier.is_shared:
                 shutil.rmtree(tier.root(node, node), ignore_errors=True)
-        shutil.rmtree(rd, ignore_errors=True)
+        shutil.rmtree(rd.path, ignore_errors=True)
         event.detail = f"node {node} lost (ranks killed, its writer killed, its RAM and SSD roots wiped)"
         self.restart(event, fault_time)
 
@@ -881,9 +880,9 @@ def run_drill(
     """Run the drill for ``seconds`` of faults, each kind once at least, and return its report
     (``report.ok``: nothing lost, no silent escape). ``pause``: seconds of training between
     faults, drawn in this range."""
-    from . import runtime
     from .api import writer_status
     from .jobconfig import load_job_config
+    from .rundir import RunDir, job_dir
 
     faults = list(faults or FAULTS)
     unknown = set(faults) - set(FAULTS)
@@ -901,9 +900,9 @@ def run_drill(
         ram = tempfile.mkdtemp(prefix="tiered-dcp-drill-", dir="/dev/shm")
     drill = Drill(workdir, ram, seconds, seed, faults, pause)
     for bucket in ("gs://drill/ckpt", f"{workdir}/bucket"):  # a previous drill's queues and records
-        jd = runtime.job_dir(load_job_config(write_config(workdir, ram, bucket, {})))
-        if not any(runtime.writer_running(rd) for rd in jd.glob("rank_*")):
-            shutil.rmtree(jd, ignore_errors=True)
+        old = load_job_config(write_config(workdir, ram, bucket, {}))
+        if not any(rd.writer_running() for rd in RunDir.all_of(old)):
+            shutil.rmtree(job_dir(old), ignore_errors=True)
     print(
         f"tiered-dcp drill: {WORLD} ranks on 2 simulated nodes, {seconds:.0f} s of faults {faults}, "
         f"seed {seed}"
@@ -921,7 +920,7 @@ def run_drill(
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(w.pid, signal.SIGKILL)
             if own_dir:
-                shutil.rmtree(runtime.job_dir(cfg), ignore_errors=True)
+                shutil.rmtree(job_dir(cfg), ignore_errors=True)
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(ram, ignore_errors=True)

@@ -25,9 +25,11 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .config import TieredConfig
+
+T = TypeVar("T")
 
 
 def young_interval(cost: float, mtbf: float) -> float:
@@ -193,6 +195,11 @@ class Measured:
     loads: int
 
 
+def _or(value: T | None, default: T) -> T:
+    """A record's optional field, or what its absence counts as."""
+    return default if value is None else value
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -204,31 +211,32 @@ def measure_job(config: TieredConfig) -> Measured:
     A slower tier's stall is the wait its writer's backlog added to saves (the save's own
     stall is the fastest tier's); its latency is the fastest tier's commit plus the copy.
     """
-    from .records import read_records
+    from .records import Kind, TimingRecord, read_records
+    from .rundir import OutcomeState
 
     n = len(config.tiers)
     recs = read_records(config)
-    saves = [r for r in recs if r["kind"] == "save"]
-    by_step: dict[int, list[dict]] = defaultdict(list)
+    saves = [r for r in recs if r.kind is Kind.SAVE]
+    by_step: dict[int, list[TimingRecord]] = defaultdict(list)
     for r in saves:
-        by_step[r["step"]].append(r)
+        by_step[r.step].append(r)
     stall: list[list[float]] = [[] for _ in range(n)]
     commit: list[list[float]] = [[] for _ in range(n)]
     handoff: dict[int, float] = {}
     step_stall: dict[int, float] = {}
     for step, rs in by_step.items():
-        tier = rs[0]["tier"]
-        s = max(r.get("stage_s", r.get("commit_s", 0.0)) for r in rs)
+        tier = _or(rs[0].tier, -1)
+        s = max(_or(r.stage_s, _or(r.commit_s, 0.0)) for r in rs)
         step_stall[step] = s
         if 0 <= tier < n:
             stall[tier].append(s)
-            commit[tier].append(max(r.get("commit_s", 0.0) for r in rs))
-        handoff[step] = max(r.get("handoff_s", 0.0) for r in rs)
+            commit[tier].append(max(_or(r.commit_s, 0.0) for r in rs))
+        handoff[step] = max(_or(r.handoff_s, 0.0) for r in rs)
     persisted: dict[tuple[int, int], float] = {}
     for r in recs:
-        if r["kind"] == "persist" and r.get("state") != "failed" and 0 <= r.get("tier", -1) < n:
-            key = (r["tier"], r["step"])
-            persisted[key] = max(persisted.get(key, 0.0), r.get("latency_s", 0.0))
+        if r.kind is Kind.PERSIST and r.state != OutcomeState.FAILED and 0 <= _or(r.tier, -1) < n:
+            key = (_or(r.tier, -1), r.step)
+            persisted[key] = max(persisted.get(key, 0.0), _or(r.latency_s, 0.0))
     first_commit = _median([c for cs in commit for c in cs]) or 0.0
     latency: list[float | None] = [_median(c) for c in commit]
     for k in range(n):
@@ -238,20 +246,20 @@ def measure_job(config: TieredConfig) -> Measured:
             if not stall[k]:
                 stall[k] = [handoff.get(step, 0.0) for (tier, step) in persisted if tier == k]
     restore: list[list[float]] = [[] for _ in range(n)]
-    loads = [r for r in recs if r["kind"] == "load" and r.get("tiers")]
+    loads = [r for r in recs if r.kind is Kind.LOAD and r.tiers and r.seconds is not None]
     for r in loads:
-        if 0 <= r["tiers"][0] < n:
-            restore[r["tiers"][0]].append(r["seconds"])
+        if 0 <= r.tiers[0] < n:
+            restore[r.tiers[0]].append(r.seconds)
     # step time: per rank, the gap between consecutive saves less the later one's stall
     gaps: list[float] = []
-    per_rank: dict[int, list[dict]] = defaultdict(list)
+    per_rank: dict[int, list[TimingRecord]] = defaultdict(list)
     for r in saves:
-        per_rank[r["rank"]].append(r)
+        per_rank[r.rank].append(r)
     for rs in per_rank.values():
-        rs.sort(key=lambda r: r["step"])
+        rs.sort(key=lambda r: r.step)
         for a, b in zip(rs, rs[1:], strict=False):
-            if b["step"] > a["step"] and b["time"] > a["time"]:
-                gap = (b["time"] - a["time"] - step_stall.get(b["step"], 0.0)) / (b["step"] - a["step"])
+            if b.step > a.step and b.time > a.time:
+                gap = (b.time - a.time - step_stall.get(b.step, 0.0)) / (b.step - a.step)
                 if gap > 0:
                     gaps.append(gap)
     return Measured(

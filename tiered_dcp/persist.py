@@ -8,7 +8,7 @@ clean and writes this rank's index next to it. Whichever rank's writer finds the
 root holding everything it should (``placement``) commits the step there (``TierView.commit``:
 metadata, marker, retention): no collective with the trainers, which may be busy or dead.
 
-Each slower tier has a health the writer judges and publishes (``runtime.tier_health``):
+Each slower tier has a health the writer judges and publishes (``rundir.TierHealth``):
 *failing* after a write to it failed, *stalled* while a write makes no progress for
 ``tier_timeout``, *healthy* again once a write succeeds. Saves wait for a healthy tier that
 is merely slow; for one that is not, they go on, and the queue for it keeps only the newest
@@ -17,15 +17,13 @@ answers again.
 
 It outlives its trainer: once the trainer is gone it goes on with what it was handed for
 ``writer_drain_timeout`` seconds at most, then records what it could not write and exits.
-Run as ``python -m tiered_dcp.persist RUNDIR``.
+Run as ``python -m tiered_dcp.persist RUNDIR``; what it reads and writes there is ``rundir``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
-import json
 import logging
 import logging.handlers
 import os
@@ -33,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
@@ -42,11 +39,10 @@ from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, wr
 
 from . import dedup
 from .catalog import StepCopy, TierView, read_metadata_blob
-from .config import TieredConfig
 from .placement import nodes_of
-from .private_dir import mkdir_private
-from .records import record
-from .runtime import HEALTHY, POLL, Job, health_name, job_name, pid_alive, queued, write_json
+from .records import Kind, record
+from .rundir import Job, Outcome, OutcomeState, RunDir, TierHealth, TierState
+from .runtime import POLL, pid_alive
 
 log = logging.getLogger("tiered_dcp.writer")
 
@@ -126,18 +122,11 @@ def copy_part(
     return PartIndex(index.rank, size, records, written=size + new_blocks)
 
 
-def prune_results(rdir: Path, target: int, keep: int = KEEP_RESULTS) -> None:
-    """Forget all but the newest ``keep`` outcomes of a tier, so the directory stays small."""
-    names = sorted(rdir.glob(f"t{target:02d}_s*.json"))
-    for old in names[:-keep]:
-        old.unlink(missing_ok=True)
-
-
 @dataclasses.dataclass
 class Health:
-    """The writer's view of one slower tier (published as ``health/t<tier>.json``)."""
+    """The writer's view of one slower tier (its verdict published as ``rundir.TierHealth``)."""
 
-    state: str = HEALTHY  # healthy | stalled | failing
+    state: TierState = TierState.HEALTHY
     since: float = dataclasses.field(default_factory=time.time)
     error: str | None = None
     writing: int | None = None  # the step a write to the tier is under way for
@@ -152,22 +141,19 @@ class Health:
 class Persister:
     """The writer process's main loop: one worker thread per slower tier with work queued."""
 
-    def __init__(self, rd: Path) -> None:
+    def __init__(self, rd: RunDir) -> None:
         self.rd = rd
-        self.config = TieredConfig.from_dict(json.loads((rd / "config.json").read_bytes()))
+        self.config = rd.read_config()
         self.threads: dict[int, threading.Thread] = {}
         self.owner_gone_since: float | None = None
         self.lock = threading.Lock()  # the queue: a tier thread taking a job vs the trimmer
         self.active: dict[int, Job] = {}  # tier -> the job its thread works on
         self.health: dict[int, Health] = {}
-        for old in (rd / "health").glob("*.json"):  # a former writer's verdicts: judged anew
-            old.unlink(missing_ok=True)
+        rd.clear_health()  # a former writer's verdicts: judged anew
 
     def owner_alive(self) -> bool:
-        try:
-            alive = pid_alive(int((self.rd / "owner").read_text()))
-        except (OSError, ValueError):
-            alive = False
+        owner = self.rd.owner()
+        alive = owner is not None and pid_alive(owner)
         if alive:
             self.owner_gone_since = None
         elif self.owner_gone_since is None:
@@ -178,7 +164,7 @@ class Persister:
         idle_since = time.monotonic()
         while True:
             self.watch()
-            jobs = queued(self.rd)
+            jobs = self.rd.queued()
             for target in sorted({j.target for j in jobs}):
                 t = self.threads.get(target)
                 if t is None or not t.is_alive():
@@ -192,10 +178,10 @@ class Persister:
                 return
             if jobs or any(t.is_alive() for t in self.threads.values()):
                 idle_since = time.monotonic()
-            elif not owner or (self.rd / "stop").exists() or time.monotonic() - idle_since > IDLE_EXIT:
+            elif not owner or self.rd.stop_requested() or time.monotonic() - idle_since > IDLE_EXIT:
                 log.info(
                     "writer %s: queue empty and %s; exiting",
-                    self.rd.name,
+                    self.rd.path.name,
                     "trainer gone" if not owner else "done",
                 )
                 return
@@ -204,7 +190,7 @@ class Persister:
     def tier_loop(self, target: int) -> None:
         while True:
             with self.lock:
-                jobs = queued(self.rd, target)
+                jobs = self.rd.queued(target)
                 if not jobs:
                     self.active.pop(target, None)
                     return
@@ -213,21 +199,19 @@ class Persister:
 
     # -- tier health ----------------------------------------------------------------------
 
-    def judge(self, target: int, state: str, error: str | None = None) -> None:
+    def judge(self, target: int, state: TierState, error: str | None = None) -> None:
         """Record (and publish, on a change) the health of ``target``."""
         h = self.health.setdefault(target, Health())
         if h.state == state and h.error == error:
             return
         if h.state != state:
             h.since = time.time()
-            level = logging.INFO if state == HEALTHY else logging.WARNING
+            level = logging.INFO if state is TierState.HEALTHY else logging.WARNING
             log.log(
                 level, "tier %s is %s%s", self.config.tiers[target].path, state, f": {error}" if error else ""
             )
         h.state, h.error = state, error
-        record = {"tier": target, "state": state, "since": h.since, "error": error}
-        mkdir_private(self.rd / "health")
-        write_json(self.rd / "health" / health_name(target), record)
+        self.rd.write_health(TierHealth(target, state, h.since, error))
 
     def writing(self, target: int, step: int | None, store: Storage | None = None) -> None:
         """A write to ``target`` starts (for ``step``) or ends (None)."""
@@ -246,24 +230,26 @@ class Persister:
         for target, h in list(self.health.items()):
             idle = time.monotonic() - h.last_progress()
             failing = h.store.failing() if h.store is not None else None
-            if h.writing is not None and h.state == HEALTHY and idle > bound:
-                self.judge(target, "stalled", f"writing step {h.writing} made no progress for {idle:.0f} s")
-            elif h.writing is not None and h.state == HEALTHY and failing is not None:
+            if h.writing is not None and h.state is TierState.HEALTHY and idle > bound:
+                why = f"writing step {h.writing} made no progress for {idle:.0f} s"
+                self.judge(target, TierState.STALLED, why)
+            elif h.writing is not None and h.state is TierState.HEALTHY and failing is not None:
                 failed_for = time.monotonic() - failing[0]
                 if failed_for > FAILING_AFTER:  # a bucket that is down, not one failing now and then
-                    self.judge(target, "failing", f"requests failing for {failed_for:.0f} s: {failing[1]}")
-            if h.state != HEALTHY:
+                    why = f"requests failing for {failed_for:.0f} s: {failing[1]}"
+                    self.judge(target, TierState.FAILING, why)
+            if h.state is not TierState.HEALTHY:
                 self.trim(target)
 
     def trim(self, target: int) -> None:
         """Skip every step waiting for ``target`` but the newest (the one under way stays)."""
         with self.lock:
             active = self.active.get(target)
-            waiting = [j for j in queued(self.rd, target) if active is None or j.step != active.step]
+            waiting = [j for j in self.rd.queued(target) if active is None or j.step != active.step]
             for job in waiting[:-1]:
                 h = self.health[target]
                 why = f"skipped: tier {h.state} ({h.error}); step {waiting[-1].step} is queued in its place"
-                self.finish(job, {"state": "skipped", "error": why, "seconds": 0.0})
+                self.finish(job, OutcomeState.SKIPPED, why)
 
     def give_up(self, gone: float) -> None:
         """The trainer is gone and the drain time is over: record every unwritten step."""
@@ -272,72 +258,89 @@ class Persister:
             f"(writer_drain_timeout={self.config.writer_drain_timeout:g} s)"
         )
         with self.lock:
-            jobs = queued(self.rd)
+            jobs = self.rd.queued()
             for job in jobs:
-                self.finish(job, {"state": "failed", "error": why, "seconds": 0.0})
+                self.finish(job, OutcomeState.FAILED, why)
         log.error("%s; %d step(s) not persisted: %s", why, len(jobs), [(j.step, j.target) for j in jobs])
 
     def process(self, job: Job) -> None:
         started = time.monotonic()
         src = TierView(self.config, job.source, job.node, job.rank)
         dst = TierView(self.config, job.target, job.node, job.rank)
-        result: dict = {}
+        timing: dict[str, float] = {}  # the copy's write_s and bytes, once it got that far
+        state, error = OutcomeState.FAILED, None
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                result["state"] = self.persist(src, dst, job, result)
-                self.judge(job.target, HEALTHY)
+                state = self.persist(src, dst, job, timing)
+                self.judge(job.target, TierState.HEALTHY)
                 break
             except Abandoned as e:
-                result.update(state="failed", error=f"abandoned: {e}")
+                state, error = OutcomeState.FAILED, f"abandoned: {e}"
                 break
             except Exception as e:
                 log.warning("step %d to tier %s, attempt %d: %r", job.step, dst.tier.path, attempt, e)
-                result.update(state="failed", error=f"{type(e).__name__}: {e}")
-                self.judge(job.target, "failing", result["error"])
+                state, error = OutcomeState.FAILED, f"{type(e).__name__}: {e}"
+                self.judge(job.target, TierState.FAILING, error)
                 if classify(e) is PermanentStorageError:
                     break  # a full, read-only or forbidden tier: trying again changes nothing
                 if attempt < ATTEMPTS:
                     time.sleep(0.5 * 4 ** (attempt - 1))
             finally:
                 self.writing(job.target, None)
-        result["seconds"] = round(time.monotonic() - started, 3)
-        if result["state"] == "failed":
-            log.error("step %d NOT written to tier %s: %s", job.step, dst.tier.path, result["error"])
+        seconds = round(time.monotonic() - started, 3)
+        if state is OutcomeState.FAILED:
+            log.error("step %d NOT written to tier %s: %s", job.step, dst.tier.path, error)
         else:
-            log.info(
-                "step %d -> tier %s: %s in %.2f s",
-                job.step,
-                dst.tier.path,
-                result["state"],
-                result["seconds"],
-            )
+            log.info("step %d -> tier %s: %s in %.2f s", job.step, dst.tier.path, state, seconds)
         with self.lock:
-            self.finish(job, result, src)
+            self.finish(job, state, error, seconds, timing, src)
 
-    def finish(self, job: Job, result: dict, src: TierView | None = None) -> None:
-        """Record what became of ``job``, unpin its step on the source tier, dequeue it."""
-        result = {"step": job.step, "target": job.target, "rank": job.rank, **result, "finished": time.time()}
-        if result["state"] == "skipped":
+    def finish(
+        self,
+        job: Job,
+        state: OutcomeState,
+        error: str | None,
+        seconds: float = 0.0,
+        timing: dict[str, float] | None = None,
+        src: TierView | None = None,
+    ) -> None:
+        """Record what became of ``job``, unpin its step on the source tier, dequeue it.
+
+        ``error`` is kept even when a later attempt succeeded (the outcome says what went
+        wrong on the way); ``timing``: the copy's ``write_s`` and ``bytes``, when it got that far.
+        """
+        timing = timing or {}
+        outcome = Outcome(
+            step=job.step,
+            target=job.target,
+            rank=job.rank,
+            state=state,
+            error=error,
+            seconds=seconds,
+            write_s=timing.get("write_s"),
+            bytes=None if timing.get("bytes") is None else int(timing["bytes"]),
+            finished=time.time(),
+        )
+        if state is OutcomeState.SKIPPED:
             log.warning(
                 "step %d NOT written to tier %s: %s",
                 job.step,
                 self.config.tiers[job.target].path,
-                result["error"],
+                error,
             )
-        write_json(self.rd / "results" / job_name(job.target, job.step), result)
-        timing = {k: result[k] for k in ("write_s", "bytes") if k in result}
-        latency = round(result["finished"] - job.enqueued, 3)
+        self.rd.write_outcome(outcome)
+        latency = round(outcome.finished - job.enqueued, 3)
         record(
             self.config,
-            "persist",
+            Kind.PERSIST,
             job.rank,
             job.step,
             tier=job.target,
-            state=result["state"],
+            state=state.value,
             latency_s=latency,
             **timing,
         )
-        prune_results(self.rd / "results", job.target)
+        self.rd.prune_outcomes(job.target, KEEP_RESULTS)
         src = src or TierView(self.config, job.source, job.node, job.rank)
         try:
             src.own.delete(pin_key(self.config.namespace, job.step, job.rank, job.target))
@@ -346,7 +349,7 @@ class Persister:
                 src.apply_retention(newest)
         except OSError as e:
             log.warning("could not unpin step %d on %s: %s", job.step, src.tier.path, e)
-        (self.rd / "queue" / job_name(job.target, job.step)).unlink(missing_ok=True)
+        self.rd.dequeue(job)
 
     def wait_for_source(self, src: TierView, job: Job) -> StepCopy:
         """The step's commit on the tier its save wrote; raises Abandoned if it never comes."""
@@ -369,7 +372,9 @@ class Persister:
                 )
             time.sleep(POLL)
 
-    def persist(self, src: TierView, dst: TierView, job: Job, timing: dict | None = None) -> str:
+    def persist(
+        self, src: TierView, dst: TierView, job: Job, timing: dict[str, float] | None = None
+    ) -> OutcomeState:
         """Copy this rank's share of the step (its part and, on a node-local tier, the replicas
         its root took) to ``dst``; commit ``dst``'s root when the placement says it is whole.
         ``timing`` receives the copy's ``write_s`` and ``bytes`` (for ``records``)."""
@@ -392,34 +397,28 @@ class Persister:
             timing.update(write_s=round(time.monotonic() - started, 6), bytes=size)
         marker = dst.placement.copied_marker(src, dst, copy)  # None until the root's last writer
         if marker is None:
-            return "clean"
+            return OutcomeState.CLEAN
         dst.commit(step, read_metadata_blob(copy), marker)
-        return "committed"
+        return OutcomeState.COMMITTED
 
 
 def main(argv: list[str]) -> int:
-    rd = Path(argv[0])
+    rd = RunDir(argv[0])
     os.umask(0o077)  # its lock, pid, log and outcomes: this user's alone
-    lock = open(rd / "writer.lock", "a+")  # noqa: SIM115 - held for the process's lifetime
-    for _ in range(40):  # a trainer probing the lock holds it for an instant
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            time.sleep(POLL)
-    else:
+    lock = rd.take_writer_lock(attempts=40, poll=POLL)  # held for the process's lifetime
+    if lock is None:
         return 0  # another writer already serves this rank
-    handler = logging.handlers.RotatingFileHandler(rd / "writer.log", maxBytes=1 << 20, backupCount=1)
+    handler = logging.handlers.RotatingFileHandler(rd.log_path, maxBytes=1 << 20, backupCount=1)
     handler.setFormatter(logging.Formatter(f"%(asctime)s writer[{os.getpid()}] %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.raiseExceptions = False
-    (rd / "writer.pid").write_text(str(os.getpid()))
+    rd.set_writer_pid(os.getpid())
     with contextlib.suppress(OSError):
         os.nice(5)  # the trainer's own work comes first
     try:
         Persister(rd).run()
     finally:
-        (rd / "writer.pid").unlink(missing_ok=True)
+        rd.clear_writer_pid()
         logging.shutdown()
     os._exit(0)  # a tier thread may still hang in a call to a dead tier: do not wait for it
 

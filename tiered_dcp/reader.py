@@ -28,7 +28,7 @@ from .config import TieredConfig, node_of
 from .errors import PeerLostError
 from .opening import OpenStep
 from .reading import StepReads
-from .records import record
+from .records import Kind, record
 
 log = logging.getLogger("tiered_dcp")
 
@@ -149,7 +149,7 @@ class TieredReader(StorageReader):
             with transport.watching_peers(self.step, "the load's reads"):
                 self._reads.read_all(plan, planner)
             seconds = round(time.perf_counter() - self._started, 6)
-            record(self.config, "load", self.rank, self.step, tiers=self.tiers, seconds=seconds)
+            record(self.config, Kind.LOAD, self.rank, self.step, tiers=self.tiers, seconds=seconds)
         except PeerLostError as e:  # DCP's next collective fails on the same rank with torch's error
             log.error("%s", e)
             raise

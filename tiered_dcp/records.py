@@ -18,8 +18,12 @@ Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
   ``latency_s`` (from the save's hand-off to the outcome), ``state``;
 - ``load``: ``tiers`` (read from), ``seconds`` (reader constructed to last item read).
 
+Lines are read back as ``TimingRecord`` (``read_records``), the one reader of their JSON:
+``scores`` and ``goodput`` use its attributes. A line that is not a well-formed record (cut
+by a crash, from a version that wrote another kind) is skipped.
+
 Recording never fails a save or a load: an unwritable directory is logged once and ignored.
-The directory lives with the writer processes' runtime dirs (``runtime.job_dir``), outside
+The directory lives with the writer processes' runtime dirs (``rundir.job_dir``), outside
 the ``rank_*`` dirs that ``shutdown`` tidies up. Appends are single ``write`` calls of one
 short line, so the trainer and its writer process can append to one file at once.
 """
@@ -30,12 +34,13 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import TieredConfig, node_of
 from .private_dir import mkdir_private
-from .runtime import job_dir
+from .rundir import StrEnum, is_int, is_number, is_str, job_dir, one_of, optional, valid_record
 
 log = logging.getLogger("tiered_dcp")
 
@@ -43,14 +48,85 @@ ROTATE_BYTES = 1 << 20
 _warned = False
 
 
+class Kind(StrEnum):
+    """What a line measured (its ``kind``)."""
+
+    SAVE = "save"  # the trainer's save of a step to its fastest tier
+    PERSIST = "persist"  # the writer process's copy of it to a slower tier
+    LOAD = "load"
+
+
+@dataclass(frozen=True)
+class TimingRecord:
+    """One line: what every line has, then the fields of its kind (None where absent)."""
+
+    kind: Kind
+    rank: int
+    node: int
+    step: int
+    time: float  # time.time() when it was recorded
+    tier: int | None = None  # save: the fastest tier taking the step; persist: the slower tier
+    bytes: int | None = None  # this rank's part(s)
+    write_s: float | None = None
+    stage_s: float | None = None  # save: the copy async_save waits for (absent: a sync save)
+    commit_s: float | None = None  # save
+    handoff_s: float | None = None  # save: waits for a writer that fell behind
+    sent: int | None = None  # save: bytes sent to clique peers
+    latency_s: float | None = None  # persist: hand-off to outcome
+    state: str | None = None  # persist: the outcome's state (``rundir.OutcomeState``'s strings)
+    tiers: tuple[int, ...] | None = None  # load: the tiers read from
+    seconds: float | None = None  # load: reader constructed to last item read
+
+    _CHECKS = {
+        "kind": one_of(Kind),
+        "rank": is_int,
+        "node": is_int,
+        "step": is_int,
+        "time": is_number,
+        "tier": optional(is_int),
+        "bytes": optional(is_int),
+        "write_s": optional(is_number),
+        "stage_s": optional(is_number),
+        "commit_s": optional(is_number),
+        "handoff_s": optional(is_number),
+        "sent": optional(is_int),
+        "latency_s": optional(is_number),
+        "state": optional(is_str),
+        "tiers": optional(lambda v: isinstance(v, list) and all(is_int(t) for t in v)),
+        "seconds": optional(is_number),
+    }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> TimingRecord | None:
+        """The record one line holds; None if it is not one (keys it does not know are ignored)."""
+        if not valid_record(d, cls._CHECKS, {"kind", "rank", "node", "step", "time"}):
+            return None
+        known = {k: d[k] for k in cls._CHECKS if k in d}
+        known["kind"] = Kind(d["kind"])
+        if known.get("tiers") is not None:
+            known["tiers"] = tuple(known["tiers"])
+        return cls(**known)
+
+
 def records_dir(config: TieredConfig) -> Path:
     return job_dir(config) / "records"
 
 
-def record(config: TieredConfig, kind: str, rank: int, step: int, **fields: Any) -> None:
-    """Append one measurement for ``rank`` (best effort: never raises)."""
+def record(config: TieredConfig, kind: Kind, rank: int, step: int, **fields: Any) -> None:
+    """Append one measurement for ``rank`` (best effort: never raises).
+
+    ``fields``: the optional fields of ``TimingRecord`` that ``kind`` has, written in the
+    order given (the line is the JSON of a plain dict, as it always was).
+    """
     global _warned
-    line = {"kind": kind, "rank": rank, "node": node_of(rank), "step": step, "time": time.time(), **fields}
+    line = {
+        "kind": str(kind),
+        "rank": rank,
+        "node": node_of(rank),
+        "step": step,
+        "time": time.time(),
+        **fields,
+    }
     path = records_dir(config) / f"rank_{rank:05d}.jsonl"
     try:
         mkdir_private(path.parent)  # the runtime directory's rule: 0700, files 0600
@@ -79,13 +155,13 @@ def _read(path: Path, tail_bytes: int | None) -> str:
 
 
 def read_records(
-    config: TieredConfig, kind: str | None = None, tail_bytes: int | None = None
-) -> list[dict[str, Any]]:
+    config: TieredConfig, kind: Kind | None = None, tail_bytes: int | None = None
+) -> list[TimingRecord]:
     """The recorded lines of the job on this node (all ranks), oldest first.
 
     ``tail_bytes``: only the newest lines of each rank's file (its rotated half not read).
     """
-    out: list[dict[str, Any]] = []
+    out: list[TimingRecord] = []
     rdir = records_dir(config)
     if not rdir.is_dir():
         return out
@@ -97,10 +173,10 @@ def read_records(
             continue
         for line in text.splitlines():
             try:
-                rec = json.loads(line)
+                rec = TimingRecord.from_dict(json.loads(line))
             except ValueError:
                 continue  # a line cut by a crash
-            if isinstance(rec, dict) and (kind is None or rec.get("kind") == kind):
+            if rec is not None and (kind is None or rec.kind == kind):
                 out.append(rec)
-    out.sort(key=lambda r: r.get("time", 0))
+    out.sort(key=lambda r: r.time)
     return out

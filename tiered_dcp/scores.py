@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from statistics import median
 
 from .config import TieredConfig
-from .records import read_records, records_dir
+from .records import Kind, TimingRecord, read_records, records_dir
+from .rundir import OutcomeState
 
 log = logging.getLogger("tiered_dcp")
 
@@ -81,43 +82,46 @@ class _Save:
     excess_s: float
 
 
-def _writes(recs: list[dict]) -> dict[tuple[int, int], dict[int, dict]]:
+def _writes(recs: list[TimingRecord]) -> dict[tuple[int, int], dict[int, TimingRecord]]:
     """(tier, step) -> rank -> the record of that rank's write of its part."""
-    out: dict[tuple[int, int], dict[int, dict]] = defaultdict(dict)
+    out: dict[tuple[int, int], dict[int, TimingRecord]] = defaultdict(dict)
     for r in recs:
         if (
-            r.get("kind") in ("save", "persist")
-            and r.get("write_s") is not None
-            and r.get("state") != "failed"
+            r.kind in (Kind.SAVE, Kind.PERSIST)
+            and r.write_s is not None
+            and r.tier is not None
+            and r.state != OutcomeState.FAILED
         ):
-            out[(r["tier"], r["step"])][r["rank"]] = r
+            out[(r.tier, r.step)][r.rank] = r
     return out
 
 
-def _saves(recs: list[dict]) -> dict[tuple[int, int], list[_Save]]:
+def _saves(recs: list[TimingRecord]) -> dict[tuple[int, int], list[_Save]]:
     """(tier, rank) -> its scored saves, oldest first."""
     out: dict[tuple[int, int], list[_Save]] = defaultdict(list)
-    for (tier, step), ranks in sorted(_writes(recs).items()):
-        largest = max(r.get("bytes", 0) for r in ranks.values())
-        ranks = {k: r for k, r in ranks.items() if r.get("bytes", 0) >= largest * MIN_SHARE and largest > 0}
-        if len(ranks) < 2 or max(r["write_s"] for r in ranks.values()) < MIN_SECONDS:
+    for (tier, step), writes in sorted(_writes(recs).items()):
+        size = {rank: r.bytes or 0 for rank, r in writes.items()}
+        seconds = {rank: r.write_s or 0.0 for rank, r in writes.items()}  # never None: see _writes
+        largest = max(size.values())
+        ranks = [k for k in writes if size[k] >= largest * MIN_SHARE and largest > 0]
+        if len(ranks) < 2 or max(seconds[k] for k in ranks) < MIN_SECONDS:
             continue
-        speed = {rank: r["bytes"] / max(r["write_s"], 1e-6) for rank, r in ranks.items()}
-        for rank, r in ranks.items():
+        speed = {rank: size[rank] / max(seconds[rank], 1e-6) for rank in ranks}
+        for rank in ranks:
             peers = median(s for k, s in speed.items() if k != rank)
             out[(tier, rank)].append(
                 _Save(
                     step,
-                    r.get("node", 0),
+                    writes[rank].node,
                     speed[rank],
                     speed[rank] / peers,
-                    r["write_s"] - r["bytes"] / peers,
+                    seconds[rank] - size[rank] / peers,
                 )
             )
     return out
 
 
-def score_ranks(recs: list[dict], threshold: float = THRESHOLD) -> list[RankScore]:
+def score_ranks(recs: list[TimingRecord], threshold: float = THRESHOLD) -> list[RankScore]:
     """Every rank's scores per tier from these records (``records.read_records``)."""
     scores = []
     for (tier, rank), saves in sorted(_saves(recs).items()):

@@ -42,9 +42,10 @@ from .config import TieredConfig, node_of
 from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
 from .leases import owner_record
 from .metadata import Records
-from .records import record
+from .records import Kind, record
 from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
-from .runtime import MAX_PENDING, Job, writer_handle
+from .rundir import Job
+from .runtime import MAX_PENDING, writer_handle
 from .staging import POOL, examine
 from .tensors import as_cpu_contiguous, byte_view, finite_screen
 from .transport import PeerTimeout
@@ -468,7 +469,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         }
         if self.stage_seconds is not None:
             fields["stage_s"] = round(self.stage_seconds, 6)
-        record(self.config, "save", self.rank, self.step, **fields)
+        record(self.config, Kind.SAVE, self.rank, self.step, **fields)
         scores.watch_soon(self.config, self.rank)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
