@@ -5,7 +5,8 @@
 One trainer process (a subprocess of this script per case) saves a ``--mib`` MiB float32
 state ``--saves`` times with ``dcp.async_save``, every value changed before each save; a
 save starts while the one before it may still be uploading (the future of the save
-before that is waited for: at most two in flight). Sampled every 5 ms: the shared memory
+before that is waited for: at most two in flight; one in DCP's PROCESS mode, whose
+background process garbles its pipe with two). Sampled every 5 ms: the shared memory
 in use (``/dev/shm``'s used bytes: tier files and staging buffers alike) plus the
 anonymous memory (``RssAnon``) of the trainer and every process under it (the writer
 process, DCP's background process), less the trainer's own before its first save (the
@@ -82,7 +83,8 @@ def measure(case: str, mib: int, saves: int, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--child", case, "--mib", str(mib), "--saves", str(saves)]
     cmd += ["--mode", mode, "--work", work]
     base_shm = shm_used()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    log = open(os.path.join(work, "out.log"), "w+")  # noqa: SIM115  (a file: a pipe left full would block)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     peak, base_anon = 0, None
     peak_parts = (0, 0)
     while proc.poll() is None:
@@ -94,7 +96,9 @@ def measure(case: str, mib: int, saves: int, mode: str) -> dict:
             if s + a > peak:
                 peak, peak_parts = s + a, (s, a)
         time.sleep(0.005)
-    out = proc.stdout.read() if proc.stdout else ""
+    log.seek(0)
+    out = log.read()[-3000:]
+    log.close()
     shutil.rmtree(work, ignore_errors=True)
     if proc.returncode != 0:
         raise SystemExit(f"case {case} failed ({proc.returncode}): {out}")
@@ -138,8 +142,8 @@ def child(args: argparse.Namespace) -> None:
             for k, v in state.items():
                 if k not in frozen:
                     v.add_(1.0)
-            if len(futures) == 2:  # at most two saves in flight
-                futures.pop(0).result()
+            if len(futures) == (1 if args.mode == "process" else 2):  # in flight at most (DCP's
+                futures.pop(0).result()  # PROCESS mode garbles its pipe with two: one there)
             if args.child.startswith("stock"):
                 writer = dcp.FileSystemWriter(f"{shm_dir}/step_{step}")
                 done.append(step)
