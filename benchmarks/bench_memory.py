@@ -4,9 +4,9 @@
 
 One trainer process (a subprocess of this script per case) saves a ``--mib`` MiB float32
 state ``--saves`` times with ``dcp.async_save``, every value changed before each save; a
-save starts while the one before it may still be uploading (the future of the save
-before that is waited for: at most two in flight; one in DCP's PROCESS mode, whose
-background process garbles its pipe with two). Sampled every 5 ms: the shared memory
+save waits for the future of the one before it, as torch's async recipe does
+(``--inflight 2`` lets a save start while the one before it uploads; DCP's PROCESS mode
+garbles its pipe with two in flight, so its cases keep one). Sampled every 5 ms: the shared memory
 in use (``/dev/shm``'s used bytes: tier files and staging buffers alike) plus the
 anonymous memory (``RssAnon``) of the trainer and every process under it (the writer
 process, DCP's background process), less the trainer's own before its first save (the
@@ -76,12 +76,12 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def measure(case: str, mib: int, saves: int, mode: str) -> dict:
+def measure(case: str, mib: int, saves: int, mode: str, inflight: int) -> dict:
     """Run one case in a trainer subprocess and sample its memory until it ends."""
     work = tempfile.mkdtemp(prefix="bench-memory-")
     ready = os.path.join(work, "ready")
     cmd = [sys.executable, __file__, "--child", case, "--mib", str(mib), "--saves", str(saves)]
-    cmd += ["--mode", mode, "--work", work]
+    cmd += ["--mode", mode, "--work", work, "--inflight", str(inflight if mode == "thread" else 1)]
     base_shm = shm_used()
     log = open(os.path.join(work, "out.log"), "w+")  # noqa: SIM115  (a file: a pipe left full would block)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -142,8 +142,8 @@ def child(args: argparse.Namespace) -> None:
             for k, v in state.items():
                 if k not in frozen:
                     v.add_(1.0)
-            if len(futures) == (1 if args.mode == "process" else 2):  # in flight at most (DCP's
-                futures.pop(0).result()  # PROCESS mode garbles its pipe with two: one there)
+            if len(futures) == args.inflight:  # torch's recipe: the previous save's future first
+                futures.pop(0).result()
             if args.child.startswith("stock"):
                 writer = dcp.FileSystemWriter(f"{shm_dir}/step_{step}")
                 done.append(step)
@@ -180,6 +180,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--process-mib", type=int, default=512)
     ap.add_argument("--saves", type=int, default=6)
+    ap.add_argument("--inflight", type=int, default=1, help="async saves in flight at most")
     ap.add_argument("--runs", type=int, default=1, help="runs per case; the median peak is reported")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -192,10 +193,13 @@ def main() -> None:
     for case in [c.strip() for c in args.cases.split(",")]:
         mode = CASES[case]
         mib = args.process_mib if mode == "process" else args.mib
-        runs = [measure(case, mib, args.saves, mode) for _ in range(args.runs)]
+        runs = [measure(case, mib, args.saves, mode, args.inflight) for _ in range(args.runs)]
         runs.sort(key=lambda r: r["peak"])
         out[case] = {"mib": mib, **runs[len(runs) // 2]}
-    print(f"peak host memory of {args.saves} async saves, as multiples of the state (medians of {args.runs})")
+    print(
+        f"peak host memory of {args.saves} async saves ({args.inflight} in flight), "
+        f"as multiples of the state (medians of {args.runs})"
+    )
     print(f"{'case':<30}{'MiB':>6}{'peak':>8}{'shared':>8}{'anon':>8}")
     for case, r in out.items():
         print(f"{case:<30}{r['mib']:>6}{r['peak']:>7.2f}x{r['shm']:>7.2f}x{r['anon']:>7.2f}x")
