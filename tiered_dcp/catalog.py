@@ -40,7 +40,7 @@ from tiered_dcp.storage.local import DIRTY
 
 from .config import Tier, TieredConfig
 from .leases import leased, owner_alive
-from .placement import Placement, nodes_of, placement_for
+from .placement import Placement, WholeRule, nodes_of, placement_for
 from .planners.choice import StepMarks
 
 log = logging.getLogger("tiered_dcp")
@@ -276,8 +276,12 @@ class TierView:
         return info is not None and size == info.size
 
     def whole_here(self, marker: Marker) -> bool:
-        """Whether this process's root still holds every part it should hold of the step."""
-        return self.placement.whole(self, marker)
+        """Whether this process's root still holds what it should of the step (what retention
+        counts), by its placement's ``whole_rule``."""
+        if self.placement.whole_rule is WholeRule.LOADABLE:
+            return not self.missing(self.own, marker)  # every part and the metadata
+        held = self.placement.parts_in_root(self.node, self.rank, marker)
+        return all(self.part_present(self.own, marker, r) for r in held)  # the metadata is not counted
 
     def part_store(self, marker: Marker, rank: int) -> Storage:
         """The first root (own copy first) holding rank's part whole; the own root if none."""

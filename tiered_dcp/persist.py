@@ -39,6 +39,7 @@ from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, wr
 
 from . import dedup
 from .catalog import StepCopy, TierView, read_metadata_blob
+from .commit import copied_marker
 from .placement import nodes_of
 from .records import Kind, record
 from .rundir import Job, Outcome, OutcomeState, RunDir, TierHealth, TierState
@@ -395,7 +396,7 @@ class Persister:
             size += written.size
         if timing is not None:
             timing.update(write_s=round(time.monotonic() - started, 6), bytes=size)
-        marker = dst.placement.copied_marker(src, dst, copy)  # None until the root's last writer
+        marker = copied_marker(src, dst, copy)  # None until the root's last writer
         if marker is None:
             return OutcomeState.CLEAN
         dst.commit(step, read_metadata_blob(copy), marker)

@@ -9,33 +9,44 @@ asks it the questions whose answers differ:
 - where a rank's part and its replicas live (``root``, ``holders``, ``parts_written_by``);
 - which roots a process scans for committed steps (``scan_roots``);
 - who writes a root's metadata and marker on the save path (``commits_root``,
-  ``commits_in_finish``), and when the writer process may commit a root it copied into
-  (``copied_marker``);
-- whether a step is whole in one root, which decides what retention keeps (``whole``);
+  ``commits_in_finish``), and by which rule the writer process may commit a root it copied
+  into (``copy_commit``, carried out by ``commit.copied_marker``);
+- what counts as a step whole in one root, which decides what retention keeps
+  (``whole_rule``, checked by ``catalog.TierView.whole_here``);
 - how a load sees the tier (``pooled``: each rank its own root, pooled with the others').
 
 Retention always prunes the own root only, after that root's commit, on both kinds.
-Torch-free: the writer process uses it. A new kind of placement (say, one replica on a
+A pure decision: no I/O, nothing imported from the modules that read roots. Torch-free:
+the writer process uses it. A new kind of placement (say, one replica on a
 peer node plus a bucket) is a new subclass here and a case in ``placement_for``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from enum import Enum
 
-from tiered_dcp.storage.format import Marker, PartInfo, index_key, marker_key, part_key, step_dir
+from tiered_dcp.storage.format import Marker
 
 from .cliques import clique
 from .config import Tier
 
-if TYPE_CHECKING:
-    from .catalog import StepCopy, TierView
-
 Nodes = Mapping[int, int]  # rank -> node, as in the marker's parts (a save's world)
+
+
+class WholeRule(Enum):
+    """What retention counts as a step whole in one root (``TierView.whole_here``)."""
+
+    LOADABLE = "loadable"  # the metadata and every part, as a load from this root needs
+    OWN_PARTS = "own parts"  # every part the root should hold (``parts_in_root``), not the metadata
+
+
+class CopyCommit(Enum):
+    """When a writer process commits a root it copied a step into (``commit.copied_marker``)."""
+
+    EVERY_INDEX = "every index"  # every rank's index is in the root: this writer was the last
+    SOURCE_PARTS = "source parts"  # an index of every part its source root holds whole
 
 
 def nodes_of(marker: Marker) -> dict[int, int]:
@@ -44,7 +55,8 @@ def nodes_of(marker: Marker) -> dict[int, int]:
 
 
 class Placement(ABC):
-    """Where one tier keeps a step, seen as pure layout plus the few checks that read a root."""
+    """Where one tier keeps a step: pure layout, no I/O (the checks that read a root are
+    ``catalog.TierView``'s and ``commit``'s, by the rules named here)."""
 
     #: The save path commits the tier once, in ``TieredWriter.finish`` on the coordinator
     #: (else each root is committed by its own writer once every rank is clean: ``replicate``).
@@ -52,6 +64,10 @@ class Placement(ABC):
     #: A load sees only each rank's own root and pools the ranks' holdings, reading what
     #: its root lacks from peers (``cluster``); else every rank sees the whole tier.
     pooled: bool
+    #: What retention counts as whole in one root.
+    whole_rule: WholeRule
+    #: When a writer process that copied a step into a root commits it.
+    copy_commit: CopyCommit
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
@@ -93,22 +109,14 @@ class Placement(ABC):
     def parts_in_root(self, node: int, rank: int, marker: Marker) -> list[int]:
         """The parts of the step that the root of (node, rank) holds when it is whole."""
 
-    @abstractmethod
-    def whole(self, view: TierView, marker: Marker) -> bool:
-        """Whether the view's own root still holds what it should of the step (what
-        retention counts)."""
-
-    @abstractmethod
-    def copied_marker(self, src: TierView, dst: TierView, copy: StepCopy) -> Marker | None:
-        """The marker that commits ``dst``'s own root once a writer has copied everything it
-        should hold from ``src``; None while something is missing (a later writer commits)."""
-
 
 class SharedPlacement(Placement):
     """One root for the whole job: every rank writes its part there, the coordinator commits it."""
 
     commits_in_finish = True
     pooled = False
+    whole_rule = WholeRule.LOADABLE
+    copy_commit = CopyCommit.EVERY_INDEX
 
     def holders(self, rank: int, nodes: Nodes, replication: Sequence[int]) -> list[int]:
         return self._distinct_roots([rank], nodes)
@@ -125,41 +133,6 @@ class SharedPlacement(Placement):
     def parts_in_root(self, node: int, rank: int, marker: Marker) -> list[int]:
         return [p.rank for p in marker.parts]
 
-    def whole(self, view: TierView, marker: Marker) -> bool:
-        return not view.missing(view.own, marker)  # every part and the metadata
-
-    def copied_marker(self, src: TierView, dst: TierView, copy: StepCopy) -> Marker | None:
-        """Every rank's index is in the root: this writer was the last; the sizes are this tier's.
-
-        Learnt from one listing of the step's directory (names and sizes; an index is written
-        after its part, so a listed index means its part is whole at the listed size), read
-        page by page in name order and given up at the first page that shows a rank's index
-        missing: a writer that is not the last usually stops after one page, the last one
-        reads ceil(2N / 1000) pages. No index is read, and nothing is polled.
-        """
-        ns, step = dst.config.namespace, copy.step
-        index, part = (lambda r: _name(index_key(ns, step, r))), (lambda r: _name(part_key(ns, step, r)))
-        ranks = sorted((p.rank for p in copy.marker.parts), key=index)  # as the listing orders them
-        listed: dict[str, int] = {}
-        seen = 0
-        for page in dst.own.list_pages(step_dir(ns, step)):
-            listed.update(page)
-            last = max(page, default="")
-            while seen < len(ranks) and index(ranks[seen]) <= last:
-                if index(ranks[seen]) not in listed:
-                    return None  # that rank's writer is not done: it (or a later one) commits
-                seen += 1
-        if any(index(r) not in listed or part(r) not in listed for r in ranks):
-            return None
-        # Writers finishing together may all see every index: one that finds this save
-        # committed already leaves the commit (and its retention) to the writer that did it.
-        if _name(marker_key(ns, step)) in listed:
-            done = dst.read_marker(dst.own, step)
-            if done is not None and done.metadata_xxh3 == copy.marker.metadata_xxh3:
-                return None
-        parts = [PartInfo(p.rank, p.node, listed[part(p.rank)]) for p in copy.marker.parts]
-        return dataclasses.replace(copy.marker, parts=parts, created=time.time())
-
 
 class NodeLocalPlacement(Placement):
     """A root per node (or rank): each holds its ranks' parts, their clique peers' replicas,
@@ -167,6 +140,8 @@ class NodeLocalPlacement(Placement):
 
     commits_in_finish = False
     pooled = True
+    whole_rule = WholeRule.OWN_PARTS
+    copy_commit = CopyCommit.SOURCE_PARTS
 
     def holders(self, rank: int, nodes: Nodes, replication: Sequence[int]) -> list[int]:
         factor, jump = replication
@@ -193,24 +168,6 @@ class NodeLocalPlacement(Placement):
             for p in marker.parts
             if root in (self.root(nodes[h], h) for h in self.holders(p.rank, nodes, marker.replication))
         ]
-
-    def whole(self, view: TierView, marker: Marker) -> bool:
-        held = self.parts_in_root(view.node, view.rank, marker)
-        return all(view.part_present(view.own, marker, r) for r in held)  # the metadata is not counted
-
-    def copied_marker(self, src: TierView, dst: TierView, copy: StepCopy) -> Marker | None:
-        """The root holds an index of every part its source root holds whole; the metadata and
-        marker are the source's, as on every node. Whichever of its writers is last commits."""
-        ns, step = dst.config.namespace, copy.step
-        held = [p.rank for p in copy.marker.parts if src.part_present(src.own, copy.marker, p.rank)]
-        if not all(dst.own.exists(index_key(ns, step, rank)) for rank in held):
-            return None
-        return dataclasses.replace(copy.marker, created=time.time())
-
-
-def _name(key: str) -> str:
-    """The last component of a key: the name a listing of its directory gives."""
-    return key.rsplit("/", 1)[1]
 
 
 def placement_for(tier: Tier) -> Placement:

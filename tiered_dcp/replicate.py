@@ -24,15 +24,16 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from tiered_dcp.storage.base import Buffer, Reservation
 from tiered_dcp.storage.blocks import pool
-from tiered_dcp.storage.codec import ChecksumMismatch, checksum, verify_stored
-from tiered_dcp.storage.format import BLOCK_HEADER, NONFINITE_NAMES, Chunk, Marker, PartInfo, part_key
+from tiered_dcp.storage.codec import ChecksumMismatch, verify_stored
+from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Marker, part_key
 from tiered_dcp.storage.format import write_index as write_part_index
 
 from . import dedup, transport
 from .catalog import TierView
 from .cliques import clique
+from .commit import build_commit
 from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
-from .metadata import Records, build_blob, part_index, records_from_json, records_to_json
+from .metadata import Records, part_index, records_from_json, records_to_json
 from .transport import Group, as_bytes_tensor
 
 log = logging.getLogger("tiered_dcp")
@@ -221,42 +222,6 @@ class Swap:
         for land in self.landed:
             land.part.discard()
         self.landed.clear()
-
-
-def build_commit(
-    view: TierView, step: int, metadata: Metadata, world: list[int], records: Records
-) -> tuple[bytes, Marker]:
-    """The metadata blob (every rank's items) and the marker naming it, for every root.
-
-    Items saved holding NaN/Inf (``on_nonfinite="mark"``) are counted and named in the
-    marker, so that loads pass the step over; the committer says so once for the job."""
-    blob = build_blob(metadata, records)
-    sizes = [0] * len(world)
-    for rec in records.values():
-        sizes[rec.rank] += rec.part_length
-    cfg = view.config
-    bad = sorted(f"{index.fqn}" for index, rec in records.items() if rec.nonfinite)
-    marker = Marker(
-        step,
-        cfg.namespace,
-        len(world),
-        [PartInfo(r, n, sizes[r]) for r, n in enumerate(world)],
-        len(blob),
-        checksum(blob),
-        replication=[cfg.replication_factor, cfg.replication_jump],
-        nonfinite_items=len(bad),
-        nonfinite=bad[:NONFINITE_NAMES],
-    )
-    if bad:
-        log.warning(
-            "step %d holds NaN/Inf in %d item(s) %s: saved and marked non-finite; load_latest and "
-            "TieredReader(config) pass it over (TieredReader(config, step=%d) loads it anyway)",
-            step,
-            len(bad),
-            bad[:NONFINITE_NAMES],
-            step,
-        )
-    return blob, marker
 
 
 def commit_everywhere(

@@ -38,12 +38,13 @@ from . import dedup, hostmem, preemption, scores, transport
 from .catalog import TierView, bounded
 from .checkpoint_id import new_id, step_id, step_of
 from .cliques import check_cliques
+from .commit import build_commit
 from .config import TieredConfig, node_of
 from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
 from .leases import owner_record
 from .metadata import Records
 from .records import Kind, record
-from .replicate import SavedPart, Swap, build_commit, commit_everywhere, write_index
+from .replicate import SavedPart, Swap, commit_everywhere, write_index
 from .rundir import Job
 from .runtime import MAX_PENDING, writer_handle
 from .staging import POOL, examine
