@@ -10,8 +10,10 @@ with and without background staging.
 from __future__ import annotations
 
 import copy
+import pickle
 import threading
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from tiered_dcp import SnapshotError, Tier, TieredConfig, TieredReader, TieredWriter, latest_step
-from tiered_dcp.staging import POOL
+from tiered_dcp.staging import POOL, StagingPool
 
 MODES = ["thread", "process", "background-thread", "background-process"]
 
@@ -147,11 +149,47 @@ def _save_change_load(rank: int, world: int, root: str) -> dict:
         except AssertionError as e:
             verdict = f"differs: {e!r}"[:300]
         out[f"{mode} step {step}"] = (verdict, reused, POOL.info()["slots"])
+    out["shipped"] = _ship(_state(rank, world, mesh, seed=7))
     return out
+
+
+def _staged_values(staged: dict) -> dict:
+    """A staged copy as plain values (its sharded leaves are ``SnapshotTensor``s)."""
+    return {
+        "st": list(staged["st"]._shards.values()),
+        "dt": staged["dt"]._local_tensor,
+        "plain": staged["plain"],
+        "sub": (type(staged["sub"]).__name__, torch.Tensor(staged["sub"]), staged["sub"].__dict__),
+        "lsw": list(staged["lsw"]._shards.values()),
+        "meta": staged["meta"],
+    }
+
+
+def _ship(state: dict) -> tuple[str, bool, int]:
+    """A staged copy pickled as DCP's PROCESS mode sends it: every leaf arrives equal, and
+    over the same shared memory, the staging arena (torch's own pickling would move each
+    piece into a new segment, the staged copy with it, and leave the arena unused)."""
+    pool = StagingPool()  # a slot no save has shipped yet
+    staged = pool.stage(state)
+    pieces = [staged["plain"], staged["dt"]._local_tensor]
+    where = [t.data_ptr() for t in pieces]
+    received = pickle.loads(ForkingPickler.dumps(staged))
+    try:
+        assert_state_equal(_staged_values(received), _staged_values(staged))
+        verdict = "exact"
+    except AssertionError as e:
+        verdict = f"differs: {e!r}"[:300]
+    for t in pieces:
+        t.add_(1)
+    shared = [t.data_ptr() for t in pieces] == where and torch.equal(received["plain"], staged["plain"])
+    shared = shared and torch.equal(received["dt"]._local_tensor, staged["dt"]._local_tensor)
+    return verdict, shared, pool.info()["slots"]
 
 
 def test_async_save_is_a_snapshot_of_every_value_kind(tmp_path):
     for rank_result in run_ranks(_save_change_load, 2, str(tmp_path), timeout=300):
+        verdict, shared, _ = rank_result.pop("shipped")
+        assert verdict == "exact" and shared, "the staged copy DCP's PROCESS mode receives"
         for what, (verdict, reused, slots) in rank_result.items():
             assert verdict == "exact", what
             assert slots <= 2, what

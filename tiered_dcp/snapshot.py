@@ -11,7 +11,11 @@ dict is of one *kind*, and each kind says:
 - ``layout``: what must match for a slot's buffers (and the staged objects built over
   them) to be reused by the next save;
 - ``build``: the staged value over the arena views of its pieces, made once per slot;
-- ``refresh``: the per-save part (a deep copy of Python values, a subclass's attributes).
+- ``refresh``: the per-save part (a deep copy of Python values, a subclass's attributes);
+- ``recipe``: what DCP's PROCESS mode ships of a staged value instead of its tensors (the
+  staging arena travels once, as one shared-memory handle, and each piece is a view of it
+  again in the receiving process): torch's own pickling of a view into shared memory
+  copies it into a fresh segment, and of a DTensor's local tensor at a storage offset crashes.
 
 A value none of the kinds can snapshot is refused with ``SnapshotError`` naming its key
 (``refused``): never saved silently as it is later.
@@ -52,6 +56,9 @@ class Kind:
     layout: Callable[[Any], tuple]  # static facts beyond the pieces' dtype, shape and device
     build: Callable[[Any, list[torch.Tensor]], Any]
     refresh: Callable[[Any, Any], Any] | None = None  # None: the built value is reused as it is
+    # (staged value) -> picklable facts; ``rebuild(facts, views)`` makes it again elsewhere
+    recipe: Callable[[Any], tuple] = lambda staged: ()
+    rebuild: Callable[[tuple, list[torch.Tensor]], Any] = lambda facts, views: views[0]
 
 
 # -- plain tensors and DTensors over plain local tensors ------------------------------------
@@ -68,6 +75,8 @@ DTENSOR = Kind(
     pieces=lambda v: [v._local_tensor],
     layout=lambda v: (v._spec,),
     build=lambda v, views: DTensor(views[0], v._spec, requires_grad=False),
+    recipe=lambda staged: (staged._spec,),
+    rebuild=lambda facts, views: DTensor(views[0], facts[0], requires_grad=False),
 )
 
 
@@ -167,6 +176,8 @@ SHARDED = Kind(
     pieces=_shards,
     layout=lambda v: (type(v), tuple(_items(v)), tuple(v.size()), v.dtype),
     build=lambda v, views: SnapshotTensor(_items(v), views, v.size(), v.dtype, type(v).__name__),
+    recipe=lambda staged: (staged._items, staged.size(), staged.dtype, staged._original),
+    rebuild=lambda facts, views: SnapshotTensor(facts[0], views, *facts[1:]),
 )
 
 
@@ -191,12 +202,23 @@ def _refresh_subclass(v: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
     return staged
 
 
+def _rebuild_subclass(facts: tuple, views: list[torch.Tensor]) -> torch.Tensor:
+    kind, attrs = facts
+    if kind is torch.Tensor:
+        return views[0]
+    staged = views[0].as_subclass(kind)
+    staged.__dict__.update(attrs)
+    return staged
+
+
 SUBCLASS = Kind(
     "tensor subclass",
     pieces=lambda v: [v],
     layout=lambda v: (type(v),),
     build=_build_subclass,
     refresh=_refresh_subclass,
+    recipe=lambda staged: (type(staged), staged.__dict__ if type(staged) is not torch.Tensor else {}),
+    rebuild=_rebuild_subclass,
 )
 
 
@@ -208,7 +230,12 @@ PYTHON = Kind(
     layout=lambda v: (),
     build=lambda v, views: None,
     refresh=lambda v, staged: copy.deepcopy(v),
+    recipe=lambda staged: (staged,),  # no pieces: the value itself
+    rebuild=lambda facts, views: facts[0],
 )
+
+
+KINDS = {k.name: k for k in (PLAIN, DTENSOR, SHARDED, SUBCLASS, PYTHON)}
 
 
 def examine(value: Any) -> tuple[Kind, list[torch.Tensor], tuple]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .errors import SnapshotError
-from .snapshot import Kind, refused
+from .snapshot import KINDS, Kind, refused
 from .snapshot import examine as examine_leaf
 
 log = logging.getLogger("tiered_dcp")
@@ -34,9 +34,39 @@ ALIGN = 64
 
 
 class StagedStateDict(dict):
-    """The staged copy handed to DCP; weak-referenceable so its slot frees when dropped."""
+    """The staged copy handed to DCP; weak-referenceable so its slot frees when dropped.
 
-    __slots__ = ("__weakref__",)
+    Pickled (DCP's PROCESS mode sends it to its background process) as its arena, one
+    shared-memory handle, plus each leaf's recipe (``snapshot.Kind.recipe``): the receiving
+    process maps the same pages and builds the leaves over them again, so nothing is
+    copied (torch would copy every piece, a view into the arena, into a segment of its own).
+    """
+
+    __slots__ = ("__weakref__", "_ship")
+
+    def __reduce__(self) -> tuple:
+        ship = getattr(self, "_ship", None)
+        if ship is None:
+            return (StagedStateDict, (dict(self),))
+        return (_received, ship)
+
+
+def _received(arena: torch.Tensor, spans: list[tuple], template: Any, leaves: list[tuple]) -> StagedStateDict:
+    """A shipped ``StagedStateDict`` again, over the same shared memory (``__reduce__``)."""
+    views = _views(arena.untyped_storage(), spans)
+    values = [KINDS[name].rebuild(facts, views[a:b]) for name, facts, a, b in leaves]
+    return StagedStateDict(_fill(template, values))
+
+
+def _views(storage: torch.UntypedStorage, spans: list[tuple]) -> list[torch.Tensor]:
+    """A tensor over each span (offset, bytes, dtype, shape) of ``storage``.
+
+    Each over a storage of its own (offset 0): DTensor mis-reports the data pointer of a
+    local tensor at a storage offset, which breaks its pickling."""
+    return [
+        torch.empty(0, dtype=dtype).set_(storage[off : off + n], 0, shape, _strides(shape))
+        for off, n, dtype, shape in spans
+    ]
 
 
 class _Hole:
@@ -165,7 +195,10 @@ class _Slot:
     signature: tuple
     arena: torch.Tensor
     flat_targets: list[torch.Tensor]  # the arena view of each piece, in ``Examined.flat_pieces`` order
+    spans: list[tuple]  # per piece: (offset in the arena, bytes, dtype, shape)
     staged: list[Any]  # per leaf: the staged value built over those views (see ``snapshot``)
+    kinds: list[Kind]  # per leaf
+    counts: list[int]  # per leaf: how many pieces it has
     pinned: bool
     busy: bool = False
     generation: int = 0
@@ -194,22 +227,28 @@ def _allocate(ex: Examined) -> _Slot:
     on_cuda = any(p.device.type == "cuda" for pieces in ex.pieces for p in pieces)
     if on_cuda:
         _pin(arena.data_ptr(), arena.numel())
-    targets: list[torch.Tensor] = []
-    staged: list[Any] = []
+    spans = []
     off = 0
+    for p in ex.flat_pieces:
+        spans.append((off, p.numel() * p.element_size(), p.dtype, p.shape))
+        off += _nbytes(p)
+    targets = _views(storage, spans)
+    staged: list[Any] = []
+    first = 0
     for value, kind, pieces in zip(ex.values, ex.kinds, ex.pieces, strict=True):
-        views = []
-        for p in pieces:
-            n = p.numel() * p.element_size()
-            # A storage of its own over the arena's bytes (offset 0): DTensor mis-reports the
-            # data pointer of a local tensor at a storage offset, which breaks its pickling.
-            views.append(
-                torch.empty(0, dtype=p.dtype).set_(storage[off : off + n], 0, p.shape, _strides(p.shape))
-            )
-            off += _nbytes(p)
-        targets += views
-        staged.append(kind.build(value, views))
-    return _Slot(ex.signature, arena, targets, staged, on_cuda)
+        staged.append(kind.build(value, targets[first : first + len(pieces)]))
+        first += len(pieces)
+    counts = [len(p) for p in ex.pieces]
+    return _Slot(ex.signature, arena, targets, spans, staged, list(ex.kinds), counts, on_cuda)
+
+
+def _recipes(slot: _Slot, values: list[Any]) -> list[tuple]:
+    """Per leaf: its kind's name, its recipe and the range of its pieces (``_received``)."""
+    out, first = [], 0
+    for kind, value, n in zip(slot.kinds, values, slot.counts, strict=True):
+        out.append((kind.name, kind.recipe(value), first, first + n))
+        first += n
+    return out
 
 
 def _strides(shape: torch.Size) -> tuple[int, ...]:
@@ -251,6 +290,7 @@ class StagingPool:
             self._release(slot, slot.generation)
             raise
         staged = StagedStateDict(_fill(examined.template, values))
+        staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values))
         weakref.finalize(staged, self._release, slot, slot.generation)
         return staged
 
