@@ -62,6 +62,11 @@ def part_name(rank: int) -> str:
     return f"rank_{rank:05d}.part"
 
 
+def is_part_name(name: str) -> bool:
+    """Whether a name listed in a step's directory is a (clean) part file."""
+    return name.startswith("rank_") and name.endswith(".part") and name[5:-5].isdigit()
+
+
 def part_key(namespace: str, step: int, rank: int) -> str:
     """Rank's part file of ``step``: in every root that holds the part, under this key."""
     return f"{step_dir(namespace, step)}/{part_name(rank)}"
@@ -134,6 +139,14 @@ GC_LEASE = "GC.lease"
 GC_EPOCH = "GC.epoch"  # rewritten by a GC before it deletes a block: what a saver saw held may be gone
 BLOCK_MAGIC = b"TDBLOCK1"  # a block file: magic, its codec (8 ASCII bytes, NUL-padded), payload
 BLOCK_HEADER = 16
+
+
+SPARE_DIR = "spare"  # a memory tier's recycled part files, each named by its inode (``tierfile``)
+
+
+def spare_dir(namespace: str) -> str:
+    """Where a memory tier keeps the part files retention dropped, for the next save to reuse."""
+    return f"{namespace}/{SPARE_DIR}"
 
 
 def blocks_dir(namespace: str) -> str:

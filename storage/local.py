@@ -48,9 +48,15 @@ def mount_of(path: str) -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=256)
+def in_memory(path: str) -> bool:
+    """Whether ``path`` is on a file system whose files live in the host's memory."""
+    return mount_of(path)[1] in MEMORY_FS
+
+
 def needs_fsync(path: str) -> bool:
-    """False for memory-backed file systems, True for everything else (and when unknown)."""
-    return mount_of(path)[1] not in MEMORY_FS
+    """False for memory-backed file systems (fsync there is meaningless and only costs time),
+    True for everything else (and when unknown)."""
+    return not in_memory(path)
 
 
 def _write_all(fd: int, buf: Buffer) -> None:
@@ -85,7 +91,7 @@ class MappedReservation(Reservation):
 
     def __init__(self, store: LocalStorage, key: str, size: int) -> None:
         self.store, self.key = store, key
-        self.path = store._path(key)
+        self.path = store.path(key)
         self.parent = os.path.dirname(self.path)
         os.makedirs(self.parent, exist_ok=True)
         self.tmp = f"{self.path}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -135,7 +141,8 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(root.removeprefix("file://"))
         self.url = self.root
 
-    def _path(self, key: str) -> str:
+    def path(self, key: str) -> str:
+        """The file ``key`` names."""
         return os.path.join(self.root, *key.split("/"))
 
     def write(self, key: str, chunks: Iterable[Buffer]) -> int:
@@ -143,7 +150,7 @@ class LocalStorage(Storage):
             return self._write(key, chunks)
 
     def _write(self, key: str, chunks: Iterable[Buffer]) -> int:
-        path = self._path(key)
+        path = self.path(key)
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -172,7 +179,7 @@ class LocalStorage(Storage):
             return MappedReservation(self, key, size)
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        with self.errors(key), open(self._path(key), "rb") as f:
+        with self.errors(key), open(self.path(key), "rb") as f:
             f.seek(offset)
             return f.read() if length is None else f.read(length)
 
@@ -180,7 +187,7 @@ class LocalStorage(Storage):
         out = out.cast("B")
         done = 0
         with self.errors(key):
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = os.open(self.path(key), os.O_RDONLY)
             try:
                 while done < len(out):
                     n = os.preadv(fd, [out[done:]], offset + done)
@@ -195,14 +202,14 @@ class LocalStorage(Storage):
     def size(self, key: str) -> int | None:
         with self.errors(key):
             try:
-                return os.stat(self._path(key)).st_size
+                return os.stat(self.path(key)).st_size
             except (FileNotFoundError, NotADirectoryError):
                 return None
 
     def list(self, prefix: str) -> list[str]:
         with self.errors(prefix):
             try:
-                return sorted(os.listdir(self._path(prefix)))
+                return sorted(os.listdir(self.path(prefix)))
             except (FileNotFoundError, NotADirectoryError):
                 return []
 
@@ -210,14 +217,14 @@ class LocalStorage(Storage):
         sizes: dict[str, int] = {}
         with self.errors(prefix):
             try:
-                with os.scandir(self._path(prefix)) as entries:
+                with os.scandir(self.path(prefix)) as entries:
                     sizes = {e.name: e.stat().st_size for e in entries if e.is_file()}
             except (FileNotFoundError, NotADirectoryError):
                 pass
         yield dict(sorted(sizes.items()))
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        path = self.path(key)
         with self.errors(key):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)

@@ -262,7 +262,7 @@ def test_staging_buffers_are_reused_resized_and_freed(tmp_path):
     assert POOL.info()["bytes"] >= 8 * MiB > info["bytes"] and POOL.info()["slots"] == 1
     del staged
     TieredWriter(cfg, step=5).close()
-    assert POOL.info() == {"slots": 0, "busy": 0, "bytes": 0, "max_slots": 2}
+    assert POOL.info() == {"slots": 0, "busy": 0, "bytes": 0, "files": 0, "max_slots": 2}
 
 
 def test_background_staging_returns_before_the_copy(tmp_path):

@@ -38,6 +38,7 @@ from tiered_dcp.storage.format import (
 from tiered_dcp.storage.format import is_pin as _is_pin
 from tiered_dcp.storage.local import DIRTY
 
+from . import tierfile
 from .config import Tier, TieredConfig
 from .leases import leased, owner_alive
 from .placement import Placement, WholeRule, nodes_of, placement_for
@@ -482,6 +483,9 @@ class TierView:
             oldest = kept[0] if kept else -1
             doomed = [s for s in committed if s not in kept and s < newest and (s not in bad or s < oldest)]
             self._drop_marks(store, {s for s, _ in marks if s < oldest and s not in committed})
+        recycles = tierfile.recycles(self.config, store)
+        if recycles and doomed:  # the spares the last retention left went unclaimed for a save
+            tierfile.clear_spares(store, ns)
         deleted = 0
         for step in sorted(doomed):
             if self.held(store, step):
@@ -494,6 +498,8 @@ class TierView:
             if raw is not None and self.held(store, step):  # leased in the meantime: its reader saw
                 store.write(marker_key(ns, step), [raw])  # the marker, so the step stays for it
                 continue
+            if recycles:
+                tierfile.recycle(store, ns, step)
             store.delete(step_dir(ns, step))
             self._drop_marks(store, {step})
             deleted += 1

@@ -51,6 +51,8 @@ class SavedPart:
     stored: list[Buffer]
     written_blocks: int = 0  # bytes of new blocks written for it (dedup)
     blocks: dict[str, list[Buffer]] = dataclasses.field(default_factory=dict)  # block files it wrote
+    in_file: Any = None  # ``writer.InFile``: its items were staged into the part file already
+    tail: list[Buffer] = dataclasses.field(default_factory=list)  # what follows them there
 
 
 @dataclass

@@ -9,12 +9,20 @@ fraction of a warm copy's speed; reuse is what makes the stall one warm copy.
 Memory is bounded: at most ``slots`` staged copies exist per process. A slot is busy from
 ``stage`` until DCP drops the staged dict, which it does when that save's upload ends
 (success or failure); a save that finds every slot busy waits for the oldest upload.
+
+Where the save's first tier is in memory, a slot's buffer is the step's part file there
+(``tierfile``): the staged copy is the tier's copy. Such a slot stays mapped after its
+save, its file a kept step, and is staged into again once retention has made that file a
+spare (or the save that staged it failed before writing it); one whose file was deleted
+is let go. Pieces are laid out largest element first, back to back, so each is aligned to
+its element and no byte of the arena is padding.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -24,13 +32,19 @@ from typing import Any
 
 import torch
 
+from . import tierfile
 from .errors import SnapshotError
 from .snapshot import KINDS, Kind, refused
 from .snapshot import examine as examine_leaf
+from .tierfile import TierFile
 
 log = logging.getLogger("tiered_dcp")
 
-ALIGN = 64
+MAPPED_FILES = 8  # idle part-file slots kept mapped (their files kept steps), the newest first
+
+# The arena of each staged part file by its dirty path, in every process holding one (the
+# trainer, DCP's background process): what the save's write finds its staged bytes in.
+STAGED_FILES: dict[str, torch.Tensor] = {}
 
 
 class StagedStateDict(dict):
@@ -51,11 +65,27 @@ class StagedStateDict(dict):
         return (_received, ship)
 
 
-def _received(arena: torch.Tensor, spans: list[tuple], template: Any, leaves: list[tuple]) -> StagedStateDict:
+def _received(
+    arena: torch.Tensor, spans: list[tuple], template: Any, leaves: list[tuple], file: str | None
+) -> StagedStateDict:
     """A shipped ``StagedStateDict`` again, over the same shared memory (``__reduce__``)."""
     views = _views(arena.untyped_storage(), spans)
     values = [KINDS[name].rebuild(facts, views[a:b]) for name, facts, a, b in leaves]
-    return StagedStateDict(_fill(template, values))
+    staged = StagedStateDict(_fill(template, values))
+    if file is not None:
+        _register(staged, file, arena)
+    return staged
+
+
+def _register(staged: StagedStateDict, file: str, arena: torch.Tensor) -> None:
+    """Make ``arena`` the staged part file ``file``'s, for as long as ``staged`` lives."""
+    STAGED_FILES[file] = arena
+    weakref.finalize(staged, STAGED_FILES.pop, file, None)
+
+
+def staged_file(file: str) -> torch.Tensor | None:
+    """The arena a save staged into its part file ``file`` (its dirty path), in this process."""
+    return STAGED_FILES.get(file)
 
 
 def _views(storage: torch.UntypedStorage, spans: list[tuple]) -> list[torch.Tensor]:
@@ -145,7 +175,7 @@ class Examined:
 
     @property
     def nbytes(self) -> int:
-        """The bytes a staged copy of this state takes (its arena)."""
+        """The bytes a staged copy of this state takes (its arena: no padding)."""
         return sum(_nbytes(p) for p in self.flat_pieces)
 
     @property
@@ -200,6 +230,8 @@ class _Slot:
     kinds: list[Kind]  # per leaf
     counts: list[int]  # per leaf: how many pieces it has
     pinned: bool
+    fd: int | None = None  # a part file's (``tierfile``); None: shared memory of its own
+    file: TierFile | None = None  # where the part file was put last
     busy: bool = False
     generation: int = 0
     nbytes: int = field(init=False)
@@ -213,25 +245,48 @@ class _Slot:
             self.pinned = False
         self.flat_targets, self.staged = [], []
         self.arena = torch.empty(0, dtype=torch.uint8)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+    return t.numel() * t.element_size()
 
 
-def _allocate(ex: Examined) -> _Slot:
+def _layout(pieces: list[torch.Tensor]) -> list[tuple]:
+    """Per piece, in order: (offset in the arena, bytes, dtype, shape). Largest element
+    first, back to back: each piece is aligned to its element size (powers of two) and no
+    byte is padding, so a part file staged this way holds only its items' bytes."""
+    spans: list[tuple] = [()] * len(pieces)
+    off = 0
+    for i in sorted(range(len(pieces)), key=lambda i: -pieces[i].element_size()):
+        p = pieces[i]
+        spans[i] = (off, _nbytes(p), p.dtype, p.shape)
+        off += _nbytes(p)
+    return spans
+
+
+def _allocate(ex: Examined, target: TierFile | None) -> _Slot:
     total = ex.nbytes
-    storage = torch.UntypedStorage._new_shared(max(total, 1), device="cpu")
+    fd = None
+    if target is None:
+        storage = torch.UntypedStorage._new_shared(max(total, 1), device="cpu")
+    else:
+        fd = tierfile.create(target, total)
+        try:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, total)  # maps it (a dup of fd)
+        except BaseException:
+            os.close(fd)
+            tierfile.discard(target)
+            raise
     arena = torch.empty(0, dtype=torch.uint8).set_(storage)
-    arena.fill_(0)  # touch every page now, not during the first save's copy
+    if target is None:
+        arena.fill_(0)  # touch every page now, not during the first save's copy
     on_cuda = any(p.device.type == "cuda" for pieces in ex.pieces for p in pieces)
     if on_cuda:
         _pin(arena.data_ptr(), arena.numel())
-    spans = []
-    off = 0
-    for p in ex.flat_pieces:
-        spans.append((off, p.numel() * p.element_size(), p.dtype, p.shape))
-        off += _nbytes(p)
+    spans = _layout(ex.flat_pieces)
     targets = _views(storage, spans)
     staged: list[Any] = []
     first = 0
@@ -239,7 +294,10 @@ def _allocate(ex: Examined) -> _Slot:
         staged.append(kind.build(value, targets[first : first + len(pieces)]))
         first += len(pieces)
     counts = [len(p) for p in ex.pieces]
-    return _Slot(ex.signature, arena, targets, spans, staged, list(ex.kinds), counts, on_cuda)
+    slot = _Slot(ex.signature, arena, targets, spans, staged, list(ex.kinds), counts, on_cuda, fd)
+    slot.nbytes = total
+    slot.file = target
+    return slot
 
 
 def _recipes(slot: _Slot, values: list[Any]) -> list[tuple]:
@@ -275,11 +333,14 @@ class StagingPool:
             self._reserved += 1
         return True
 
-    def stage(self, state: Mapping[str, Any] | Examined, reserved: bool = False) -> StagedStateDict:
-        """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early)."""
+    def stage(
+        self, state: Mapping[str, Any] | Examined, reserved: bool = False, target: TierFile | None = None
+    ) -> StagedStateDict:
+        """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early);
+        with ``target``, in that part file of the RAM tier (``tierfile``)."""
         try:
             examined = state if isinstance(state, Examined) else examine(state)
-            slot = self._acquire(examined)
+            slot = self._acquire(examined, target if examined.nbytes else None)
         finally:
             if reserved:
                 with self._cond:
@@ -287,10 +348,15 @@ class StagingPool:
         try:
             values = self._copy_into(slot, examined)
         except BaseException:
+            if slot.fd is not None and target is not None:
+                tierfile.discard(target)
             self._release(slot, slot.generation)
             raise
         staged = StagedStateDict(_fill(examined.template, values))
-        staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values))
+        file = slot.file.dirty if slot.fd is not None and slot.file is not None else None
+        staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values), file)
+        if file is not None:
+            _register(staged, file, slot.arena)
         weakref.finalize(staged, self._release, slot, slot.generation)
         return staged
 
@@ -320,22 +386,25 @@ class StagingPool:
                 raise ex.refused(i, e) from e
         return values
 
-    def _acquire(self, ex: Examined) -> _Slot:
+    def _acquire(self, ex: Examined, target: TierFile | None) -> _Slot:
         signature = ex.signature
         started = time.monotonic()
         warned = False
         with self._cond:
             self._closing = False
             while True:
-                for slot in self._slots:
-                    if not slot.busy and slot.signature == signature:
-                        return self._take(slot)
-                idle = [s for s in self._slots if not s.busy]
-                if idle:  # the state changed shape: replace an idle slot's buffers
+                slot = self._reusable(signature, target)
+                if slot is not None:
+                    return self._take(slot)
+                self._let_go_of_files()
+                counted = [s for s in self._slots if s.busy or s.fd is None]
+                idle = [s for s in counted if not s.busy]
+                if idle:  # the state changed shape, or saves go to part files now
                     self._drop(idle[0])
-                if len(self._slots) < self.slots:
-                    slot = _allocate(ex)
-                    self._slots.append(slot)
+                    counted.remove(idle[0])
+                if len(counted) < self.slots:
+                    slot = _allocate(ex, target)
+                    self._slots.insert(0, slot)
                     return self._take(slot)
                 if not warned and time.monotonic() - started > 5:
                     warned = True
@@ -347,6 +416,28 @@ class StagingPool:
                     )
                 self._cond.wait(timeout=1.0)
 
+    def _reusable(self, signature: tuple, target: TierFile | None) -> _Slot | None:
+        """An idle slot of this layout: shared memory for a save without ``target``, else a
+        part file that ``tierfile.reclaim`` could move to ``target`` (still mapped here)."""
+        for slot in self._slots:
+            if slot.busy or slot.signature != signature or (slot.fd is None) != (target is None):
+                continue
+            if target is None:
+                return slot
+            assert slot.fd is not None
+            if slot.file is not None and tierfile.reclaim(slot.fd, slot.file, target, slot.nbytes):
+                slot.file = target
+                return slot
+        return None
+
+    def _let_go_of_files(self) -> None:
+        """Unmap idle part-file slots whose file was deleted, and the oldest beyond
+        ``MAPPED_FILES`` (their files are kept steps, held by the tier, not by the map)."""
+        files = [s for s in self._slots if s.fd is not None and not s.busy]
+        for i, slot in enumerate(files):
+            if i >= MAPPED_FILES or tierfile.gone(slot.fd):  # type: ignore[arg-type]
+                self._drop(slot)
+
     def _take(self, slot: _Slot) -> _Slot:
         slot.busy = True
         slot.generation += 1
@@ -356,7 +447,8 @@ class StagingPool:
         with self._cond:
             if slot.busy and slot.generation == generation:
                 slot.busy = False
-                if self._closing or len(self._slots) > self.slots:
+                counted = sum(s.busy or s.fd is None for s in self._slots)
+                if self._closing or (slot.fd is None and counted > self.slots):
                     self._drop(slot)
                 self._cond.notify_all()
 
@@ -384,14 +476,18 @@ class StagingPool:
             return {
                 "slots": len(self._slots),
                 "busy": sum(s.busy for s in self._slots),
-                "bytes": sum(s.nbytes for s in self._slots),
+                "bytes": sum(s.nbytes for s in self._slots if s.fd is None),  # tier files not counted
+                "files": sum(s.fd is not None for s in self._slots),
                 "max_slots": self.slots,
             }
 
     def close(self) -> None:
-        """Free the idle slots now and the busy ones as their uploads end."""
+        """Free the idle slots now and the busy ones as their uploads end; part files that
+        no step holds (a spare, or one whose save never wrote it) are deleted."""
         with self._cond:
             for slot in [s for s in self._slots if not s.busy]:
+                if slot.fd is not None and slot.file is not None:
+                    tierfile.delete_unused(slot.fd, slot.file)
                 self._drop(slot)
             self._closing = True
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -33,8 +34,9 @@ from tiered_dcp.storage import blocks
 from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.format import NONFINITE_NAMES, failed_key, index_key, part_key, pin_key
+from tiered_dcp.storage.local import LocalStorage
 
-from . import dedup, hostmem, preemption, scores, transport
+from . import dedup, hostmem, preemption, scores, tierfile, transport
 from .catalog import TierView, bounded
 from .checkpoint_id import new_id, step_id, step_of
 from .cliques import check_cliques
@@ -47,8 +49,9 @@ from .records import Kind, record
 from .replicate import SavedPart, Swap, commit_everywhere, write_index
 from .rundir import Job
 from .runtime import MAX_PENDING, writer_handle
-from .staging import POOL, examine
+from .staging import POOL, examine, staged_file
 from .tensors import as_cpu_contiguous, byte_view, finite_screen
+from .tierfile import TierFile
 from .transport import PeerTimeout
 
 log = logging.getLogger("tiered_dcp")
@@ -121,6 +124,46 @@ def plan_bytes(plan: SavePlan) -> int:
     )
 
 
+@dataclass
+class InFile:
+    """The part file this save staged into (``tierfile``), mapped here as ``arena``."""
+
+    file: TierFile
+    arena: torch.Tensor  # uint8, over the whole file
+    end: int = 0  # where its items end once ``settle``d (the byte items follow)
+
+
+def settle(staged: InFile, items: list[RawItem]) -> dict[int, int]:
+    """The items (by position) whose bytes were staged into the part file, each at its
+    offset there once the gaps between them are closed (``tierfile.settle``). Their chunks
+    are re-pointed at the moved bytes; any other item whose bytes lie in the file (one
+    overlapping another) is copied out first, since closing the gaps moves bytes."""
+    base, size = staged.arena.data_ptr(), staged.arena.numel()
+    inside: list[tuple[int, int, int]] = []
+    for i, it in enumerate(items):
+        if it.ids is None and isinstance(it.owner, torch.Tensor) and it.owner.numel():
+            n = sum(len(c) for c in it.chunks)
+            off = it.owner.data_ptr() - base
+            if off >= 0 and off + n <= size:
+                inside.append((off, n, i))
+    inside.sort()
+    placed, end = [], 0
+    for off, n, i in inside:
+        if off < end:  # shares bytes with the one before: it travels in the tail
+            items[i].chunks = [memoryview(bytes(c)) for c in items[i].chunks]
+        else:
+            placed.append((off, n, i))
+            end = off + n
+    offsets = tierfile.settle(base, [(off, n) for off, n, _ in placed])
+    whole = byte_view(staged.arena)
+    out = {}
+    for (_, n, i), new in zip(placed, offsets, strict=True):
+        items[i].chunks = split(whole[new : new + n])
+        out[i] = new
+    staged.end = offsets[-1] + placed[-1][1] if placed else 0
+    return out
+
+
 def encode_part(
     view: TierView,
     step: int,
@@ -128,6 +171,7 @@ def encode_part(
     items: list[RawItem],
     aliases: Sequence[Alias] = (),
     replicated: bool = False,
+    staged: InFile | None = None,
 ) -> SavedPart:
     """This rank's part for one tier, in memory: its records and stored chunks in file order.
 
@@ -136,7 +180,8 @@ def encode_part(
     (dedup) are put into the root's block store here (``dedup``); the part keeps the rest,
     and, when ``replicated``, the block files written, for the peers that lack them.
     Each of ``aliases`` (the save planner's: items of any rank with the same bytes as one
-    of ``items``) gets a record of its own naming the same blocks.
+    of ``items``) gets a record of its own naming the same blocks. With ``staged``, the
+    items staged into the part file stay where they are (``settle``) and the rest follow.
     """
     enc = Encoder(view.tier.compression)
     key = part_key(view.config.namespace, step, rank)
@@ -152,9 +197,15 @@ def encode_part(
         kept = part.blocks if replicated else None
         part.records, put = dedup.put_items(view, step, rank, as_blocks, kept=kept)
         part.written_blocks = put.written_bytes
-    offset = 0
-    for it in items:
-        if it.ids is not None:
+    in_file = settle(staged, items) if staged is not None else {}
+    for i in sorted(in_file, key=in_file.__getitem__):
+        it = items[i]
+        rec = make_record(key, in_file[i], it.chunks, it.chunks, it.hashes, "raw", rank=rank, **it.extra)
+        part.records[it.index] = rec
+        part.stored += it.chunks
+    offset = staged.end if staged is not None else 0
+    for i, it in enumerate(items):
+        if it.ids is not None or i in in_file:
             continue
         stored, codec, codecs = enc.encode_item(it.chunks, it.extra.get("dtype"))
         rec = make_record(
@@ -162,7 +213,9 @@ def encode_part(
         )
         part.records[it.index] = rec
         part.stored += stored
+        part.tail += stored
         offset += rec.length
+    part.in_file = staged
     for alias in aliases:
         source = part.records[alias.source]
         if source.blocks is None:
@@ -175,8 +228,12 @@ def encode_part(
 
 
 def write_part(view: TierView, step: int, part: SavedPart) -> None:
-    """The part, then its index next to it."""
-    view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
+    """The part, then its index next to it (a part staged into its file: only the tail)."""
+    if part.in_file is not None:
+        with view.own.errors(part_key(view.config.namespace, step, part.rank)):
+            tierfile.finish(part.in_file.file, part.in_file.end, part.tail)
+    else:
+        view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
     write_index(view, step, part.rank, part.records, part.written_blocks)
 
 
@@ -236,6 +293,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         # DCP's PROCESS async mode, set on the copy of the writer that process saves with)
         self.sent_bytes = 0
         self._waited = False
+        self.staged_file: TierFile | None = None  # the RAM tier's part file ``stage`` filled
         self.rank = 0
         self.node = node_of(0)
         self.is_coordinator = True
@@ -268,17 +326,21 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.owner_pid = os.getpid()
         if self.handle_sigterm:
             preemption.install()
-        self._wait_for_writer(_current_rank())
+        rank = _current_rank()
+        self._wait_for_writer(rank)
         started = time.perf_counter()
         POOL.slots = self.staging_slots
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
         staged_now = POOL.info()["bytes"]
-        hostmem.guard(self.config, examined.nbytes, self.staging_slots, self.tier_indexes[0], staged_now)
+        first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
+        self.staged_file = tierfile.target(self.config, first.index, first.own, self.step, rank)
+        copies = 0 if self.staged_file is not None else self.staging_slots  # the tier's step is the copy
+        hostmem.guard(self.config, examined.nbytes, copies, self.tier_indexes[0], staged_now)
         if not self.background_staging:
-            staged = POOL.stage(examined)
+            staged = POOL.stage(examined, target=self.staged_file)
             self.stage_seconds = time.perf_counter() - started
             return staged
-        future = _staging_thread().submit(POOL.stage, examined, POOL.reserve())
+        future = _staging_thread().submit(POOL.stage, examined, POOL.reserve(), self.staged_file)
         self.stage_seconds = time.perf_counter() - started
         return future
 
@@ -364,6 +426,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         started = time.perf_counter()
         self.sent_bytes = 0
         first = self._first()
+        staged = self._in_file(first)
         policy = self.config.on_nonfinite
         items = resolve_items(plan, planner, self._as_blocks(first), check_finite=policy != "ignore")
         refused = _refused(self.step, self.rank, items) if policy == "raise" else None
@@ -378,16 +441,16 @@ class TieredWriter(StorageWriter, AsyncStager):
                     raise refused
                 with _failing_save(first, self.step):
                     _pin(first, self.step, self.rank, slower)
-                    part = encode_part(first, self.step, self.rank, items, aliases)
+                    part = encode_part(first, self.step, self.rank, items, aliases, staged=staged)
                     t0 = time.perf_counter()
                     write_part(first, self.step, part)
                     self._write_seconds = time.perf_counter() - t0
                 records = part.records
             else:
                 _pin(first, self.step, self.rank, slower)
-                records = self._write_node_local(first, items, aliases, world, planner, name, refused)
+                records = self._write_node_local(first, items, aliases, world, planner, name, refused, staged)
         except BaseException as e:
-            _abandon(first, self.step, self.rank, slower, e)
+            _abandon(first, self.step, self.rank, slower, e, self.staged_file)
             if isinstance(e, PeerLostError):  # DCP's next collective raises torch's error instead
                 log.error("%s", e)
             raise
@@ -414,6 +477,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         planner: SavePlanner,
         name: str,
         refused: NonFiniteStateError | None = None,
+        staged: InFile | None = None,
     ) -> Records:
         """Write the part and its replicas, then commit the step in every root (``replicate``).
 
@@ -425,7 +489,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         swap = None
         replicated = self.config.replication_factor > 1
         try:
-            part = encode_part(first, self.step, self.rank, items, aliases, replicated)
+            part = encode_part(first, self.step, self.rank, items, aliases, replicated, staged)
             records = part.records
             if replicated:  # the transfer runs while the part is written
                 swap = Swap(first, self.step, part, world, name).start()
@@ -457,6 +521,22 @@ class TieredWriter(StorageWriter, AsyncStager):
                 first, self.step, self.rank, world, self.is_coordinator, metadata, records, error, name
             )
         return records
+
+    def _in_file(self, first: TierView) -> InFile | None:
+        """The part file ``stage`` filled, when this save writes that very file (the step and
+        rank it was staged for, mapped in this process); a staged file it cannot use goes."""
+        tf = self.staged_file
+        if tf is None:
+            return None
+        arena = staged_file(tf.dirty)
+        ours = (
+            isinstance(first.own, LocalStorage)
+            and first.own.path(part_key(self.config.namespace, self.step, self.rank)) == tf.clean
+        )
+        if arena is None or not ours:
+            tierfile.discard(tf)
+            return None
+        return InFile(tf, arena)
 
     def _record(self, first: TierView, items: list[RawItem], commit_seconds: float) -> None:
         """This save's measured costs, for ``goodput --from-job`` and the save-time scores."""
@@ -506,7 +586,14 @@ def _pin(first: TierView, step: int, rank: int, slower: list[int]) -> None:
         first.own.write(pin_key(first.config.namespace, step, rank, target), [owner_record()])
 
 
-def _abandon(first: TierView, step: int, rank: int, slower: list[int], error: BaseException) -> None:
+def _abandon(
+    first: TierView,
+    step: int,
+    rank: int,
+    slower: list[int],
+    error: BaseException,
+    staged: TierFile | None = None,
+) -> None:
     """A failed save leaves nothing that lives on: this rank's part goes (freeing the space
     a full tier needs), a note says why the step failed (``status`` shows it), and the pins
     go, so the next commit's retention removes the step. Best effort, and bounded by
@@ -514,6 +601,8 @@ def _abandon(first: TierView, step: int, rank: int, slower: list[int], error: Ba
     ns, store = first.config.namespace, first.own
 
     def undo() -> None:
+        if staged is not None:
+            tierfile.discard(staged)
         if first.read_marker(store, step) is not None:
             return  # committed after all (the failure came later): nothing to undo
         for key in (part_key(ns, step, rank), index_key(ns, step, rank)):

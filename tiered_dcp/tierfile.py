@@ -1,0 +1,189 @@
+"""Staging straight into the RAM tier: the staged copy of an async save is the step's part file.
+
+When the first tier taking a save is in the host's memory (a local directory on tmpfs or
+ramfs, such as ``/dev/shm``), stores chunks raw and does not dedup, staging lays the state
+out in a dirty part file of the step there, mapped into memory (``TierFile``), rather than
+in a buffer of its own. The save then closes the gaps the plan left (pieces another rank
+writes: ``settle``), appends the plan's few byte items and renames the file clean
+(``finish``): the step is held once, where a staging buffer would hold it a second time.
+
+Part files are recycled. Retention drops a step on a memory tier by moving its part
+files to the namespace's ``spare`` directory, each named by its inode (``recycle``); the
+next staging claims one with a rename, its own (still mapped, so not even a page fault)
+or any other, and its pages are reused rather than freed and zeroed again. Retention never
+drops a step a writer process still copies (a pin) or a reader reads (a lease), so no
+file is reused under them; a reader without a lease sees its checksums fail and reads
+another copy. Spares left unclaimed for a whole save go at the next retention.
+
+Torch-free: the writer process applies retention too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+
+from tiered_dcp.storage.base import Storage
+from tiered_dcp.storage.format import is_part_name, part_key, spare_dir, step_dir
+from tiered_dcp.storage.local import DIRTY, LocalStorage, in_memory
+
+from .config import TieredConfig
+
+log = logging.getLogger("tiered_dcp")
+
+
+@dataclass(frozen=True)
+class TierFile:
+    """The part file one save stages into: its dirty name (unique to the save) and the rest."""
+
+    dirty: str
+    clean: str
+    spares: str  # the namespace's spare directory in this root
+
+    def spare(self, ino: int) -> str:
+        return os.path.join(self.spares, str(ino))
+
+
+def recycles(config: TieredConfig, store: Storage) -> bool:
+    """Whether saves to this tier stage into its part files, and its retention recycles them."""
+    return isinstance(store, LocalStorage) and not config.dedup and in_memory(store.root)
+
+
+def target(config: TieredConfig, tier_index: int, store: Storage, step: int, rank: int) -> TierFile | None:
+    """Where this rank's save of ``step`` stages, when its first tier takes staging (else None)."""
+    tier = config.tiers[tier_index]
+    if tier.compression or not isinstance(store, LocalStorage) or not recycles(config, store):
+        return None
+    clean = store.path(part_key(config.namespace, step, rank))
+    dirty = f"{clean}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return TierFile(dirty, clean, store.path(spare_dir(config.namespace)))
+
+
+def create(tf: TierFile, size: int) -> int:
+    """An open file at ``tf.dirty`` of ``size`` bytes, all claimed: a spare when there is
+    one (its pages reused), else a new one. The caller owns the descriptor."""
+    os.makedirs(os.path.dirname(tf.dirty), exist_ok=True)
+    for name in _listed(tf.spares):
+        with contextlib.suppress(FileNotFoundError):  # another save claimed it first
+            os.rename(os.path.join(tf.spares, name), tf.dirty)
+            break
+    fd = os.open(tf.dirty, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        size_to(fd, size)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tf.dirty)
+        raise
+    return fd
+
+
+def reclaim(fd: int, was: TierFile, tf: TierFile, size: int) -> bool:
+    """Put the file open as ``fd`` (staged into last as ``was``) at ``tf.dirty`` for another
+    save: where retention left it as a spare, or where a save that never wrote it left it
+    (still dirty). False when it is elsewhere (a kept step's part) or gone."""
+    ino = os.fstat(fd).st_ino
+    for place in (was.spare(ino), was.dirty):
+        try:
+            if os.stat(place).st_ino != ino:
+                continue
+            os.makedirs(os.path.dirname(tf.dirty), exist_ok=True)
+            os.rename(place, tf.dirty)
+        except FileNotFoundError:
+            continue
+        size_to(fd, size)
+        return True
+    return False
+
+
+def delete_unused(fd: int, was: TierFile) -> None:
+    """Delete the file open as ``fd`` where no step holds it: a spare, or never written."""
+    ino = os.fstat(fd).st_ino
+    for place in (was.spare(ino), was.dirty):
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(place).st_ino == ino:
+                os.unlink(place)
+
+
+def gone(fd: int) -> bool:
+    """Whether the file was deleted (only this process's map holds its pages now)."""
+    return os.fstat(fd).st_nlink == 0
+
+
+def size_to(fd: int, size: int) -> None:
+    """Exactly ``size`` bytes, every block claimed now: a full tmpfs fails here with ENOSPC,
+    not with SIGBUS when the map is written."""
+    os.ftruncate(fd, size)
+    if size:
+        os.posix_fallocate(fd, 0, size)
+
+
+def settle(base: int, placed: list[tuple[int, int]]) -> list[int]:
+    """Close the gaps between the byte ranges ``placed`` (offset, length; ascending, not
+    overlapping) of the file mapped at address ``base``: each moves down to follow the one
+    before. Their new offsets, in order; the last one's end is where the file ends."""
+    end, out = 0, []
+    for off, n in placed:
+        if off != end:
+            ctypes.memmove(base + end, base + off, n)
+        out.append(end)
+        end += n
+    return out
+
+
+def finish(tf: TierFile, end: int, tail: list[memoryview]) -> int:
+    """The file cut at ``end``, ``tail`` appended, renamed clean; its size. On a memory file
+    system there is nothing to sync."""
+    fd = os.open(tf.dirty, os.O_RDWR)
+    try:
+        os.ftruncate(fd, end)
+        pos = end
+        for chunk in tail:
+            view = memoryview(chunk).cast("B")
+            while view:
+                n = os.pwrite(fd, view, pos)
+                view, pos = view[n:], pos + n
+    finally:
+        os.close(fd)
+    os.replace(tf.dirty, tf.clean)
+    return pos
+
+
+def discard(tf: TierFile) -> None:
+    """A failed save's staged file goes (its staging slot lets its pages go with it)."""
+    with contextlib.suppress(OSError):
+        os.unlink(tf.dirty)
+
+
+def recycle(store: Storage, namespace: str, step: int) -> None:
+    """Retention's drop of ``step`` on a memory tier: its part files become spares."""
+    assert isinstance(store, LocalStorage)
+    sdir = store.path(step_dir(namespace, step))
+    spares = store.path(spare_dir(namespace))
+    for name in _listed(sdir):
+        if not is_part_name(name):
+            continue
+        path = os.path.join(sdir, name)
+        with contextlib.suppress(FileNotFoundError):
+            os.makedirs(spares, exist_ok=True)
+            os.rename(path, os.path.join(spares, str(os.stat(path).st_ino)))
+
+
+def clear_spares(store: Storage, namespace: str) -> None:
+    """Delete the spares no save claimed since the last retention."""
+    assert isinstance(store, LocalStorage)
+    spares = store.path(spare_dir(namespace))
+    for name in _listed(spares):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(spares, name))
+
+
+def _listed(directory: str) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
