@@ -5,7 +5,9 @@
 One trainer process (a subprocess of this script per case) saves a ``--mib`` MiB float32
 state ``--saves`` times with ``dcp.async_save``, every value changed before each save; a
 save waits for the future of the one before it, as torch's async recipe does
-(``--inflight 2`` lets a save start while the one before it uploads; DCP's PROCESS mode
+(``--step-seconds``, 0.05 by default, of training between saves: the writer process copies
+the SSD tier's steps meanwhile, and a RAM-tier step it still copies is pinned there, held
+beside the kept ones; ``--inflight 2`` lets a save start while the one before it uploads; DCP's PROCESS mode
 garbles its pipe with two in flight, so its cases keep one). Sampled every 5 ms: the shared memory
 in use (``/dev/shm``'s used bytes: tier files and staging buffers alike) plus the
 anonymous memory (``RssAnon``) of the trainer and every process under it (the writer
@@ -76,12 +78,13 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def measure(case: str, mib: int, saves: int, mode: str, inflight: int) -> dict:
+def measure(case: str, mib: int, saves: int, mode: str, inflight: int, step_s: float = 0.05) -> dict:
     """Run one case in a trainer subprocess and sample its memory until it ends."""
     work = tempfile.mkdtemp(prefix="bench-memory-")
     ready = os.path.join(work, "ready")
     cmd = [sys.executable, __file__, "--child", case, "--mib", str(mib), "--saves", str(saves)]
     cmd += ["--mode", mode, "--work", work, "--inflight", str(inflight if mode == "thread" else 1)]
+    cmd += ["--step-seconds", str(step_s)]
     base_shm = shm_used()
     log = open(os.path.join(work, "out.log"), "w+")  # noqa: SIM115  (a file: a pipe left full would block)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -152,7 +155,7 @@ def child(args: argparse.Namespace) -> None:
             else:
                 writer = TieredWriter(cfg, step=step)
             futures.append(dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind))
-            time.sleep(0.05)  # a training step
+            time.sleep(args.step_seconds)  # a training step
         for f in futures:
             f.result()
         if args.child.startswith("stock"):
@@ -181,6 +184,12 @@ def main() -> None:
     ap.add_argument("--process-mib", type=int, default=512)
     ap.add_argument("--saves", type=int, default=6)
     ap.add_argument("--inflight", type=int, default=1, help="async saves in flight at most")
+    ap.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.05,
+        help="training time between saves (the writer copies meanwhile)",
+    )
     ap.add_argument("--runs", type=int, default=1, help="runs per case; the median peak is reported")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -193,7 +202,9 @@ def main() -> None:
     for case in [c.strip() for c in args.cases.split(",")]:
         mode = CASES[case]
         mib = args.process_mib if mode == "process" else args.mib
-        runs = [measure(case, mib, args.saves, mode, args.inflight) for _ in range(args.runs)]
+        runs = [
+            measure(case, mib, args.saves, mode, args.inflight, args.step_seconds) for _ in range(args.runs)
+        ]
         runs.sort(key=lambda r: r["peak"])
         out[case] = {"mib": mib, **runs[len(runs) // 2]}
     print(
