@@ -236,3 +236,22 @@ def test_sigkill_mid_staging_leaves_the_kept_steps_loadable(shm):
     assert latest_step(cfg) == 5
     assert not sdir.exists() or not list(sdir.glob("*.dirty-*"))
     assert [r.step for r in status(cfg) if r.state == "committed"] == [4, 5]
+
+
+def test_a_symlink_among_the_spares_is_never_written_through(shm, tmp_path):
+    """Whoever can write the tier leaves a link to a file outside it among the spares: the
+    save that claims it stages into a file of its own, and the outside file is untouched."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"precious" * 1000)
+    cfg = TieredConfig("links", [Tier(str(shm / "ram"), keep=2)])
+    spares = shm / "ram" / "links" / "spare"
+    spares.mkdir(parents=True)
+    (spares / "12345").symlink_to(outside)
+    POOL.close()
+    dcp.async_save(_state(1), storage_writer=TieredWriter(cfg, step=1)).result()
+    assert outside.read_bytes() == b"precious" * 1000
+    assert not _part(cfg, 1).is_symlink()
+    target = _zeros()
+    dcp.load(target, storage_reader=TieredReader(cfg, step=1))
+    assert _equal(target, _state(1))
+    POOL.close()

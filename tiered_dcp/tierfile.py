@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
+import stat
 import uuid
 from dataclasses import dataclass
 
@@ -71,7 +73,7 @@ def create(tf: TierFile, size: int) -> int:
         with contextlib.suppress(FileNotFoundError):  # another save claimed it first
             os.rename(os.path.join(tf.spares, name), tf.dirty)
             break
-    fd = os.open(tf.dirty, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_regular(tf.dirty)
     try:
         size_to(fd, size)
     except BaseException:
@@ -82,6 +84,22 @@ def create(tf: TierFile, size: int) -> int:
     return fd
 
 
+def _open_regular(path: str) -> int:
+    """``path`` opened for writing, never through a link: whoever can write the tier could
+    have left a symlink among the spares, and a save must not write where it points."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+    with contextlib.suppress(IsADirectoryError):
+        os.unlink(path)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+
 def reclaim(fd: int, was: TierFile, tf: TierFile, size: int) -> bool:
     """Put the file open as ``fd`` (staged into last as ``was``) at ``tf.dirty`` for another
     save: where retention left it as a spare, or where a save that never wrote it left it
@@ -89,7 +107,7 @@ def reclaim(fd: int, was: TierFile, tf: TierFile, size: int) -> bool:
     ino = os.fstat(fd).st_ino
     for place in (was.spare(ino), was.dirty):
         try:
-            if os.stat(place).st_ino != ino:
+            if os.lstat(place).st_ino != ino:
                 continue
             os.makedirs(os.path.dirname(tf.dirty), exist_ok=True)
             os.rename(place, tf.dirty)
@@ -105,7 +123,7 @@ def delete_unused(fd: int, was: TierFile) -> None:
     ino = os.fstat(fd).st_ino
     for place in (was.spare(ino), was.dirty):
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(place).st_ino == ino:
+            if os.lstat(place).st_ino == ino:
                 os.unlink(place)
 
 
@@ -138,7 +156,7 @@ def settle(base: int, placed: list[tuple[int, int]]) -> list[int]:
 def finish(tf: TierFile, end: int, tail: list[memoryview]) -> int:
     """The file cut at ``end``, ``tail`` appended, renamed clean; its size. On a memory file
     system there is nothing to sync."""
-    fd = os.open(tf.dirty, os.O_RDWR)
+    fd = os.open(tf.dirty, os.O_RDWR | os.O_NOFOLLOW)
     try:
         os.ftruncate(fd, end)
         pos = end
@@ -169,8 +187,10 @@ def recycle(store: Storage, namespace: str, step: int) -> None:
             continue
         path = os.path.join(sdir, name)
         with contextlib.suppress(FileNotFoundError):
-            os.makedirs(spares, exist_ok=True)
-            os.rename(path, os.path.join(spares, str(os.stat(path).st_ino)))
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):  # anything else goes with the directory
+                os.makedirs(spares, exist_ok=True)
+                os.rename(path, os.path.join(spares, str(st.st_ino)))
 
 
 def clear_spares(store: Storage, namespace: str) -> None:
