@@ -40,14 +40,15 @@ def timed(fn, runs: int, setup=None) -> float:
     return statistics.median(times)
 
 
-def raw_write_fsync(state: dict, path: str) -> None:
+def raw_write(state: dict, path: str, fsync: bool = True) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for t in state.values():
             view = byte_view(t)
             while view:
                 view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -73,7 +74,7 @@ def main() -> None:
 
         # --- sync save to a local (disk) tier vs raw write+fsync vs stock FileSystemWriter
         res["raw_write_fsync_s"] = timed(
-            lambda: raw_write_fsync(state, f"{disk}/raw.bin"),
+            lambda: raw_write(state, f"{disk}/raw.bin"),
             args.runs,
             setup=lambda: os.path.exists(f"{disk}/raw.bin") and os.remove(f"{disk}/raw.bin"),
         )
@@ -88,6 +89,18 @@ def main() -> None:
             setup=clear(f"{disk}/stock"),
         )
         dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{disk}/stock"))
+
+        # --- sync save to the RAM tier vs a raw write of the same bytes to /dev/shm (a new file)
+        res["raw_write_shm_s"] = timed(
+            lambda: raw_write(state, f"{shm}/raw.bin", fsync=False),
+            args.runs,
+            setup=lambda: os.path.exists(f"{shm}/raw.bin") and os.remove(f"{shm}/raw.bin"),
+        )
+        res["tiered_sync_save_ram_s"] = timed(
+            lambda: dcp.save(state, storage_writer=TieredWriter(ram_cfg, step=next(step))),
+            args.runs,
+            setup=clear(f"{shm}/ram"),
+        )
 
         # --- load from the RAM tier vs stock FileSystemReader from the disk directory
         dcp.save(state, storage_writer=TieredWriter(ram_cfg, step=1))
@@ -126,6 +139,7 @@ def main() -> None:
 
     ratios = {
         "sync_save_throughput_vs_raw_write_fsync": res["raw_write_fsync_s"] / res["tiered_sync_save_s"],
+        "ram_sync_save_time_vs_raw_shm_write": res["tiered_sync_save_ram_s"] / res["raw_write_shm_s"],
         "sync_save_speedup_vs_stock_writer": res["stock_sync_save_s"] / res["tiered_sync_save_s"],
         "ram_load_speedup_vs_stock_reader": res["stock_disk_load_s"] / res["tiered_ram_load_s"],
         "async_stall_vs_warm_memcpy": res["tiered_async_stall_s"] / res["warm_memcpy_s"],
@@ -134,6 +148,7 @@ def main() -> None:
     }
     targets = {
         "sync_save_throughput_vs_raw_write_fsync": (">=", 0.85),
+        "ram_sync_save_time_vs_raw_shm_write": ("<=", 1.1),
         "ram_load_speedup_vs_stock_reader": (">=", 2),
         "async_stall_vs_warm_memcpy": ("<=", 1.3),
         "async_stall_reduction_vs_stock": (">=", 2.5),

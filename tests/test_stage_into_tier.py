@@ -148,6 +148,22 @@ def test_ram_tier_holds_the_kept_steps_and_the_one_being_written(shm, tmp_path):
     assert peak <= 3.1 * 4 * MiB, f"{peak / MiB:.1f} MiB in /dev/shm for 4 MiB steps, keep=2"
 
 
+def test_a_ram_tier_that_keeps_every_step_stages_into_reused_buffers(shm):
+    """keep=None: no part file is ever a spare, so a save staging into its step's file would
+    copy into fresh pages every time (a cold stall); such saves stage into the pool's reused
+    buffers instead, and the tier gets its copy from them."""
+    POOL.close()
+    cfg = TieredConfig("keepall", [Tier(str(shm / "ram"))])
+    for step in (1, 2, 3):
+        dcp.async_save(_state(step), storage_writer=TieredWriter(cfg, step=step)).result()
+        assert POOL.info()["files"] == 0 and POOL.info()["bytes"] > 0
+    for step in (1, 2, 3):
+        target = _zeros()
+        dcp.load(target, storage_reader=TieredReader(cfg, step=step))
+        assert _equal(target, _state(step))
+    POOL.close()
+
+
 def _holes(rank: int, world: int, root: str) -> list[str]:
     """Two ranks; a replicated tensor DCP has only one rank write (a hole in the other's
     file), a tensor of each rank's own, and Python values (byte items, appended)."""

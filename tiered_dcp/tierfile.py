@@ -1,8 +1,10 @@
 """Staging straight into the RAM tier: the staged copy of an async save is the step's part file.
 
 When the first tier taking a save is in the host's memory (a local directory on tmpfs or
-ramfs, such as ``/dev/shm``), stores chunks raw and does not dedup, staging lays the state
-out in a dirty part file of the step there, mapped into memory (``TierFile``), rather than
+ramfs, such as ``/dev/shm``), stores chunks raw, does not dedup and has a ``keep`` (so
+that its files are recycled: a fresh file per save would be a copy into cold pages, a
+stall several times a warm copy's), staging lays the state out in a dirty part file of
+the step there, mapped into memory (``TierFile``), rather than
 in a buffer of its own. The save then closes the gaps the plan left (pieces another rank
 writes: ``settle``), appends the plan's few byte items and renames the file clean
 (``finish``): the step is held once, where a staging buffer would hold it a second time.
@@ -58,6 +60,8 @@ def recycles(config: TieredConfig, store: Storage) -> bool:
 def target(config: TieredConfig, tier_index: int, store: Storage, step: int, rank: int) -> TierFile | None:
     """Where this rank's save of ``step`` stages, when its first tier takes staging (else None)."""
     tier = config.tiers[tier_index]
+    if tier.keep is None:  # no file is ever a spare: each save would copy into fresh pages
+        return None
     if tier.compression or not isinstance(store, LocalStorage) or not recycles(config, store):
         return None
     clean = store.path(part_key(config.namespace, step, rank))
