@@ -96,3 +96,38 @@ def test_the_fastest_tier_on_a_full_tmpfs_is_refused_a_slower_one_is_not(tmp_pat
     slower = TieredConfig("tiny", [Tier(str(tmp_path / "ram"), keep=2), Tier(str(full_disk), keep=2)])
     p = hostmem.plan(slower, 1 << 20, 0, first=0)
     assert [t.written_here for t in p.tiers] == [False] and not p.shortfalls()
+
+
+def test_host_memory_shows_each_memory_tier_and_the_staging(shm):
+    """What the namespace holds in memory, per tier (steps and spare part files) and per
+    rank in staging buffers, as ``host_memory`` returns it and ``tiered-dcp ls`` prints it."""
+    import subprocess
+    import sys
+
+    from tiered_dcp import host_memory
+
+    n = STATE_MIB << 20
+    POOL.close()
+    into_tier = TieredConfig("held-tier", [Tier(f"{shm}/ram", keep=2)])
+    for step in range(1, 5):
+        dcp.async_save(state(), storage_writer=TieredWriter(into_tier, step=step)).result()
+    mem = host_memory(into_tier)
+    (tier,) = mem.tiers
+    assert (tier.index, tier.path) == (0, f"{shm}/ram")
+    assert 2 * n <= tier.steps < 2.1 * n  # the two kept steps
+    assert tier.spares == n  # step 2's file, for the next save to stage into
+    assert mem.staging == {0: 0}  # staged into the tier's files
+    ls = subprocess.run(
+        [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "held-tier", f"{shm}/ram"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ls.returncode == 0, ls.stderr
+    assert "host memory held on this node: 24.0 MiB" in ls.stdout, ls.stdout
+    assert "16.0 MiB in steps, 8.0 MiB in spare files" in ls.stdout
+    assert "rank 0's staging buffers: 0 B" in ls.stdout
+    POOL.close()
+    every_step = TieredConfig("held-all", [Tier(f"{shm}/all")])  # keep=None: reused buffers
+    dcp.async_save(state(), storage_writer=TieredWriter(every_step, step=1)).result()
+    assert host_memory(every_step).staging == {0: n}

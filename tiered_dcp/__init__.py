@@ -25,8 +25,9 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .api import WriterInfo, export, latest_step, shutdown, status, wait_for, writer_status
+    from .api import WriterInfo, export, host_memory, latest_step, shutdown, status, wait_for, writer_status
     from .catalog import StepState
+    from .hostmem import HostMemory
     from .planners.tiered_save import TieredSavePlanner
     from .preemption import on_preemption, preemption_requested
     from .reader import TieredReader
@@ -34,12 +35,14 @@ if TYPE_CHECKING:
     from .writer import TieredWriter
 
 _LAZY = {
+    "HostMemory": ".hostmem",
     "StepState": ".catalog",
     "TieredReader": ".reader",
     "TieredSavePlanner": ".planners.tiered_save",
     "TieredWriter": ".writer",
     "WriterInfo": ".api",
     "export": ".api",
+    "host_memory": ".api",
     "latest_step": ".api",
     "load_latest": ".resume",
     "on_preemption": ".preemption",
@@ -52,6 +55,7 @@ _LAZY = {
 
 __all__ = [
     "CheckpointCorruptError",
+    "HostMemory",
     "NoCheckpointError",
     "NonFiniteStateError",
     "PeerLostError",
@@ -65,6 +69,7 @@ __all__ = [
     "TieredWriter",
     "WriterInfo",
     "export",
+    "host_memory",
     "latest_step",
     "load_latest",
     "on_preemption",

@@ -14,6 +14,7 @@ from . import runtime
 from .catalog import StepState, TierView, copies_marks, loadable_steps, one_save, views
 from .config import TieredConfig, here
 from .errors import TieredCheckpointError
+from .hostmem import HostMemory, held
 from .planners.choice import choose, pool_marks
 from .rundir import OutcomeState, RunDir, TierState
 
@@ -63,6 +64,13 @@ def writer_status(config: TieredConfig) -> list[WriterInfo]:
             )
         )
     return out
+
+
+def host_memory(config: TieredConfig) -> HostMemory:
+    """The host memory ``config``'s namespace holds on this node: its files on each tier in
+    memory (steps, and spare part files kept for the next saves to stage into), and each
+    rank's staging buffers as its newest save left them."""
+    return held(config)
 
 
 def status(config: TieredConfig) -> list[StepState]:

@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from .api import export, status, writer_status
+from .api import export, host_memory, status, writer_status
 from .catalog import views
 from .config import Tier, TieredConfig, here
 from .errors import TieredCheckpointError
@@ -103,8 +103,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"    FAILED step {s} -> tier {t}: {why}")
         for s, t, why in w.skipped:
             print(f"    SKIPPED step {s} -> tier {t}: {why}")
+    _print_memory(cfg)
     _print_scores(cfg)
     return 0
+
+
+def _print_memory(cfg: TieredConfig) -> None:
+    mem = host_memory(cfg)
+    if not mem.total:
+        return
+    print(f"host memory held on this node: {human(mem.total)}")
+    for t in mem.tiers:
+        print(f"  tier {t.index} ({t.path}): {human(t.steps)} in steps, {human(t.spares)} in spare files")
+    for rank, n in mem.staging.items():
+        print(f"  rank {rank}'s staging buffers: {human(n)}")
 
 
 def _print_scores(cfg: TieredConfig) -> None:
@@ -133,6 +145,7 @@ def _ls_json(cfg: TieredConfig, rows: list) -> int:
         "tiers": [t.path for t in cfg.tiers],
         "steps": [dataclasses.asdict(r) for r in rows],
         "writers": [dataclasses.asdict(w) for w in writer_status(cfg)],
+        "host_memory": dataclasses.asdict(host_memory(cfg)),
         "scores": [dataclasses.asdict(s) for s in job_scores(cfg)],
     }
     print(json.dumps(out, indent=1))

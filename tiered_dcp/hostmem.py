@@ -21,9 +21,11 @@ import logging
 import os
 from dataclasses import dataclass
 
+from tiered_dcp.storage.format import spare_dir
 from tiered_dcp.storage.local import MEMORY_FS, mount_of
 
 from .config import TieredConfig, here
+from .records import Kind, read_records
 
 log = logging.getLogger("tiered_dcp")
 
@@ -119,28 +121,72 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def memory_roots(config: TieredConfig) -> list[tuple[int, str, str]]:
+    """(index, this process's root, mount point) of each tier of ``config`` in this host's memory."""
+    node, rank = here()
+    out = []
+    for i, tier in enumerate(config.tiers):
+        if tier.is_local_fs:
+            root = tier.root(node, rank).removeprefix("file://")
+            mount, fstype = mount_of(root)
+            if fstype in MEMORY_FS:
+                out.append((i, root, mount))
+    return out
+
+
+@dataclass(frozen=True)
+class TierMemory:
+    """What a namespace's files on one memory tier hold now."""
+
+    index: int
+    path: str  # this process's root
+    steps: int  # bytes of its steps (parts, indexes, markers, dedup blocks)
+    spares: int  # bytes of dropped steps' part files, kept for the next saves to stage into
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory a namespace holds on this node: its files on each memory tier, and
+    each rank's staging buffers (from the newest save each recorded, ``records``)."""
+
+    tiers: list[TierMemory]
+    staging: dict[int, int]  # rank -> bytes
+
+    @property
+    def total(self) -> int:
+        return sum(t.steps + t.spares for t in self.tiers) + sum(self.staging.values())
+
+
+def held(config: TieredConfig) -> HostMemory:
+    """What ``config``'s namespace holds in this node's memory now."""
+    tiers = []
+    for i, root, _ in memory_roots(config):
+        ns_dir = os.path.join(root, config.namespace)
+        spares = held_bytes(os.path.join(root, spare_dir(config.namespace)))
+        tiers.append(TierMemory(i, root, held_bytes(ns_dir) - spares, spares))
+    staging = {}
+    for r in read_records(config, Kind.SAVE, tail_bytes=1 << 16):  # this node's; the newest wins
+        if r.staged is not None:
+            staging[r.rank] = r.staged
+    return HostMemory(tiers, dict(sorted(staging.items())))
+
+
 def plan(
     config: TieredConfig, state_bytes: int, staging_copies: int, first: int = 0, reused: int = 0
 ) -> MemoryPlan:
     """What ``config`` will hold in this node's memory for saves of ``state_bytes`` per rank,
     with ``staging_copies`` staged copies per rank (0 for a sync save); ``first``: the tier
     the save writes itself."""
-    node, rank = here()
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     tiers = []
-    for i, tier in enumerate(config.tiers):
-        if not tier.is_local_fs:
-            continue
-        root = tier.root(node, rank).removeprefix("file://")
-        mount, fstype = mount_of(root)
-        if fstype not in MEMORY_FS:
-            continue
+    for i, root, mount in memory_roots(config):
+        tier = config.tiers[i]
         if tier.keep is None:
             log.warning(
-                "tier %s is in memory (%s) and keeps every step (keep=None): it grows by a step "
+                "tier %s is in memory (on %s) and keeps every step (keep=None): it grows by a step "
                 "per save until the host runs out; give it a keep",
                 tier.path,
-                fstype,
+                mount,
             )
         steps = 1 if config.dedup or tier.keep is None else tier.keep + 1
         copies = 1 if tier.is_shared else config.replication_factor  # with its clique peers' replicas

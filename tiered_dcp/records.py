@@ -13,7 +13,9 @@ Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
   ``stage_s`` (the copy ``async_save`` waits for; absent for a sync save), ``write_s`` (the
   part written to that tier), ``commit_s`` (``write_data`` to the step's commit there, or to
   the part being written on a shared tier), ``handoff_s`` (waits for a writer that fell behind),
-  ``sent`` (bytes sent to clique peers for their replicas: part files and the blocks they lacked);
+  ``sent`` (bytes sent to clique peers for their replicas: part files and the blocks they lacked),
+  ``staged`` (the host memory the trainer's staging buffers held once the step was staged:
+  0 when it staged into the RAM tier's part file, which the tier's figure counts);
 - ``persist``: ``tier`` (the slower tier), ``bytes``, ``write_s`` (this rank's parts copied),
   ``latency_s`` (from the save's hand-off to the outcome), ``state``;
 - ``load``: ``tiers`` (read from), ``seconds`` (reader constructed to last item read).
@@ -72,6 +74,7 @@ class TimingRecord:
     commit_s: float | None = None  # save
     handoff_s: float | None = None  # save: waits for a writer that fell behind
     sent: int | None = None  # save: bytes sent to clique peers
+    staged: int | None = None  # save: bytes in the trainer's staging buffers
     latency_s: float | None = None  # persist: hand-off to outcome
     state: str | None = None  # persist: the outcome's state (``rundir.OutcomeState``'s strings)
     tiers: tuple[int, ...] | None = None  # load: the tiers read from
@@ -90,6 +93,7 @@ class TimingRecord:
         "commit_s": optional(is_number),
         "handoff_s": optional(is_number),
         "sent": optional(is_int),
+        "staged": optional(is_int),
         "latency_s": optional(is_number),
         "state": optional(is_str),
         "tiers": optional(lambda v: isinstance(v, list) and all(is_int(t) for t in v)),

@@ -288,6 +288,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.owner_pid: int | None = None  # the trainer's pid, set when it stages
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
+        self.staging_bytes: int | None = None  # the trainer's staging buffers once it staged
         self._write_seconds = 0.0  # this rank's part written to the first tier (``records``)
         # bytes this rank sent its clique's peers for their replicas (also in ``records``; in
         # DCP's PROCESS async mode, set on the copy of the writer that process saves with)
@@ -339,6 +340,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         if not self.background_staging:
             staged = POOL.stage(examined, target=self.staged_file)
             self.stage_seconds = time.perf_counter() - started
+            self.staging_bytes = POOL.info()["bytes"]
             return staged
         future = _staging_thread().submit(POOL.stage, examined, POOL.reserve(), self.staged_file)
         self.stage_seconds = time.perf_counter() - started
@@ -550,6 +552,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         }
         if self.stage_seconds is not None:
             fields["stage_s"] = round(self.stage_seconds, 6)
+        staging = POOL.info()["bytes"] if self.owner_pid in (None, os.getpid()) else self.staging_bytes
+        if staging is not None:  # not known in DCP's background process after background staging
+            fields["staged"] = staging
         record(self.config, Kind.SAVE, self.rank, self.step, **fields)
         scores.watch_soon(self.config, self.rank)
 
