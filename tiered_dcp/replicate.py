@@ -53,6 +53,13 @@ class SavedPart:
     blocks: dict[str, list[Buffer]] = dataclasses.field(default_factory=dict)  # block files it wrote
     in_file: Any = None  # ``writer.InFile``: its items were staged into the part file already
     tail: list[Buffer] = dataclasses.field(default_factory=list)  # what follows them there
+    pending: Callable[[], Records] | None = None  # the records, once its checksums are in
+
+    def sealed(self) -> Records:
+        """Its records: ``records`` once ``pending`` (which waits for the checksums) ran."""
+        if self.pending is not None:
+            self.records, self.pending = self.pending(), None
+        return self.records
 
 
 @dataclass
@@ -115,7 +122,7 @@ class Swap:
         _GROUP_KEYS.extend(transport.group_keys(name, self.members.index(part.rank)))
         try:
             self.group = Group(name, self.members, part.rank, view.config.peer_timeout)
-            infos = [records_from_json(b) for b in self.group.allgather(records_to_json(part.records))]
+            infos = [records_from_json(b) for b in self.group.allgather(records_to_json(part.sealed()))]
             peers = {q: recs for q, recs in zip(self.members, infos, strict=True) if q in self.takes}
             wanted = self._claim(peers)  # this rank, or a member writing into this same root: not in peers
             asks = self.group.allgather(json.dumps({str(q): ids for q, ids in wanted.items()}).encode())

@@ -67,20 +67,17 @@ class RawItem:
     extra: dict[str, Any]
     owner: object  # keeps the tensor / buffer alive while its bytes are written
     ids: list[str] | None = None  # dedup: each chunk is a block, named by these ids
+    planned: list[str] | None = None  # dedup: the ids the save planner named already
+    screen: Screen | None = None  # the non-finite check of its tensor
 
 
 def resolve_items(
     plan: SavePlan, planner: SavePlanner, as_blocks: bool = False, check_finite: bool = False
 ) -> list[RawItem]:
-    """Each write item's bytes, chunked and checksummed (with dedup, large tensors cut into
-    blocks and each named: this runs in the save's async part, off the training stall).
-    ``check_finite``: floating tensors holding NaN/Inf get ``nonfinite`` in their facts,
-    which their records keep (``tensors.finite_screen``, run beside the hash while the
-    bytes are in cache)."""
+    """Each write item's bytes, chunked (with dedup, large tensors cut into blocks); their
+    checksums and block ids are ``fingerprint``'s. ``check_finite``: floating tensors get
+    the non-finite check (``tensors.finite_screen``)."""
     items: list[RawItem] = []
-    cuts: list[bool] = []
-    known: list[str | None] = []  # per chunk: its block id, where the planner named it
-    screens: list[Screen | None] = []  # per chunk: its tensor's non-finite check
     planned: dict[MetadataIndex, list[str]] = getattr(planner, "block_ids", None) or {}
     for item in plan.items:
         data = planner.resolve_data(item)
@@ -99,20 +96,44 @@ def resolve_items(
         ids = planned.get(item.index) if cut else None
         if ids is None or len(ids) != len(chunks):  # ``TieredSavePlanner`` named them, or not
             ids = None
-        items.append(RawItem(item.index, chunks, [], extra, owner, [] if cut else None))
-        cuts.extend([cut] * len(chunks))
-        known.extend(ids or [None] * len(chunks))
-        screens.extend([screen] * len(chunks))
-    prints = iter(blocks.fingerprints([c for it in items for c in it.chunks], cuts, known, screens))
-    for it in items:
-        for _ in it.chunks:
-            p = next(prints)
-            it.hashes.append(p.checksum)
-            if it.ids is not None:
-                it.ids.append(p.block)
-            if not p.passed:
-                it.extra["nonfinite"] = True
+        items.append(RawItem(item.index, chunks, [], extra, owner, [] if cut else None, ids, screen))
     return items
+
+
+def fingerprint(items: list[RawItem]) -> ConcurrentFuture[None]:
+    """Checksums the items' chunks, names their blocks and runs their non-finite checks
+    (``blocks.fingerprints``, on its threads) while the caller goes on, e.g. writing the
+    very bytes: the future is done once every item has its ``hashes``, ``ids`` and
+    ``nonfinite`` fact. Nothing may move the chunks' bytes meanwhile."""
+    chunks = [c for it in items for c in it.chunks]
+    cuts = [it.ids is not None for it in items for _ in it.chunks]
+    known = [n for it in items for n in (it.planned or [None] * len(it.chunks))]
+    screens = [it.screen for it in items for _ in it.chunks]
+
+    def run() -> None:
+        prints = iter(blocks.fingerprints(chunks, cuts, known, screens))
+        for it in items:
+            for _ in it.chunks:
+                p = next(prints)
+                it.hashes.append(p.checksum)
+                if it.ids is not None:
+                    it.ids.append(p.block)
+                if not p.passed:
+                    it.extra["nonfinite"] = True
+
+    return _fingerprinting().submit(run)
+
+
+_FINGERPRINT_THREAD: ThreadPoolExecutor | None = None
+
+
+def _fingerprinting() -> ThreadPoolExecutor:
+    """The thread that hands a save's chunks to ``blocks``' threads and collects them (not one
+    of those threads: a task of that pool waiting on the pool could wait forever)."""
+    global _FINGERPRINT_THREAD
+    if _FINGERPRINT_THREAD is None:
+        _FINGERPRINT_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-fingerprint")
+    return _FINGERPRINT_THREAD
 
 
 def plan_bytes(plan: SavePlan) -> int:
@@ -131,6 +152,18 @@ class InFile:
     file: TierFile
     arena: torch.Tensor  # uint8, over the whole file
     end: int = 0  # where its items end once ``settle``d (the byte items follow)
+
+
+@dataclass
+class Resolved:
+    """A save's items on their way into the part: ``hashed`` once ``fingerprint`` is done;
+    ``in_file``: the positions of those staged into the part file ``staged`` (``settle``),
+    each at its offset there."""
+
+    items: list[RawItem]
+    hashed: ConcurrentFuture[None]
+    staged: InFile | None = None
+    in_file: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def settle(staged: InFile, items: list[RawItem]) -> dict[int, int]:
@@ -168,73 +201,84 @@ def encode_part(
     view: TierView,
     step: int,
     rank: int,
-    items: list[RawItem],
+    resolved: Resolved,
     aliases: Sequence[Alias] = (),
     replicated: bool = False,
-    staged: InFile | None = None,
 ) -> SavedPart:
-    """This rank's part for one tier, in memory: its records and stored chunks in file order.
+    """This rank's part for one tier, in memory: its stored chunks in file order, and its
+    records once the items are ``hashed`` (``SavedPart.sealed``: the part's bytes can be
+    written while their checksums are computed).
 
     Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
     chunks are held until the part and its replicas are written. Items cut into blocks
-    (dedup) are put into the root's block store here (``dedup``); the part keeps the rest,
-    and, when ``replicated``, the block files written, for the peers that lack them.
+    (dedup) are put into the root's block store here (``dedup``, once named); the part keeps
+    the rest, and, when ``replicated``, the block files written, for the peers that lack them.
     Each of ``aliases`` (the save planner's: items of any rank with the same bytes as one
-    of ``items``) gets a record of its own naming the same blocks. With ``staged``, the
-    items staged into the part file stay where they are (``settle``) and the rest follow.
+    of the items) gets a record of its own naming the same blocks. Items staged into the
+    part file stay where they are (``Resolved.in_file``); the rest follow them.
     """
+    items, hashed, staged, in_file = resolved.items, resolved.hashed, resolved.staged, resolved.in_file
     enc = Encoder(view.tier.compression)
     key = part_key(view.config.namespace, step, rank)
     part = SavedPart(rank, {}, [])
-    as_blocks = {
-        it.index: dedup.BlockedItem(
-            list(it.chunks), [len(c) for c in it.chunks], it.hashes, it.ids, {"rank": rank, **it.extra}
-        )
-        for it in items
-        if it.ids is not None
-    }
-    if as_blocks:
+    if any(it.ids is not None for it in items):
+        hashed.result()  # the blocks are written by name
+        as_blocks = {
+            it.index: dedup.BlockedItem(
+                list(it.chunks), [len(c) for c in it.chunks], it.hashes, it.ids, {"rank": rank, **it.extra}
+            )
+            for it in items
+            if it.ids is not None
+        }
         kept = part.blocks if replicated else None
         part.records, put = dedup.put_items(view, step, rank, as_blocks, kept=kept)
         part.written_blocks = put.written_bytes
-    in_file = settle(staged, items) if staged is not None else {}
+    placed = []  # (item position, offset, stored chunks, codec, per-chunk codecs)
     for i in sorted(in_file, key=in_file.__getitem__):
-        it = items[i]
-        rec = make_record(key, in_file[i], it.chunks, it.chunks, it.hashes, "raw", rank=rank, **it.extra)
-        part.records[it.index] = rec
-        part.stored += it.chunks
+        placed.append((i, in_file[i], items[i].chunks, "raw", None))
+        part.stored += items[i].chunks
     offset = staged.end if staged is not None else 0
     for i, it in enumerate(items):
         if it.ids is not None or i in in_file:
             continue
         stored, codec, codecs = enc.encode_item(it.chunks, it.extra.get("dtype"))
-        rec = make_record(
-            key, offset, stored, it.chunks, it.hashes, codec, rank=rank, codecs=codecs, **it.extra
-        )
-        part.records[it.index] = rec
+        placed.append((i, offset, stored, codec, codecs))
         part.stored += stored
         part.tail += stored
-        offset += rec.length
+        offset += sum(memoryview(c).nbytes for c in stored)
     part.in_file = staged
-    for alias in aliases:
-        source = part.records[alias.source]
-        if source.blocks is None:
-            raise TieredCheckpointError(
-                f"step {step}: item {alias.index.fqn!r} was planned as an alias of {alias.source.fqn!r}, "
-                "which is not stored as blocks here (TieredSavePlanner plans aliases only for them)"
+
+    def records() -> Records:
+        hashed.result()
+        out = dict(part.records)
+        for i, off, stored, codec, codecs in placed:
+            it = items[i]
+            out[it.index] = make_record(
+                key, off, stored, it.chunks, it.hashes, codec, rank=rank, codecs=codecs, **it.extra
             )
-        part.records[alias.index] = dataclasses.replace(source, shape=alias.shape)
+        for alias in aliases:
+            source = out[alias.source]
+            if source.blocks is None:
+                raise TieredCheckpointError(
+                    f"step {step}: item {alias.index.fqn!r} was planned as an alias of {alias.source.fqn!r}, "
+                    "which is not stored as blocks here (TieredSavePlanner plans aliases only for them)"
+                )
+            out[alias.index] = dataclasses.replace(source, shape=alias.shape)
+        return out
+
+    part.pending = records
     return part
 
 
 def write_part(view: TierView, step: int, part: SavedPart) -> None:
-    """The part, then its index next to it (a part staged into its file: only the tail)."""
+    """The part, then its index next to it (a part staged into its file: only the tail).
+    The index waits for the records (``SavedPart.sealed``), the part's bytes do not."""
     if part.in_file is not None:
         with view.own.errors(part_key(view.config.namespace, step, part.rank)):
             tierfile.finish(part.in_file.file, part.in_file.end, part.tail)
     else:
         view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
-    write_index(view, step, part.rank, part.records, part.written_blocks)
+    write_index(view, step, part.rank, part.sealed(), part.written_blocks)
 
 
 class TieredWriter(StorageWriter, AsyncStager):
@@ -431,7 +475,12 @@ class TieredWriter(StorageWriter, AsyncStager):
         staged = self._in_file(first)
         policy = self.config.on_nonfinite
         items = resolve_items(plan, planner, self._as_blocks(first), check_finite=policy != "ignore")
-        refused = _refused(self.step, self.rank, items) if policy == "raise" else None
+        in_file = settle(staged, items) if staged is not None else {}  # first: it moves bytes
+        resolved = Resolved(items, fingerprint(items), staged, in_file)  # hashed while written
+        refused = None
+        if policy == "raise":  # nothing of a refused step is written
+            resolved.hashed.result()
+            refused = _refused(self.step, self.rank, items)
         aliases = (plan.storage_data or {}).get(ALIASES, [])
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
@@ -443,14 +492,14 @@ class TieredWriter(StorageWriter, AsyncStager):
                     raise refused
                 with _failing_save(first, self.step):
                     _pin(first, self.step, self.rank, slower)
-                    part = encode_part(first, self.step, self.rank, items, aliases, staged=staged)
+                    part = encode_part(first, self.step, self.rank, resolved, aliases)
                     t0 = time.perf_counter()
                     write_part(first, self.step, part)
                     self._write_seconds = time.perf_counter() - t0
-                records = part.records
+                records = part.sealed()
             else:
                 _pin(first, self.step, self.rank, slower)
-                records = self._write_node_local(first, items, aliases, world, planner, name, refused, staged)
+                records = self._write_node_local(first, resolved, aliases, world, planner, name, refused)
         except BaseException as e:
             _abandon(first, self.step, self.rank, slower, e, self.staged_file)
             if isinstance(e, PeerLostError):  # DCP's next collective raises torch's error instead
@@ -473,13 +522,12 @@ class TieredWriter(StorageWriter, AsyncStager):
     def _write_node_local(
         self,
         first: TierView,
-        items: list[RawItem],
+        resolved: Resolved,
         aliases: list[Alias],
         world: list[int],
         planner: SavePlanner,
         name: str,
         refused: NonFiniteStateError | None = None,
-        staged: InFile | None = None,
     ) -> Records:
         """Write the part and its replicas, then commit the step in every root (``replicate``).
 
@@ -491,13 +539,13 @@ class TieredWriter(StorageWriter, AsyncStager):
         swap = None
         replicated = self.config.replication_factor > 1
         try:
-            part = encode_part(first, self.step, self.rank, items, aliases, replicated, staged)
-            records = part.records
+            part = encode_part(first, self.step, self.rank, resolved, aliases, replicated)
             if replicated:  # the transfer runs while the part is written
                 swap = Swap(first, self.step, part, world, name).start()
             t0 = time.perf_counter()
             write_part(first, self.step, part)
             self._write_seconds = time.perf_counter() - t0
+            records = part.sealed()
             if swap is not None:
                 swap.finish()
                 self.sent_bytes = swap.sent
