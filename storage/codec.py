@@ -263,20 +263,28 @@ def _parallel(calls: list[tuple[Any, ...]]) -> None:
 # -- reading ----------------------------------------------------------------------------
 
 
-def iter_raw_chunks(store: Storage, record: Record) -> Iterator[bytes]:
-    """An item's raw chunks read one at a time from ``store``, each verified."""
+def iter_raw_chunks(store: Storage, record: Record) -> Iterator[Buffer]:
+    """An item's raw chunks read one at a time from ``store``, each verified. A raw chunk is
+    the buffer it was read into (the writer process holds one chunk, not three copies)."""
     pos = record.offset
     for i, (s, n, h) in enumerate(record.chunks):
-        raw = bytearray(n)
         if record.blocks is not None:
+            raw = bytearray(n)
             _block_into(store, record, i, memoryview(raw))
-        else:
-            stored = store.read(record.file, pos, s) if s else b""
-            if len(stored) != s:
-                raise ChecksumMismatch(f"chunk {i}: short read ({len(stored)} of {s} bytes)")
-            pos += s
-            decode_chunk(record.chunk_codec(i), stored, n, memoryview(raw), i, h)
-        yield bytes(raw)
+            yield raw
+            continue
+        stored = store.read(record.file, pos, s) if s else b""
+        if len(stored) != s:
+            raise ChecksumMismatch(f"chunk {i}: short read ({len(stored)} of {s} bytes)")
+        pos += s
+        if record.chunk_codec(i) == "raw" and s == n:
+            if checksum(stored) != h:
+                raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
+            yield stored
+            continue
+        raw = bytearray(n)
+        decode_chunk(record.chunk_codec(i), stored, n, memoryview(raw), i, h)
+        yield raw
 
 
 def read_item(store: Storage, record: Record, out: memoryview) -> None:
