@@ -9,7 +9,7 @@ from .errors import PermanentStorageError, StorageError, TransientStorageError, 
 from .fsspec_store import FsspecStorage
 from .gcs_store import GCSStorage
 from .local import LocalStorage
-from .registry import ANY_SCHEME, backend_for, open_storage, register_backend
+from .registry import ANY_SCHEME, backend_for, check_url, open_storage, register_backend
 
 __all__ = [
     "ANY_SCHEME",
@@ -21,6 +21,7 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "backend_for",
+    "check_url",
     "classify",
     "open_storage",
     "register_backend",

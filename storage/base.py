@@ -119,6 +119,13 @@ class Storage(ABC):
         fallback for schemes no backend registered."""
         return True
 
+    @classmethod
+    def missing(cls, scheme: str) -> str | None:
+        """What must be installed before URLs of ``scheme`` can be opened (a sentence naming
+        the package), or None: asked when a tier is configured, so that a missing package is
+        a clear error then, not a failed save later. Must not import that package."""
+        return None
+
     def errors(self, key: str) -> AbstractContextManager[None]:
         """Translate native errors raised inside the block into storage errors naming ``key``."""
         return translated(self.describe(key))

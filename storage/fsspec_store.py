@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import fsspec
+from fsspec.registry import known_implementations, registry
 
 from .base import Buffer, Storage
 from .errors import PermanentStorageError, classify
@@ -32,6 +34,18 @@ class FsspecStorage(Storage):
         (a missing implementation raises fsspec's ImportError, which names the package)."""
         known = fsspec.available_protocols()
         return all(p in known for p in scheme.split("::"))
+
+    @classmethod
+    def missing(cls, scheme: str) -> str | None:
+        """The package of an fsspec implementation the scheme needs that is not installed."""
+        for protocol in scheme.split("::"):
+            if protocol in registry:  # registered by an import already
+                continue
+            impl = known_implementations.get(protocol, {})
+            package = impl.get("class", "").split(".")[0]
+            if package and importlib.util.find_spec(package) is None:
+                return f"{impl.get('err') or f'{protocol}:// needs {package}'} (pip install {package})"
+        return None
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url

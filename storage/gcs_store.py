@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import importlib.util
 import json
 import logging
 import os
@@ -120,6 +121,12 @@ Attempt = Callable[[_Progress], Awaitable[T]]
 @register_backend("gs", "gcs")
 class GCSStorage(Storage):
     """Objects under ``gs://bucket/prefix`` through the GCS JSON API."""
+
+    @classmethod
+    def missing(cls, scheme: str) -> str | None:
+        if importlib.util.find_spec("gcsfs") is None:
+            return "a gs:// tier needs gcsfs for its credentials and client (pip install gcsfs)"
+        return None
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         from gcsfs.core import GCSFileSystem  # the plain JSON API client, never the gRPC one

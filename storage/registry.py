@@ -54,6 +54,16 @@ def backend_for(url: str) -> type[Storage]:
     return cls
 
 
+def check_url(url: str) -> None:
+    """A ValueError when no installed backend can open ``url``: its scheme has none (the
+    message names the URL), or a package it needs is missing (the message names it and how
+    to install it). Cheap: imports nothing."""
+    cls = backend_for(url)
+    missing = cls.missing(scheme_of(url))
+    if missing:
+        raise ValueError(missing)
+
+
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
     """The store for one tier root, from the backend registered for its URL scheme."""
     return backend_for(url)(url, storage_options)

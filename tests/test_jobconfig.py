@@ -63,20 +63,66 @@ def test_toml_gives_the_same_config_as_python(tmp_path, tiers3):
     [
         ('namespace = "x"\n', "at least one [[tiers]]"),
         ('namespace = "x"\nreplication = 2\n[[tiers]]\npath = "/a"\n', "unknown key(s) ['replication']"),
-        ('namespace = "x"\n[[tiers]]\npath = "/a"\nkeeps = 2\n', "tiers[0] has unknown key(s) ['keeps']"),
-        ('namespace = "x"\n[[tiers]]\nevery = 2\n', "tiers[0] has no path"),
+        ('namespace = "x"\n[[tiers]]\npath = "/a"\nkeeps = 2\n', "[[tiers]] #1: unknown key(s) ['keeps']"),
+        ('namespace = "x"\n[[tiers]]\nevery = 2\n', "[[tiers]] #1: Tier needs path"),
+        ('[[tiers]]\npath = "/a"\n', "TieredConfig needs namespace"),
         ('namespace = "x"\n[[tiers]]\npath = "/a"\nevery = 0\n', "every=0 must be an integer >= 1"),
+        ('namespace = "x"\ntier_timeout = -1\n[[tiers]]\npath = "/a"\n', "tier_timeout=-1 must be"),
+        ('namespace = "x"\n[[tiers]]\npath = "s3://bucket/ckpt"\n', "pip install s3fs"),
         ("namespace = \n", "not valid TOML"),
     ],
 )
 def test_bad_config_files_say_what_to_change(tmp_path, text, message):
+    """Every error names the file (and the tier table it is about) and what is wrong."""
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(ValueError) as e:
         load_job_config(str(path))
-    assert message in str(e.value)
+    assert message in str(e.value) and str(e.value).startswith(str(path))
     r = cli("ls", "--config", str(path), check=False)
-    assert r.returncode == 2 and message in r.stderr
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_toml_file_takes_every_field_of_the_dataclasses(tmp_path):
+    path = tmp_path / "all.toml"
+    path.write_text(
+        'namespace = "all"\nreplication_factor = 2\nreplication_jump = 1\ndedup = true\n'
+        "peer_timeout = 30.0\ntier_timeout = 5.0\nwriter_drain_timeout = 60.0\n"
+        'on_nonfinite = "raise"\n[[tiers]]\npath = "/a/{node}"\nevery = 1\nkeep = 2\n'
+        'compression = "zstd"\nshared = false\n[tiers.storage_options]\n'
+    )
+    assert load_job_config(str(path)) == TieredConfig(
+        "all",
+        [Tier("/a/{node}", keep=2, compression="zstd", shared=False)],
+        replication_factor=2,
+        dedup=True,
+        peer_timeout=30.0,
+        tier_timeout=5.0,
+        writer_drain_timeout=60.0,
+        on_nonfinite="raise",
+    )
+
+
+def test_a_python_file_given_as_toml_is_named_with_the_form_to_use(tmp_path):
+    path = tmp_path / "train_cfg.py"
+    path.write_text("CONFIG = 1\n")  # valid TOML, too
+    with pytest.raises(ValueError, match=r"train_cfg.py: a Python file .* python:train_cfg:CONFIG"):
+        load_job_config(str(path))
+
+
+def test_a_tier_whose_backend_is_not_installed_is_refused_when_configured():
+    """s3fs is not installed here: the tier is refused at once, naming the package, not
+    when a save's writer process first opens it (where only its log would say why)."""
+    pytest.importorskip("fsspec")
+    if __import__("importlib").util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed")
+    with pytest.raises(ValueError, match=r"Tier\('s3://b/ckpt'\): .*pip install s3fs"):
+        Tier("s3://b/ckpt")
+    with pytest.raises(ValueError, match="pip install s3fs"):
+        Tier("simplecache::s3://b/ckpt")  # a chained fsspec URL: every protocol in it
+    with pytest.raises(ValueError, match="no storage backend for URL scheme 'nosuch'"):
+        Tier("nosuch://b/ckpt")
+    assert Tier("memory://ckpt").is_shared and Tier("simplecache::gs://b/c").is_shared
 
 
 def test_ls_verify_export_from_a_config_file_and_a_python_module(tmp_path, tiers3):

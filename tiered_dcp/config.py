@@ -12,10 +12,12 @@ import string
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tiered_dcp.storage import check_url
+
 COMPRESSIONS = (None, "zstd")
 _PLACEHOLDERS = {"node", "rank"}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*(?:::[A-Za-z][A-Za-z0-9+.-]*)*)://")  # fsspec chains too
 
 
 def _to_dict(obj: Any) -> dict[str, Any]:
@@ -85,6 +87,11 @@ class Tier:
                 "only {node} and {rank} are filled in"
             )
         scheme = _scheme(self.path)
+        if scheme not in (None, "file"):
+            try:
+                check_url(self.path)
+            except ValueError as e:
+                raise ValueError(f"Tier({self.path!r}): {e}") from None
         if self.shared is False and scheme not in (None, "file"):
             raise ValueError(
                 f"Tier({self.path!r}): a {scheme}:// URL is one store for the whole job; "

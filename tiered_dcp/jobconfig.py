@@ -2,10 +2,9 @@
 
 Two sources, both given to the CLI as ``--config SOURCE``:
 
-- a TOML file with the fields of ``TieredConfig`` (``namespace``, ``replication_factor``,
-  ``replication_jump``, ``dedup``, ``peer_timeout``) and one ``[[tiers]]`` table per tier
-  with the fields of ``Tier`` (``path``, ``every``, ``keep``, ``compression``, ``shared``,
-  and a ``[tiers.storage_options]`` table);
+- a TOML file with the fields of ``TieredConfig`` and one ``[[tiers]]`` table per tier with
+  the fields of ``Tier`` (``storage_options`` as a ``[tiers.storage_options]`` table): every
+  field the dataclasses have, and nothing else;
 - ``python:module:attr``: the attribute ``attr`` (dotted names allowed) of an importable
   module, either a ``TieredConfig`` or a function of no arguments returning one: the very
   object the training script uses.
@@ -15,6 +14,7 @@ Torch-free: ``tiered-dcp ls --config`` stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -22,11 +22,13 @@ from typing import Any
 
 from .config import Tier, TieredConfig
 
-_CONFIG_FIELDS = {"namespace", "tiers", "replication_factor", "replication_jump", "dedup", "peer_timeout"}
-_TIER_FIELDS = {"path", "every", "keep", "compression", "storage_options", "shared"}
+_REQUIRED = {  # the fields without a default, per dataclass
+    cls: [f.name for f in dataclasses.fields(cls) if f.default is f.default_factory is dataclasses.MISSING]
+    for cls in (TieredConfig, Tier)
+}
 
 
-def _toml_loads(text: str) -> dict[str, Any]:
+def _toml_loads(text: str, where: str) -> dict[str, Any]:
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - 3.10 only
@@ -40,16 +42,12 @@ def _toml_loads(text: str) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"not valid TOML: {e}") from e
+        raise ValueError(f"{where}: not valid TOML: {e}") from None
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config") -> TieredConfig:
-    """A ``TieredConfig`` from plain data (a parsed TOML file); unknown keys are refused."""
-    unknown = set(data) - _CONFIG_FIELDS
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown key(s) {sorted(unknown)}; TieredConfig has {sorted(_CONFIG_FIELDS)}"
-        )
+    """A ``TieredConfig`` from plain data (a parsed TOML file). Unknown and missing keys are
+    refused, and every error names ``where`` (the file) and the table it is about."""
     tiers_data = data.get("tiers")
     if not isinstance(tiers_data, list) or not tiers_data:
         raise ValueError(f"{where}: needs at least one [[tiers]] table with a path")
@@ -57,15 +55,25 @@ def config_from_dict(data: dict[str, Any], where: str = "config") -> TieredConfi
     for i, t in enumerate(tiers_data):
         if not isinstance(t, dict):
             raise ValueError(f"{where}: tiers[{i}] must be a table, got {t!r}")
-        bad = set(t) - _TIER_FIELDS
-        if bad:
-            raise ValueError(
-                f"{where}: tiers[{i}] has unknown key(s) {sorted(bad)}; Tier has {sorted(_TIER_FIELDS)}"
-            )
-        if "path" not in t:
-            raise ValueError(f"{where}: tiers[{i}] has no path")
-        tiers.append(Tier(**t))
-    return TieredConfig(**{**data, "tiers": tiers})
+        tiers.append(_build(Tier, t, f"{where}: [[tiers]] #{i + 1}"))
+    return _build(TieredConfig, {**data, "tiers": tiers}, where)
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    """``cls(**data)``, its keys checked first; its own ValueError prefixed with ``where``."""
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown key(s) {sorted(unknown)}; {cls.__name__} has "
+            f"{sorted(f.name for f in dataclasses.fields(cls))}"
+        )
+    missing = [name for name in _REQUIRED[cls] if name not in data]
+    if missing:
+        raise ValueError(f"{where}: {cls.__name__} needs {', '.join(missing)}")
+    try:
+        return cls(**data)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def load_job_config(source: str) -> TieredConfig:
@@ -73,11 +81,16 @@ def load_job_config(source: str) -> TieredConfig:
     if source.startswith("python:"):
         return _from_python(source)
     path = Path(source)
+    if path.suffix == ".py":
+        raise ValueError(
+            f"{source}: a Python file is given as python:MODULE:ATTR (e.g. python:{path.stem}:CONFIG, "
+            "run from its directory), a TOML file by its path"
+        )
     try:
         text = path.read_text()
     except OSError as e:
         raise ValueError(f"cannot read config file {source}: {e.strerror or e}") from e
-    return config_from_dict(_toml_loads(text), where=str(path))
+    return config_from_dict(_toml_loads(text, str(path)), where=str(path))
 
 
 def _from_python(source: str) -> TieredConfig:
