@@ -1,7 +1,9 @@
 """export() and the tiered-dcp command line, run as a user would."""
 
+import contextlib
 import glob
 import os
+import pty
 import subprocess
 import sys
 
@@ -58,25 +60,61 @@ def test_cli_ls_verify_export(tiers3, tmp_path):
 
 
 def test_cli_errors_are_readable(tmp_path):
-    r = cli("ls", "-n", "nothing", str(tmp_path / "t"))
-    assert "no steps of namespace 'nothing'" in r.stdout
+    """One exit code convention: 0 ok, 1 damage or nothing found, 2 usage or configuration."""
+    r = cli("ls", "-n", "nothing", str(tmp_path / "t"), check=False)
+    assert r.returncode == 1 and "no steps of namespace 'nothing'" in r.stderr
     r = cli("verify", "-n", "nothing", str(tmp_path / "t"), check=False)
-    assert r.returncode == 2 and "no committed step" in r.stderr
+    assert r.returncode == 1 and "no committed step" in r.stderr
     r = cli("export", "-n", "nothing", str(tmp_path / "t"), "--to", str(tmp_path / "x"), check=False)
-    assert r.returncode == 2 and "no complete checkpoint" in r.stderr
+    assert r.returncode == 1 and "no complete checkpoint" in r.stderr
     r = cli("ls", "-n", "bad/name", str(tmp_path / "t"), check=False)
     assert r.returncode == 2 and "not a safe path component" in r.stderr
+    r = cli("ls", "-n", "x", check=False)
+    assert r.returncode == 2 and "say which job" in r.stderr
+    for out in (cli("ls", "-n", "nothing", "s3://b/c", check=False), cli("--bogus", check=False)):
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+    r = cli("--version")
+    assert r.stdout.startswith("tiered-dcp 0.")
+    assert "exit codes" in cli("--help").stdout and "2  usage" in cli("ls", "--help").stdout
 
 
-def test_demo_runs(tmp_path):
-    r = cli("demo", "--dir", str(tmp_path / "demo"), "--steps", "12", "--kill-at", "7")
-    assert "rank 1 SIGKILLed while saving step 7" in r.stdout
-    assert "OK: the job resumed from step" in r.stdout
-    assert os.path.isdir(tmp_path / "demo/bucket/demo/step_000000000010")
-    d = tmp_path / "demo"
-    for args in (  # every tier of both scenes verifies OK after the demo
-        ["-n", "demo", f"{d}/ram/{{node}}", f"{d}/ssd/{{node}}", f"{d}/bucket"],
-        ["-n", "demo-nodeloss", f"{d}/ram/nodeloss/{{node}}", f"{d}/nodeloss/bucket"],
-    ):
-        r = cli("verify", *args)
-        assert "DAMAGED" not in r.stdout and ": OK" in r.stdout, r.stdout
+def test_ls_names_the_namespaces_a_tier_holds(tiers3, tmp_path):
+    for step in (1, 2):
+        save(tiers3, step)
+    root = str(tmp_path / "ram/{node}")
+    r = cli("ls", root)
+    assert "run" in r.stdout and "tiered-dcp ls -n NAMESPACE" in r.stdout, r.stdout
+    (row,) = [line.split() for line in r.stdout.splitlines() if line.startswith("run ")]
+    assert row[2:4] == ["2", "2"]  # two committed steps there, the newest is 2
+    r = cli("ls", "-n", "typo", root, check=False)
+    assert r.returncode == 1 and "namespaces there: run" in r.stderr
+    r = cli("ls", str(tmp_path / "empty"), check=False)
+    assert r.returncode == 1 and "no namespace on" in r.stderr
+
+
+def test_ls_fits_the_terminal_unless_wide(tiers3, tmp_path):
+    """On a terminal (a real pty here) 60 columns wide, ls fits; --wide and a pipe do not."""
+    save(tiers3, 1)
+    args = [sys.executable, "-m", "tiered_dcp.cli", "ls", *tier_args(tmp_path)]
+
+    def on_a_terminal(*extra: str) -> str:
+        main, sub = pty.openpty()
+        env = {**os.environ, "COLUMNS": "60"}
+        proc = subprocess.run([*args, *extra], stdout=sub, stderr=subprocess.PIPE, env=env, timeout=120)
+        os.close(sub)
+        out = b""
+        with contextlib.suppress(OSError):  # EIO once the pty is drained
+            while chunk := os.read(main, 65536):
+                out += chunk
+        os.close(main)
+        assert proc.returncode == 0, proc.stderr
+        return out.decode().replace("\r\n", "\n")
+
+    narrow = on_a_terminal()
+    assert narrow.startswith("tier 0: ")  # the paths above the table, the columns by index
+    table = narrow[narrow.index("step") :].split("host memory")[0].split("writer processes")[0]
+    assert max(len(line) for line in table.splitlines()) <= 60, narrow
+    wide = on_a_terminal("--wide")
+    assert wide.startswith("step") and "logical" in wide
+    piped = cli("ls", *tier_args(tmp_path)).stdout
+    assert piped.startswith("step") and "logical" in piped

@@ -10,9 +10,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from tiered_dcp.storage import open_storage
+from tiered_dcp.storage.format import parse_step_dir
+
 from . import runtime
 from .catalog import StepState, TierView, copies_marks, loadable_steps, one_save, views
-from .config import TieredConfig, here
+from .config import Tier, TieredConfig, here, is_namespace
 from .errors import TieredCheckpointError
 from .hostmem import HostMemory, held
 from .planners.choice import choose, pool_marks
@@ -64,6 +67,34 @@ def writer_status(config: TieredConfig) -> list[WriterInfo]:
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """A namespace a tier's root holds: its committed steps there, the newest, their size."""
+
+    namespace: str
+    tier_index: int
+    tier: str
+    steps: int
+    newest: int | None
+    size_bytes: int
+
+
+def namespaces(tiers: list[Tier]) -> list[NamespaceInfo]:
+    """The namespaces in the roots of ``tiers`` (as this process sees them): every directory
+    holding step directories, with what each tier holds of it, by namespace then tier."""
+    node, rank = here()
+    out = []
+    for i, tier in enumerate(tiers):
+        store = open_storage(tier.root(node, rank), tier.storage_options)
+        for name in store.list(""):
+            if is_namespace(name) and any(parse_step_dir(d) is not None for d in store.list(name)):
+                rows = [r for r in status(TieredConfig(name, [tier])) if r.state == "committed"]
+                newest = max((r.step for r in rows), default=None)
+                size = sum(r.size_bytes for r in rows)
+                out.append(NamespaceInfo(name, i, tier.path, len(rows), newest, size))
+    return sorted(out, key=lambda n: (n.namespace, n.tier_index))
 
 
 def host_memory(config: TieredConfig) -> HostMemory:

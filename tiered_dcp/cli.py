@@ -1,6 +1,9 @@
 """The ``tiered-dcp`` command: ls, verify, export, goodput, drill, demo.
 
 ``ls`` imports no torch, so it answers at once; the others import it when they run.
+Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
+on a usage or configuration error (``EXIT_CODES``); an expected failure is one line on
+stderr (the cause, and what to do), never a traceback.
 """
 
 from __future__ import annotations
@@ -9,13 +12,20 @@ import argparse
 import dataclasses
 import json
 import logging
+import shutil
 import sys
 import time
 
-from .api import export, host_memory, status, writer_status
+from . import __version__
+from .api import export, host_memory, namespaces, status, writer_status
 from .catalog import views
 from .config import Tier, TieredConfig, here
 from .errors import TieredCheckpointError
+
+EXIT_CODES = """exit codes (every command):
+  0  all is well
+  1  damage found, or nothing to show (no such namespace, no committed step)
+  2  usage or configuration error"""
 
 
 def human(n: float) -> str:
@@ -40,52 +50,47 @@ def age(created: float | None) -> str:
 def _config(args: argparse.Namespace) -> TieredConfig:
     if getattr(args, "config", None):
         if args.tiers or args.namespace:
-            raise SystemExit("give either --config or -n NAMESPACE and the tiers, not both")
+            raise ValueError("give either --config or -n NAMESPACE and the tiers, not both")
         from .jobconfig import load_job_config
 
         return load_job_config(args.config)
     if not args.namespace or not args.tiers:
-        raise SystemExit(
-            "say which job: --config tiers.toml (or python:module:attr), or -n NAMESPACE TIER..."
+        raise ValueError(
+            "say which job: --config tiers.toml (or python:module:attr), or -n NAMESPACE TIER... "
+            "(`tiered-dcp ls TIER...` lists the namespaces there)"
         )
+    return TieredConfig(args.namespace, _tiers(args))
+
+
+def _tiers(args: argparse.Namespace) -> list[Tier]:
     options = {}
     for kv in args.option or []:
         key, sep, value = kv.partition("=")
         if not sep:
-            raise SystemExit(f"--option wants KEY=VALUE, got {kv!r}")
+            raise ValueError(f"--option wants KEY=VALUE, got {kv!r}")
         options[key] = value
-    tiers = [
+    return [
         Tier(t, storage_options=options if "://" in t and not t.startswith("file://") else {})
         for t in args.tiers
     ]
-    return TieredConfig(args.namespace, tiers)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if not args.config and not args.namespace and args.tiers:
+        return _ls_namespaces(args)
     cfg = _config(args)
     rows = status(cfg)
     if args.json:
         return _ls_json(cfg, rows)
     if not rows:
-        print(f"no steps of namespace {cfg.namespace!r} on any tier")
-        return 0
-    cells = {
-        (r.step, r.tier_index): f"{r.state} {human(r.size_bytes)} {age(r.created)}".strip() for r in rows
-    }
-    for r in rows:  # logical -> stored (compression) -> written (dedup), where known
-        if r.logical_bytes:
-            cells[(r.step, r.tier_index)] += (
-                f" [{human(r.logical_bytes)} logical, x{r.compression_ratio:.2f} stored,"
-                f" x{r.dedup_ratio:.2f} written]"
-            )
-    header = ["step"] + [f"tier {i}: {t.path}" for i, t in enumerate(cfg.tiers)]
-    table = [
-        [str(step)] + [cells.get((step, i), "-") for i in range(len(cfg.tiers))]
-        for step in sorted({r.step for r in rows}, reverse=True)
-    ]
-    widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
-    for line in [header, *table]:
-        print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
+        there = sorted({n.namespace for n in namespaces(cfg.tiers)})
+        print(
+            f"no steps of namespace {cfg.namespace!r} on any tier; "
+            + (f"namespaces there: {', '.join(there)}" if there else "these tiers hold no namespace"),
+            file=sys.stderr,
+        )
+        return 1
+    _print_table(cfg, rows, args.wide)
     for r in rows:  # what a state that is not a good step means, and what to do
         if r.error and r.state in ("damaged", "incomplete"):
             print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
@@ -106,6 +111,78 @@ def cmd_ls(args: argparse.Namespace) -> int:
     _print_memory(cfg)
     _print_scores(cfg)
     return 0
+
+
+def _print_table(cfg: TieredConfig, rows: list, wide: bool) -> None:
+    """Steps x tiers. Fitted to the terminal (its width, or ``COLUMNS``; output to a pipe
+    or a file is not fitted) unless ``wide``: first without the byte details, then with the
+    tiers' paths on lines of their own above the table."""
+    details = {}
+    for r in rows:  # logical -> stored (compression) -> written (dedup), where known
+        if r.logical_bytes:
+            details[(r.step, r.tier_index)] = (
+                f" [{human(r.logical_bytes)} logical, x{r.compression_ratio:.2f} stored,"
+                f" x{r.dedup_ratio:.2f} written]"
+            )
+    cells = {
+        (r.step, r.tier_index): f"{r.state} {human(r.size_bytes)} {age(r.created)}".strip() for r in rows
+    }
+    steps = sorted({r.step for r in rows}, reverse=True)
+    wide = wide or not sys.stdout.isatty()
+    width = shutil.get_terminal_size().columns
+    named = [f"tier {i}: {t.path}" for i, t in enumerate(cfg.tiers)]
+    short = [f"tier {i}" for i in range(len(cfg.tiers))]
+    layouts = [(named, True), (named, False), (short, False)]
+    for n, (header, with_details) in enumerate(layouts):
+        table = [
+            [str(step)]
+            + [
+                cells.get((step, i), "-") + (details.get((step, i), "") if with_details else "")
+                for i in range(len(cfg.tiers))
+            ]
+            for step in steps
+        ]
+        lines = _columns(["step", *header], table)
+        if wide or n == len(layouts) - 1 or max(len(x) for x in lines) <= width:
+            break
+    if header is short:
+        for line in named:
+            print(line)
+    for line in lines:
+        print(line)
+
+
+def _columns(header: list[str], table: list[list[str]]) -> list[str]:
+    widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
+    return [
+        "  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [header, *table]
+    ]
+
+
+def _ls_namespaces(args: argparse.Namespace) -> int:
+    """``ls TIER...`` without a namespace: the namespaces those tiers hold."""
+    found = namespaces(_tiers(args))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(n) for n in found], indent=1))
+    elif found:
+        lines = _columns(
+            ["namespace", "tier", "steps", "newest", "size"],
+            [
+                [
+                    n.namespace,
+                    n.tier,
+                    str(n.steps),
+                    str(n.newest) if n.newest is not None else "-",
+                    human(n.size_bytes),
+                ]
+                for n in found
+            ],
+        )
+        print("\n".join(lines))
+        print("look at one: tiered-dcp ls -n NAMESPACE TIER...")
+    else:
+        print(f"no namespace on {', '.join(args.tiers)} (no directory there holds steps)", file=sys.stderr)
+    return 0 if found else 1
 
 
 def _print_memory(cfg: TieredConfig) -> None:
@@ -166,11 +243,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     step = _pick_step(cfg, args.step)
     if step is None:
         print(f"no committed step of namespace {cfg.namespace!r} on any tier", file=sys.stderr)
-        return 2
+        return 1
     checks = verify_step(cfg, step, *here())
     if not checks:
         print(f"step {step} is not committed on any tier", file=sys.stderr)
-        return 2
+        return 1
     if args.json:
         doc = [
             {**dataclasses.asdict(c), "ok": c.ok, "problems": c.problems, "bytes_read": c.bytes_read}
@@ -252,10 +329,23 @@ def _tier_args(p: argparse.ArgumentParser, json_output: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tiered-dcp", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="tiered-dcp",
+        description="Inspect, check and export tiered-dcp checkpoints; run the demo and the failure drill.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"tiered-dcp {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("ls", help="steps x tiers: state, size, age; writers; save-time scores")
+    p = sub.add_parser(
+        "ls",
+        help="steps x tiers: state, size, age; writers; host memory; save-time scores "
+        "(without -n: the namespaces the tiers hold)",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _tier_args(p, json_output=True)
+    p.add_argument("--wide", action="store_true", help="every detail, however wide the terminal")
     p.set_defaults(fn=cmd_ls)
     p = sub.add_parser("verify", help="re-check every checksum of a step; exit 1 on damage")
     _tier_args(p, json_output=True)
@@ -286,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except (TieredCheckpointError, ValueError) as e:
+    except TieredCheckpointError as e:  # damage, or nothing to read
+        print(f"tiered-dcp {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # how it was called, or the configuration
         print(f"tiered-dcp {args.cmd}: {e}", file=sys.stderr)
         return 2
 

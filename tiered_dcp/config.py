@@ -135,6 +135,11 @@ class Tier:
 NONFINITE_POLICIES = ("mark", "raise", "ignore")  # TieredConfig.on_nonfinite; the first is the default
 
 
+def is_namespace(name: str) -> bool:
+    """Whether ``name`` may be a namespace: a safe path component (``TieredConfig``)."""
+    return bool(_SAFE_NAME.match(name)) and name not in (".", "..")
+
+
 @dataclass(frozen=True)
 class TieredConfig:
     """The whole checkpointing setup of one training job.
@@ -168,7 +173,7 @@ class TieredConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ValueError("TieredConfig: namespace must be a non-empty string, e.g. 'run3'")
-        if not _SAFE_NAME.match(self.namespace) or self.namespace in (".", ".."):
+        if not is_namespace(self.namespace):
             raise ValueError(
                 f"TieredConfig: namespace {self.namespace!r} is not a safe path component; "
                 "use letters, digits, '.', '_' and '-' only, starting with a letter or digit"
