@@ -58,6 +58,13 @@ class PermanentStorageError(StorageError):
 StorageErrorKind = type[TransientStorageError] | type[PermanentStorageError]
 
 
+class NotAnObject(FileNotFoundError):
+    """What a key leads to is no object of the tier: in a local root, a link on the way or at
+    the end (whoever can write the tier could point it anywhere), a FIFO, a device, or a name
+    that would leave the root. It is never opened, and counts as missing: a copy that needs
+    it is damaged, and read from elsewhere."""
+
+
 def classify(exc: BaseException) -> StorageErrorKind | None:
     """Transient, permanent, or None: a missing key, or an error of no known kind.
 

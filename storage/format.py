@@ -64,7 +64,8 @@ def part_name(rank: int) -> str:
 
 def is_part_name(name: str) -> bool:
     """Whether a name listed in a step's directory is a (clean) part file."""
-    return name.startswith("rank_") and name.endswith(".part") and name[5:-5].isdigit()
+    digits = name[5:-5]
+    return name.startswith("rank_") and name.endswith(".part") and digits.isascii() and digits.isdigit()
 
 
 def part_key(namespace: str, step: int, rank: int) -> str:
@@ -163,6 +164,25 @@ def is_block_id(name: str) -> bool:
     return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
 
 
+def stray_name(record: Record, namespace: str) -> str | None:
+    """The first name in ``record`` that names no object of the namespace's layout, else
+    None: readers open nothing else. A record names a part file of a step (its own, or one
+    written before), or the namespace's blocks directory and block ids.
+
+    Whoever can write a tier writes its indexes, so a name is compared with the names this
+    module makes, never resolved: ``..``, an absolute path, a backslash or a NUL never match.
+    """
+    if record.blocks is not None:
+        if record.file != blocks_dir(namespace):
+            return record.file
+        return next((b for b in record.blocks if not is_block_id(b)), None)
+    directory, _, name = record.file.rpartition("/")
+    step = parse_step_dir(directory.removeprefix(f"{namespace}/"))
+    if step is not None and directory == step_dir(namespace, step) and is_part_name(name):
+        return None
+    return record.file
+
+
 def refs_key(namespace: str, step: int, rank: int) -> str:
     """The blocks rank's part uses in this root (JSON list), written before any is relied on."""
     return f"{step_dir(namespace, step)}/rank_{rank:05d}.blocks"
@@ -225,7 +245,12 @@ class Marker:
         if d.get("format") not in READABLE_FORMATS:
             raise ValueError(f"unsupported marker format {d.get('format')!r}")
         d["parts"] = [PartInfo(**p) for p in d["parts"]]
-        return cls(**d)
+        marker = cls(**d)
+        parts = [n for p in marker.parts for n in (p.rank, p.node, p.size)]
+        counts = [marker.step, marker.world_size, *parts]
+        if not isinstance(marker.namespace, str) or not all(_is_count(n) for n in counts):
+            raise ValueError("a marker's namespace is a name, its step, ranks, nodes and sizes are counts")
+        return marker
 
     @property
     def finite(self) -> bool:
@@ -240,6 +265,11 @@ class Marker:
 
     def part(self, rank: int) -> PartInfo | None:
         return next((p for p in self.parts if p.rank == rank), None)
+
+
+def _is_count(n: object) -> bool:
+    """A whole number >= 0 (not a bool): a rank or node in a marker becomes part of a name."""
+    return type(n) is int and n >= 0
 
 
 # -- items ---------------------------------------------------------------------------------
@@ -303,7 +333,8 @@ class Record:
     """Where one item's bytes are on one tier, and how to decode and check them.
 
     ``file`` is the key of the file holding the bytes, relative to the tier root; it may
-    name another step's file (a record may point into data written before).
+    name another step's part file (a record may point into data written before). Read from
+    storage, it names nothing else (``stray_name``).
 
     Content-addressed (dedup) records have ``blocks``: chunk i is then the whole block file
     ``block_key(namespace, blocks[i])`` (shared by every step and rank using those bytes),
@@ -370,7 +401,7 @@ class Record:
     def from_dict(cls, d: dict[str, Any], directory: str | None = None) -> Record:
         """A record from its dict. Formats 1 and 2 name the file by its base name only:
         ``directory`` (the step's directory) completes it."""
-        file = d["file"] if directory is None else f"{directory}/{d['file']}"
+        file = str(d["file"]) if directory is None else f"{directory}/{d['file']}"
         chunks = tuple((int(s), int(n), int(h)) for s, n, h in d["chunks"])
         shape = d.get("shape")
         blocks, codecs = d.get("blocks"), d.get("codecs")
@@ -422,19 +453,37 @@ class PartIndex:
         return sum(r.length for r in self.records.values())
 
     @classmethod
-    def from_bytes(cls, data: bytes, directory: str, rank: int) -> PartIndex:
-        """Parse an index read from ``directory`` (the step's): JSON, or format 2's pickle."""
+    def from_bytes(cls, data: bytes, namespace: str, step: int, rank: int) -> PartIndex:
+        """Parse rank's index read from ``step``'s directory: JSON, or format 2's pickle.
+        Raises BadIndex when it cannot be parsed, or a record names what is no object of the
+        namespace's layout (``check_names``)."""
         try:
             if data[:1] == b"{":
                 doc = json.loads(data)
                 records = {ItemKey.from_json(d["key"]): Record.from_dict(d) for d in doc["items"]}
                 written = None if doc.get("written") is None else int(doc["written"])
-                return cls(int(doc["rank"]), int(doc["size"]), records, written)
-            legacy = _LegacyUnpickler(io.BytesIO(data)).load()
-            records = {_legacy_key(k): Record.from_dict(r, directory) for k, r in legacy.items()}
+                index = cls(int(doc["rank"]), int(doc["size"]), records, written)
+            else:
+                legacy = _LegacyUnpickler(io.BytesIO(data)).load()
+                directory = step_dir(namespace, step)
+                records = {_legacy_key(k): Record.from_dict(r, directory) for k, r in legacy.items()}
+                index = cls(rank, sum(r.length for r in records.values()), records)
         except (ValueError, KeyError, TypeError, AttributeError, EOFError, pickle.UnpicklingError) as e:
             raise BadIndex(f"{type(e).__name__}: {e}") from e
-        return cls(rank, sum(r.length for r in records.values()), records)
+        return index.check_names(namespace)
+
+    def check_names(self, namespace: str) -> PartIndex:
+        """This index, if every record names only objects of the namespace's layout
+        (``stray_name``); else BadIndex naming the first that does not, so the part counts
+        as absent from that root (damage) and nothing it names is opened."""
+        for key, rec in self.records.items():
+            name = stray_name(rec, namespace)
+            if name is not None:
+                raise BadIndex(
+                    f"item {key.fqn!r} names {name!r}, which is no part file of a step nor a "
+                    f"block of namespace {namespace!r}: not read"
+                )
+        return self
 
     @classmethod
     def of(cls, rank: int, records: Iterable[tuple[ItemKey, Record]]) -> PartIndex:
@@ -456,7 +505,7 @@ def read_index(store: Storage, namespace: str, step: int, rank: int) -> PartInde
     key = index_key(namespace, step, rank)
     data = store.read(key)
     try:
-        return PartIndex.from_bytes(data, step_dir(namespace, step), rank)
+        return PartIndex.from_bytes(data, namespace, step, rank)
     except BadIndex as e:
         raise BadIndex(f"{store.describe(key)}: {e}") from e
 

@@ -3,6 +3,11 @@
 Writes go to a dirty name, are fsynced where the medium needs it (not on tmpfs/ramfs,
 where fsync is meaningless and only costs time), then renamed clean and the directory
 synced, so a crash leaves either nothing or the whole file under its clean name.
+
+Reads, sizes, listings and deletes follow no link below the root: each directory on the
+way is opened from the one above it with ``O_NOFOLLOW``, and only a regular file is an
+object. Whoever can write the tier could leave a link there pointing anywhere: it counts
+as missing (``NotAnObject``), never as what it points to.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ import functools
 import mmap
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .base import Buffer, Reservation, Storage
+from .errors import NotAnObject
 from .registry import register_backend
 
 DIRTY = ".dirty-"
@@ -179,55 +186,127 @@ class LocalStorage(Storage):
             return MappedReservation(self, key, size)
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        with self.errors(key), open(self.path(key), "rb") as f:
+        with self.errors(key), self._opened(key) as fd, open(fd, "rb", closefd=False) as f:
             f.seek(offset)
             return f.read() if length is None else f.read(length)
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         out = out.cast("B")
         done = 0
-        with self.errors(key):
-            fd = os.open(self.path(key), os.O_RDONLY)
-            try:
-                while done < len(out):
-                    n = os.preadv(fd, [out[done:]], offset + done)
-                    if n == 0:
-                        break
-                    done += n
-            finally:
-                os.close(fd)
+        with self.errors(key), self._opened(key) as fd:
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
         if done < len(out):  # a damaged file, not a failing medium: no storage error kind
             raise OSError(errno.EIO, f"{self.describe(key)}: file ends {len(out) - done} bytes early")
 
     def size(self, key: str) -> int | None:
         with self.errors(key):
             try:
-                return os.stat(self.path(key)).st_size
-            except (FileNotFoundError, NotADirectoryError):
+                st = self._lstat(key)
+            except FileNotFoundError:
                 return None
+            return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def list(self, prefix: str) -> list[str]:
         with self.errors(prefix):
             try:
-                return sorted(os.listdir(self.path(prefix)))
-            except (FileNotFoundError, NotADirectoryError):
+                fd = self.open_dir(prefix)
+            except FileNotFoundError:
                 return []
+            try:
+                return sorted(os.listdir(fd))
+            finally:
+                os.close(fd)
 
     def list_pages(self, prefix: str) -> Iterator[dict[str, int]]:
         sizes: dict[str, int] = {}
         with self.errors(prefix):
             try:
-                with os.scandir(self.path(prefix)) as entries:
-                    sizes = {e.name: e.stat().st_size for e in entries if e.is_file()}
-            except (FileNotFoundError, NotADirectoryError):
-                pass
+                fd = self.open_dir(prefix)
+            except FileNotFoundError:
+                fd = None
+            if fd is not None:
+                try:
+                    with os.scandir(fd) as entries:
+                        files = [e for e in entries if e.is_file(follow_symlinks=False)]
+                        sizes = {e.name: e.stat(follow_symlinks=False).st_size for e in files}
+                finally:
+                    os.close(fd)
         yield dict(sorted(sizes.items()))
 
     def delete(self, key: str) -> None:
-        path = self.path(key)
+        """Remove ``key`` (a file, a link, or a directory and all in it). A key whose way
+        leads through a link is not in this root: nothing is removed there."""
         with self.errors(key):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
+            try:
+                is_dir = stat.S_ISDIR(self._lstat(key).st_mode)
+            except FileNotFoundError:
+                return
+            if is_dir:  # rmtree follows no link inside, and refuses one at the top
+                shutil.rmtree(self.path(key), ignore_errors=True)
             else:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    os.unlink(self.path(key))
+
+    # -- the way down from the root, no link followed ------------------------------------
+
+    def open_dir(self, key: str) -> int:
+        """A descriptor of the directory ``key`` ("" for the root), each directory on the way
+        opened from the one above without following a link; the caller closes it. Raises
+        ``NotAnObject`` where the way has a link, a file or a name leaving the root."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)  # the root is the config's: links allowed
+        try:
+            for name in self._names(key) if key else []:
+                below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = below
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOTDIR, errno.ELOOP):  # a link (or a file) where a directory should be
+                why = "no directory of this tier on the way (a link, or a file)"
+                raise NotAnObject(errno.ENOENT, why, self.describe(key)) from e
+            raise
+        return fd
+
+    def _lstat(self, key: str) -> os.stat_result:
+        """``key``'s own status (a link's, not its target's), reached as ``open_dir`` does."""
+        parent, _, name = key.rpartition("/")
+        self._names(name)
+        fd = self.open_dir(parent)
+        try:
+            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _opened(self, key: str) -> Iterator[int]:
+        """``key`` open for reading, when it is a regular file reached with no link followed;
+        ``NotAnObject`` otherwise (non-blocking open: a FIFO left there cannot hang a reader)."""
+        parent, _, name = key.rpartition("/")
+        self._names(name)
+        dfd = self.open_dir(parent)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise NotAnObject(errno.ENOENT, "a link, not followed", self.describe(key)) from e
+            raise
+        finally:
+            os.close(dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # (O_NONBLOCK does nothing to a regular file)
+                raise NotAnObject(errno.ENOENT, "not a regular file", self.describe(key))
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _names(self, key: str) -> list[str]:
+        """The names on ``key``'s path; ``NotAnObject`` for one that would leave the root or is
+        no name ("", ".", "..", a NUL): no key of the layout has one."""
+        names = key.split("/")
+        if any(n in ("", ".", "..") or "\0" in n for n in names):
+            raise NotAnObject(errno.ENOENT, "no key of this tier", self.describe(key))
+        return names

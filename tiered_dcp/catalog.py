@@ -239,6 +239,9 @@ class TierView:
         except (ValueError, TypeError, KeyError) as e:
             log.warning("ignoring unreadable commit marker %s: %s", store.describe(key), e)
             return None
+        if marker.namespace != self.config.namespace:  # its namespace names the metadata's key
+            log.warning("ignoring commit marker %s of namespace %r", store.describe(key), marker.namespace)
+            return None
         return marker if marker.step == step else None
 
     def holders(self, marker: Marker, rank: int) -> list[Storage]:

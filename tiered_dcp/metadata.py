@@ -96,10 +96,11 @@ def item_info(md: Metadata, index: MetadataIndex) -> ItemInfo | None:
 
 
 def legacy_index(md: Metadata, namespace: str, step: int, rank: int) -> PartIndex:
-    """Format 1 and 2 steps without an index next to a part: the metadata's records of it."""
+    """Format 1 and 2 steps without an index next to a part: the metadata's records of it.
+    Raises BadIndex when one names what is no object of the layout (``PartIndex.check_names``)."""
     directory = step_dir(namespace, step)
     recs = ((item_key(i), Record.from_dict(d, directory)) for i, d in md.storage_data.items())
-    return PartIndex.of(rank, [(k, r) for k, r in recs if r.rank == rank])
+    return PartIndex.of(rank, [(k, r) for k, r in recs if r.rank == rank]).check_names(namespace)
 
 
 class _NewerTensorProperties(TensorProperties):

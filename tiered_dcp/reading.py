@@ -28,7 +28,7 @@ from tiered_dcp.planners.load import ItemRoute, ReadSource, plan_routes
 from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import ChecksumMismatch, read_item, verify_raw
-from tiered_dcp.storage.format import ItemInfo, PartIndex, Record, part_key
+from tiered_dcp.storage.format import BadIndex, ItemInfo, PartIndex, Record, part_key
 
 from . import metadata as md_blob
 from . import user_values
@@ -78,9 +78,18 @@ class StepReads:
             if view.part_present(store, copy.marker, part):
                 index = view.part_index(store, copy.marker, part)
                 if index is None and not copy.marker.has_indexes:  # format 1/2: the metadata's records
-                    index = md_blob.legacy_index(md, self.config.namespace, self.step, part)
+                    index = self._legacy_index(store, md, part)
             self._held[key] = index
         return self._held[key]
+
+    def _legacy_index(self, store: Storage, md: Metadata, part: int) -> PartIndex | None:
+        """Part's records in a format 1/2 step's metadata; None (damage) where one of them
+        names what is no object of the layout (``PartIndex.check_names``)."""
+        try:
+            return md_blob.legacy_index(md, self.config.namespace, self.step, part)
+        except BadIndex as e:
+            log.warning("step %d: rank %d's part in %s counts as absent: %s", self.step, part, store.url, e)
+            return None
 
     def _locate(self, src: ReadSource, req: ReadItem) -> tuple[Record, Storage] | None:
         copy = self._opened.copy_at[src.tier]

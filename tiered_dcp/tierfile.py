@@ -29,6 +29,7 @@ import logging
 import os
 import stat
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tiered_dcp.storage.base import Storage
@@ -73,10 +74,11 @@ def create(tf: TierFile, size: int) -> int:
     """An open file at ``tf.dirty`` of ``size`` bytes, all claimed: a spare when there is
     one (its pages reused), else a new one. The caller owns the descriptor."""
     os.makedirs(os.path.dirname(tf.dirty), exist_ok=True)
-    for name in _listed(tf.spares):
-        with contextlib.suppress(FileNotFoundError):  # another save claimed it first
-            os.rename(os.path.join(tf.spares, name), tf.dirty)
-            break
+    with _opened_dir(tf.spares) as spares:
+        for name in _listed(spares):
+            with contextlib.suppress(FileNotFoundError):  # another save claimed it first
+                os.rename(name, tf.dirty, src_dir_fd=spares)
+                break
     fd = _open_regular(tf.dirty)
     try:
         size_to(fd, size)
@@ -184,30 +186,48 @@ def discard(tf: TierFile) -> None:
 def recycle(store: Storage, namespace: str, step: int) -> None:
     """Retention's drop of ``step`` on a memory tier: its part files become spares."""
     assert isinstance(store, LocalStorage)
-    sdir = store.path(step_dir(namespace, step))
-    spares = store.path(spare_dir(namespace))
-    for name in _listed(sdir):
-        if not is_part_name(name):
-            continue
-        path = os.path.join(sdir, name)
-        with contextlib.suppress(FileNotFoundError):
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode):  # anything else goes with the directory
-                os.makedirs(spares, exist_ok=True)
-                os.rename(path, os.path.join(spares, str(st.st_ino)))
+    os.makedirs(store.path(spare_dir(namespace)), exist_ok=True)
+    with (
+        _opened_dir(store.path(step_dir(namespace, step))) as sdir,
+        _opened_dir(store.path(spare_dir(namespace))) as spares,
+    ):
+        if spares is None:
+            return  # not a directory of ours: the parts go with the step's directory
+        for name in _listed(sdir):
+            if not is_part_name(name):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(name, dir_fd=sdir, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):  # anything else goes with the directory
+                    os.rename(name, str(st.st_ino), src_dir_fd=sdir, dst_dir_fd=spares)
 
 
 def clear_spares(store: Storage, namespace: str) -> None:
     """Delete the spares no save claimed since the last retention."""
     assert isinstance(store, LocalStorage)
-    spares = store.path(spare_dir(namespace))
-    for name in _listed(spares):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(spares, name))
+    with _opened_dir(store.path(spare_dir(namespace))) as spares:
+        for name in _listed(spares):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=spares)
 
 
-def _listed(directory: str) -> list[str]:
+@contextlib.contextmanager
+def _opened_dir(path: str) -> Iterator[int | None]:
+    """``path`` opened as a directory, never through a link (None: missing, a link, or no
+    directory). Whoever can write the tier could have replaced the spares or a step's
+    directory by a link to a directory elsewhere: retention must not empty that one."""
     try:
-        return sorted(os.listdir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _listed(directory: int | None) -> list[str]:
+    return [] if directory is None else sorted(os.listdir(directory))

@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import ChecksumMismatch, read_item
-from tiered_dcp.storage.format import IndexCache, ItemInfo, ItemKey, Marker, PartIndex, part_key, step_dir
+from tiered_dcp.storage.format import (
+    BadIndex,
+    IndexCache,
+    ItemInfo,
+    ItemKey,
+    Marker,
+    PartIndex,
+    part_key,
+    step_dir,
+)
 
 from .catalog import StepCopy, TierView, views
 from .config import TieredConfig
@@ -165,9 +174,13 @@ def _verify_copy(
     if size is None:
         root.problems.append(f"{store.describe(key)}: {which} is missing")
         return False
-    index: PartIndex | None = view.part_index(store, marker, part)
-    if index is None and not marker.has_indexes:  # format 1/2: the metadata's records
-        index = legacy_index(md, ns, step, part)
+    try:
+        index: PartIndex | None = view.indexes.get(store, ns, step, part)
+        if index is None and not marker.has_indexes:  # format 1/2: the metadata's records
+            index = legacy_index(md, ns, step, part)
+    except (BadIndex, OSError) as e:  # BadIndex: damaged, or naming what is no object of the layout
+        root.problems.append(f"{store.describe(key)}: {which} has no usable index: {e}")
+        return False
     if index is None:
         root.problems.append(f"{store.describe(key)}: {which} has no readable index next to it")
         return False
