@@ -4,10 +4,11 @@ Writes go to a dirty name, are fsynced where the medium needs it (not on tmpfs/r
 where fsync is meaningless and only costs time), then renamed clean and the directory
 synced, so a crash leaves either nothing or the whole file under its clean name.
 
-Reads, sizes, listings and deletes follow no link below the root: each directory on the
-way is opened from the one above it with ``O_NOFOLLOW``, and only a regular file is an
-object. Whoever can write the tier could leave a link there pointing anywhere: it counts
-as missing (``NotAnObject``), never as what it points to.
+Reads, sizes, listings, deletes and writes follow no link below the root: each directory
+on the way is opened from the one above it with ``O_NOFOLLOW`` (a write makes the missing
+ones), and only a regular file is an object. Whoever can write the tier could leave a link
+there pointing anywhere: it counts as missing (``NotAnObject``), never as what it points
+to, and a write's dirty file is created and renamed clean inside the directory it reached.
 """
 
 from __future__ import annotations
@@ -85,12 +86,34 @@ def _allocate(fd: int, size: int) -> None:
                 raise
 
 
-def _sync_dir(parent: str) -> None:
-    dfd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+class _Dirty:
+    """A new file beside ``key``'s, in its directory (made where missing, reached with no link
+    followed: ``LocalStorage.make_dir``), under a dirty name of its own until ``publish``."""
+
+    def __init__(self, store: LocalStorage, key: str, mode: int) -> None:
+        parent, _, self.name = key.rpartition("/")
+        store.check_name(self.name)
+        self.store, self.fsync = store, store.durable
+        self.dir = store.make_dir(parent)
+        self.tmp = f"{self.name}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            flags = mode | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            self.fd = os.open(self.tmp, flags, 0o644, dir_fd=self.dir)
+        except BaseException:
+            os.close(self.dir)
+            raise
+
+    def publish(self) -> None:
+        """Rename it clean (a link at the clean name is replaced, never followed), synced."""
+        os.replace(self.tmp, self.name, src_dir_fd=self.dir, dst_dir_fd=self.dir)
+        if self.fsync:
+            os.fsync(self.dir)
+        os.close(self.dir)
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp, dir_fd=self.dir)
+        os.close(self.dir)
 
 
 class MappedReservation(Reservation):
@@ -98,17 +121,14 @@ class MappedReservation(Reservation):
 
     def __init__(self, store: LocalStorage, key: str, size: int) -> None:
         self.store, self.key = store, key
-        self.path = store.path(key)
-        self.parent = os.path.dirname(self.path)
-        os.makedirs(self.parent, exist_ok=True)
-        self.tmp = f"{self.path}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.dirty = _Dirty(store, key, os.O_RDWR)
+        fd = self.dirty.fd
         try:
             _allocate(fd, size)
             self._map = mmap.mmap(fd, size) if size else None
         except BaseException:
             os.close(fd)
-            os.unlink(self.tmp)
+            self.dirty.remove()
             raise
         self.fd = fd
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
@@ -124,20 +144,17 @@ class MappedReservation(Reservation):
     def commit(self) -> None:
         with self.store.errors(self.key):
             try:
-                if needs_fsync(self.parent):
+                if self.dirty.fsync:
                     if self._map is not None:
                         self._map.flush()
                     os.fsync(self.fd)
             finally:
                 self._release()
-            os.replace(self.tmp, self.path)
-            if needs_fsync(self.parent):
-                _sync_dir(self.parent)
+            self.dirty.publish()
 
     def discard(self) -> None:
         self._release()
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp)
+        self.dirty.remove()
 
 
 @register_backend("", "file")
@@ -148,6 +165,11 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(root.removeprefix("file://"))
         self.url = self.root
 
+    @functools.cached_property
+    def durable(self) -> bool:
+        """Whether writes here are fsynced: not on a memory file system (``needs_fsync``)."""
+        return needs_fsync(self.root)
+
     def path(self, key: str) -> str:
         """The file ``key`` names."""
         return os.path.join(self.root, *key.split("/"))
@@ -157,28 +179,21 @@ class LocalStorage(Storage):
             return self._write(key, chunks)
 
     def _write(self, key: str, chunks: Iterable[Buffer]) -> int:
-        path = self.path(key)
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        dirty = _Dirty(self, key, os.O_WRONLY)
         total = 0
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
                 for chunk in chunks:
-                    _write_all(fd, chunk)
+                    _write_all(dirty.fd, chunk)
                     total += memoryview(chunk).nbytes
-                if needs_fsync(parent):
-                    os.fsync(fd)
+                if dirty.fsync:
+                    os.fsync(dirty.fd)
             finally:
-                os.close(fd)
-            os.replace(tmp, path)
+                os.close(dirty.fd)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            dirty.remove()
             raise
-        if needs_fsync(parent):
-            _sync_dir(parent)
+        dirty.publish()
         return total
 
     def reserve(self, key: str, size: int) -> Reservation:
@@ -270,6 +285,30 @@ class LocalStorage(Storage):
                 raise NotAnObject(errno.ENOENT, why, self.describe(key)) from e
             raise
         return fd
+
+    def make_dir(self, key: str) -> int:
+        """``open_dir`` for a write: each directory on the way made where it is missing (the
+        root too), none reached through a link; the caller closes the descriptor."""
+        os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for name in self._names(key) if key else []:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = below
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOTDIR, errno.ELOOP):
+                why = "no directory of this tier on the way (a link, or a file): nothing written"
+                raise NotAnObject(errno.ENOENT, why, self.describe(key)) from e
+            raise
+        return fd
+
+    def check_name(self, name: str) -> None:
+        """``NotAnObject`` for a name no key of this tier has (``_names``)."""
+        self._names(name)
 
     def _lstat(self, key: str) -> os.stat_result:
         """``key``'s own status (a link's, not its target's), reached as ``open_dir`` does."""

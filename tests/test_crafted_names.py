@@ -453,3 +453,49 @@ def test_retention_deletes_nothing_through_a_linked_step_directory(shm):
     assert planted.read_bytes() == before
     assert not os.path.lexists(shm / "ram" / step_dir(NS, 2))  # the link went, not what it points at
     shutdown()
+
+
+# -- writes -----------------------------------------------------------------------------------
+
+
+def test_a_write_follows_no_link_in_the_tier(tmp_path):
+    """A link where a directory of the tier should be fails the write (nothing written where
+    it points); a link at the file's own name is replaced by the file, its target untouched."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"precious")
+    store = LocalStorage(str(tmp_path / "tier"))
+    (tmp_path / "tier").mkdir()
+    (tmp_path / "tier" / NS).symlink_to(outside, target_is_directory=True)
+    for write in (
+        lambda: store.write(f"{NS}/step_000000000001/rank_00000.part", [b"x" * 10]),
+        lambda: store.reserve(f"{NS}/step_000000000001/rank_00000.part", 10),
+    ):
+        with pytest.raises(FileNotFoundError, match="a link, or a file"):
+            write()
+    assert sorted(os.listdir(outside)) == ["precious"]
+    (tmp_path / "tier" / NS).unlink()
+    (tmp_path / "tier" / NS).mkdir()
+    (tmp_path / "tier" / NS / "k").symlink_to(outside / "precious")
+    store.write(f"{NS}/k", [b"new"])
+    assert (outside / "precious").read_bytes() == b"precious"
+    assert (
+        not (tmp_path / "tier" / NS / "k").is_symlink()
+        and (tmp_path / "tier" / NS / "k").read_bytes() == b"new"
+    )
+
+
+def test_the_writer_process_writes_nothing_through_a_link_in_a_slower_tier(tmp_path):
+    """Whoever can write the SSD tier links the namespace's directory there to a directory
+    of the job's user: the copy down fails (reported), and nothing lands where it points."""
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (tmp_path / "ssd").mkdir()
+    (tmp_path / "ssd" / NS).symlink_to(outside, target_is_directory=True)
+    cfg = TieredConfig(NS, [Tier(str(tmp_path / "ram")), Tier(str(tmp_path / "ssd"))])
+    save(cfg, 2)
+    settle(cfg, timeout=120)
+    (w,) = writer_status(cfg)
+    assert [(s, t) for s, t, _ in w.failed] == [(2, 1)], w
+    assert os.listdir(outside) == []
+    shutdown()
