@@ -65,6 +65,7 @@ def target(config: TieredConfig, tier_index: int, store: Storage, step: int, ran
         return None
     if tier.compression or not isinstance(store, LocalStorage) or not recycles(config, store):
         return None
+    os.close(store.make_dir(step_dir(config.namespace, step)))  # made now, with no link on the way
     clean = store.path(part_key(config.namespace, step, rank))
     dirty = f"{clean}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return TierFile(dirty, clean, store.path(spare_dir(config.namespace)))
