@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tiered_dcp.storage.base import Storage
+from tiered_dcp.storage.errors import NotAnObject
 from tiered_dcp.storage.format import is_part_name, part_key, spare_dir, step_dir
 from tiered_dcp.storage.local import DIRTY, LocalStorage, in_memory
 
@@ -48,6 +49,8 @@ class TierFile:
     dirty: str
     clean: str
     spares: str  # the namespace's spare directory in this root
+    store: LocalStorage  # the root
+    directory: str  # the step's directory there (a key of ``store``)
 
     def spare(self, ino: int) -> str:
         return os.path.join(self.spares, str(ino))
@@ -65,16 +68,18 @@ def target(config: TieredConfig, tier_index: int, store: Storage, step: int, ran
         return None
     if tier.compression or not isinstance(store, LocalStorage) or not recycles(config, store):
         return None
-    os.close(store.make_dir(step_dir(config.namespace, step)))  # made now, with no link on the way
     clean = store.path(part_key(config.namespace, step, rank))
     dirty = f"{clean}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return TierFile(dirty, clean, store.path(spare_dir(config.namespace)))
+    return TierFile(
+        dirty, clean, store.path(spare_dir(config.namespace)), store, step_dir(config.namespace, step)
+    )
 
 
 def create(tf: TierFile, size: int) -> int:
     """An open file at ``tf.dirty`` of ``size`` bytes, all claimed: a spare when there is
-    one (its pages reused), else a new one. The caller owns the descriptor."""
-    os.makedirs(os.path.dirname(tf.dirty), exist_ok=True)
+    one (its pages reused), else a new one. The caller owns the descriptor. The step's
+    directory is made with no link on the way (one left there fails the save)."""
+    os.close(tf.store.make_dir(tf.directory))
     with _opened_dir(tf.spares) as spares:
         for name in _listed(spares):
             with contextlib.suppress(FileNotFoundError):  # another save claimed it first
@@ -116,7 +121,7 @@ def reclaim(fd: int, was: TierFile, tf: TierFile, size: int) -> bool:
         try:
             if os.lstat(place).st_ino != ino:
                 continue
-            os.makedirs(os.path.dirname(tf.dirty), exist_ok=True)
+            os.close(tf.store.make_dir(tf.directory))  # no link on the way
             os.rename(place, tf.dirty)
         except FileNotFoundError:
             continue
@@ -187,7 +192,8 @@ def discard(tf: TierFile) -> None:
 def recycle(store: Storage, namespace: str, step: int) -> None:
     """Retention's drop of ``step`` on a memory tier: its part files become spares."""
     assert isinstance(store, LocalStorage)
-    os.makedirs(store.path(spare_dir(namespace)), exist_ok=True)
+    with contextlib.suppress(NotAnObject):  # a link there: the parts go with the step's directory
+        os.close(store.make_dir(spare_dir(namespace)))
     with (
         _opened_dir(store.path(step_dir(namespace, step))) as sdir,
         _opened_dir(store.path(spare_dir(namespace))) as spares,
