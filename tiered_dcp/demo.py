@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -526,7 +527,7 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
     slower = range(1, len(cfg.tiers))
     print(
         f"tiered-dcp demo: {WORLD} ranks on gloo train an FSDP2 MLP for {steps} steps, "
-        "saving each with dcp.async_save"
+        f"saving each with dcp.async_save (namespace {cfg.namespace!r})"
     )
     for i, t in enumerate(cfg.tiers):
         extra = f", {t.compression}" if t.compression else ""
@@ -647,6 +648,7 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
             f"with exactly the saved state"
         )
         ok = _node_loss_scene(workdir, ram) and ok
+        _print_next(cfg, own_dir)
         return 0 if ok else 1
     finally:
         if own_dir:
@@ -656,6 +658,21 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
             shutil.rmtree(job_dir(cfg), ignore_errors=True)
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(ram, ignore_errors=True)
+
+
+def _print_next(cfg, own_dir: bool) -> None:
+    """What to try next: the commands that look at the tiers the demo left (with --dir)."""
+    if own_dir:
+        print(
+            "\n  the tiers were in a temporary directory and are removed now; "
+            "`tiered-dcp demo --dir DIR` keeps them to look at"
+        )
+        return
+    tiers = " ".join(shlex.quote(t.path) for t in cfg.tiers)
+    print(f"\n  the tiers are kept; look at them (namespace {cfg.namespace!r}):")
+    print(f"    tiered-dcp ls -n {cfg.namespace} {tiers}")
+    print(f"    tiered-dcp verify -n {cfg.namespace} {tiers}")
+    print(f"    tiered-dcp export -n {cfg.namespace} {tiers} --to demo-export")
 
 
 def main() -> None:
