@@ -147,3 +147,25 @@ def test_demo_runs(tmp_path):
             timeout=300,
         )
         assert out.returncode == 0, command + out.stdout + out.stderr
+
+
+def test_export_of_a_damaged_step_is_one_line_and_without_a_step_takes_the_older(tmp_path):
+    """Every copy of step 2 damaged: `export --step 2` says so in one line (exit 1, no
+    traceback); `export` without a step exports step 1, the newest that loads. No torch
+    warning reaches the user."""
+    from tiered_dcp import Tier, TieredConfig
+
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ssd"))])
+    for step in (1, 2):
+        save(cfg, step)
+    (part,) = glob.glob(str(tmp_path / "ssd/run/step_000000000002/rank_*.part"))
+    flip_byte(part, 0.7)
+    args = ["-n", "run", str(tmp_path / "ssd")]
+    r = cli("export", *args, "--step", "2", "--to", str(tmp_path / "x2"), check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "tiered-dcp export: step 2: no good copy of item" in r.stderr and part in r.stderr
+    r = cli("export", *args, "--to", str(tmp_path / "x1"))
+    assert "UserWarning" not in r.stdout + r.stderr and "export loaded step 1" in r.stderr
+    got = zeros_like_state(value_kinds(0))
+    dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "x1")))
+    assert_state_equal(got, value_kinds(1))

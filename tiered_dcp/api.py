@@ -199,19 +199,36 @@ def shutdown(wait: bool = True, timeout: float | None = None) -> bool:
 
 
 def export(config: TieredConfig, step: int | None, dest: str | os.PathLike) -> str:
-    """Write ``step`` (None: the newest) as a stock DCP directory ``FileSystemReader`` loads.
+    """Write ``step`` (None: the newest that loads, as ``load_latest`` picks it) as a stock
+    DCP directory ``FileSystemReader`` loads. A step with no good copy of some item raises
+    ``CheckpointCorruptError`` (not DCP's wrapping of it).
 
     Runs in one process and holds the whole (unsharded) state in memory while it copies.
     """
+    import warnings
+
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from .reader import TieredReader
+    from .resume import resume, unwrapped
 
-    reader = TieredReader(config, step, no_dist=True)
-    state: dict = {}
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    def load(reader: TieredReader) -> dict:
+        state: dict = {}
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        return state
+
     dest = os.fspath(dest)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(dest), no_dist=True)
+    with warnings.catch_warnings():  # DCP's note that it runs in one process: it is meant to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            if step is None:
+                _, state = resume(config, load, caller="export", no_dist=True)
+            else:
+                state = load(TieredReader(config, step, no_dist=True))
+        except CheckpointException as e:
+            raise unwrapped(e) from None
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(dest), no_dist=True)
     return dest

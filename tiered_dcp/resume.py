@@ -52,6 +52,7 @@ def resume(
     *,
     caller: str = "load_latest",
     unusable: Callable[[int], str | None] | None = None,
+    no_dist: bool = False,
 ) -> tuple[int, T]:
     """Choose the newest good step (``TieredReader(config)``), ``load(reader)`` it, and on a
     failure for the step's data exclude it and choose again; return the step loaded and what
@@ -60,12 +61,13 @@ def resume(
     ``unusable`` must answer the same on every rank (its answer may come from a collective:
     every rank asks about the same steps in the same order). One warning (rank 0, naming
     ``caller``) lists the newer steps passed over; ``NoCheckpointError`` when none loads.
+    ``no_dist``: this process alone (``TieredReader``'s), whatever process group there is.
     """
     failed: dict[int, str] = {}  # steps excluded here, and why
     skipped: dict[int, str] = {}
     while True:
         try:
-            reader = TieredReader(config, exclude=failed)
+            reader = TieredReader(config, exclude=failed, no_dist=no_dist)
         except CheckpointCorruptError as e:  # the cluster's metadata of the chosen step is bad
             if e.step is None or e.step in failed:
                 raise
@@ -87,6 +89,13 @@ def resume(
             continue
         _warn(caller, reader.step, {**skipped, **failed})
         return reader.step, loaded
+
+
+def unwrapped(e: CheckpointException) -> CheckpointException | CheckpointCorruptError:
+    """Our error about the step's data that DCP wrapped in its ``CheckpointException`` (one
+    line, what to do), else ``e`` itself."""
+    why = _data_failure(e)
+    return e if why is None else CheckpointCorruptError(why)
 
 
 def _data_failure(e: BaseException) -> str | None:
