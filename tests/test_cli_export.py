@@ -47,12 +47,14 @@ def test_cli_ls_verify_export(tiers3, tmp_path):
     assert lines[1].split()[0] == "4" and lines[1].count("committed") == 3
     assert lines[2].split()[0] == "3" and "-" in lines[2].split()
     r = cli("verify", *tier_args(tmp_path))
-    assert r.stdout.count(": OK") == 3, r.stdout
+    assert r.stdout.count(": OK") == 3 and "step 4: good on all 3 tier(s)" in r.stdout, r.stdout
     (part,) = glob.glob(str(tmp_path / "ssd/0/run/step_000000000004/rank_*.part"))
     flip_byte(part, 0.7)
     r = cli("verify", *tier_args(tmp_path), check=False)
     assert r.returncode == 1
     assert "DAMAGED" in r.stdout and part in r.stdout and "nested.big" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("step 4: DAMAGED on tier 1 of 3 tier(s)")
+    assert "(replica)" not in r.stdout  # each node-local root holds its own rank's part here
     r = cli("export", *tier_args(tmp_path), "--step", "2", "--to", str(tmp_path / "exp"))
     assert "exported to" in r.stdout
     got = zeros_like_state(value_kinds(0))

@@ -112,3 +112,24 @@ def test_a_root_the_commit_never_reached_is_incomplete_not_damage(tmp_path):
     assert node1.incomplete and "safe to remove" in node1.incomplete and sdir in node1.incomplete
     r = cli("verify", "-n", "job", f"{root}/ram/{{node}}", "--step", "2")
     assert "incomplete: never committed" in r.stdout and "DAMAGED" not in r.stdout, r.stdout
+
+
+def test_a_truncated_part_is_a_few_lines_not_one_per_item(tmp_path):
+    """A part cut short makes every item after the cut unreadable: verify names the size,
+    the first few items, counts the rest in one line, and ends with what it means."""
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ssd"))])
+    save(cfg, 1)
+    (part,) = (tmp_path / "ssd/run/step_000000000001").glob("rank_*.part")
+    os.truncate(part, 100)
+    r = subprocess.run(
+        [sys.executable, "-m", "tiered_dcp.cli", "verify", "-n", "run", str(tmp_path / "ssd")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) <= 10, r.stdout
+    assert any("is 100 bytes, its index says" in line for line in lines)
+    assert any("more item(s) of rank 0's part unreadable" in line for line in lines), r.stdout
+    assert "[Errno" not in r.stdout and lines[-1].startswith("step 1: DAMAGED on tier 0")

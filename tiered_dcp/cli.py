@@ -282,6 +282,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for p in r.problems:
                 print(f"    {p}")
         bad += not c.ok
+    damaged = [f"tier {c.tier_index}" for c in checks if not c.ok]
+    if damaged:
+        print(
+            f"step {step}: DAMAGED on {', '.join(damaged)} of {len(checks)} tier(s) holding it. A load "
+            "reads another copy of what is damaged, else passes over to an older step "
+            "(load_latest, export); the next save writes a fresh step. Nothing to repair by hand."
+        )
+    else:
+        print(f"step {step}: good on all {len(checks)} tier(s) holding it")
     return 1 if bad else 0
 
 

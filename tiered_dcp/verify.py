@@ -32,6 +32,8 @@ from .config import TieredConfig
 from .leases import Leases
 from .metadata import item_key, legacy_index, load_metadata
 
+SHOWN_ITEMS = 3  # unreadable items named per file; the rest are counted in one line
+
 
 @dataclass
 class RootCheck:
@@ -108,7 +110,7 @@ def _verify_tier(view: TierView, copy: StepCopy) -> TierCheck:
     roots: dict[str, RootCheck] = {}
     whole: set[int] = set()
     for p in marker.parts:
-        own = view.tier.root(p.node, p.rank)
+        own = view.store_for(p.node, p.rank).url  # as the holders name it (an absolute path)
         for store in view.holders(marker, p.rank):
             root = roots.get(store.url)
             if root is None:  # one listing per root, not one per part it holds
@@ -166,7 +168,7 @@ def _verify_copy(
     """Read every item of one copy of rank ``part``'s part in ``store``; True when all good."""
     ns, step = view.config.namespace, marker.step
     which = f"rank {part}'s part" + (
-        "" if store.url == view.tier.root(marker.part(part).node, part) else " (replica)"
+        "" if store.url == view.store_for(marker.part(part).node, part).url else " (replica)"
     )
     key = part_key(ns, step, part)
     root.parts.append(part)
@@ -189,6 +191,7 @@ def _verify_copy(
         root.problems.append(f"{store.describe(key)}: {which} is {size} bytes, its index says {index.size}")
         good = False
     found = [(fqn, info, index.records.get(k)) for fqn, k, info in items]
+    unreadable: dict[str, list[str]] = {}  # file -> the items of it that could not be read
     for fqn, info, rec in sorted(found, key=lambda f: (f[2].file, f[2].offset) if f[2] else ("", 0)):
         if rec is None:
             root.problems.append(f"{store.describe(key)}: item {fqn!r} of {which} is not in its index")
@@ -203,8 +206,17 @@ def _verify_copy(
         try:
             read_item(store, rec, memoryview(bytearray(rec.raw_length)))
         except (OSError, ChecksumMismatch) as e:
-            root.problems.append(f"{store.describe(rec.file)}: item {fqn!r} of {which}: {e}")
+            bad = unreadable.setdefault(rec.file, [])
+            if len(bad) < SHOWN_ITEMS:
+                why = str(e.args[1] if isinstance(e, OSError) and len(e.args) == 2 else e)
+                why = why.removeprefix(f"{store.describe(rec.file)}: ")  # named at the start already
+                root.problems.append(f"{store.describe(rec.file)}: item {fqn!r} of {which}: {why}")
+            bad.append(fqn)
             good = False
         root.items += 1
         root.bytes_read += rec.length
+    for file, bad in unreadable.items():  # the rest of a file's items, one line
+        if len(bad) > SHOWN_ITEMS:
+            more = len(bad) - SHOWN_ITEMS
+            root.problems.append(f"{store.describe(file)}: {more} more item(s) of {which} unreadable")
     return good
