@@ -171,3 +171,38 @@ def test_export_of_a_damaged_step_is_one_line_and_without_a_step_takes_the_older
     got = zeros_like_state(value_kinds(0))
     dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "x1")))
     assert_state_equal(got, value_kinds(1))
+
+
+def test_rm_and_prune_remove_steps_safely(tmp_path):
+    """rm never takes the newest committed step without --force, nor one a writer process
+    still copies; prune keeps the newest K; dedup blocks only removed steps used go too."""
+    import torch
+    from tiered_dcp.storage.format import pin_key
+
+    from tiered_dcp import Tier, TieredConfig, TieredWriter, latest_step, status
+    from tiered_dcp.leases import owner_record
+
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ssd"))], dedup=True)
+    for step in range(1, 6):  # each step has a block of its own (and shares none)
+        dcp.save({"w": torch.full((1 << 18,), float(step))}, storage_writer=TieredWriter(cfg, step=step))
+    blocks = lambda: len(list((tmp_path / "ssd/run/blocks").glob("??/*")))  # noqa: E731
+    assert blocks() == 5
+    args = ["-n", "run", str(tmp_path / "ssd")]
+    committed = lambda: [r.step for r in status(cfg) if r.state == "committed"]  # noqa: E731
+    r = cli("rm", *args, "--step", "5", check=False)
+    assert r.returncode == 1 and "kept step 5" in r.stdout and "newest committed" in r.stdout
+    r = cli("rm", *args, "--step", "3")
+    assert "removed step 3 from tier 0" in r.stdout and committed() == [1, 2, 4, 5] and blocks() == 4
+    # a step a writer process still copies (its pin, by a live process: this one) stays
+    (tmp_path / "ssd" / pin_key("run", 2, 0, 1)).write_bytes(owner_record())
+    r = cli("rm", *args, "--step", "2", check=False)
+    assert r.returncode == 1 and "a writer process still copies it" in r.stdout and 2 in committed()
+    (tmp_path / "ssd" / pin_key("run", 2, 0, 1)).unlink()
+    r = cli("rm", *args, "--step", "9", check=False)
+    assert r.returncode == 1 and "[9]" in r.stderr and "on no tier" in r.stderr
+    r = cli("prune", *args, "--keep", "2")
+    assert "removed step 1" in r.stdout and "removed step 2" in r.stdout and committed() == [4, 5]
+    r = cli("rm", *args, "--step", "5", "--force")
+    assert "removed step 5" in r.stdout and committed() == [4] and latest_step(cfg) == 4 and blocks() == 1
+    r = cli("prune", *args, "--keep", "0", check=False)
+    assert r.returncode == 2 and "keep=0 must be an integer >= 1" in r.stderr

@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tiered_dcp.storage import open_storage
-from tiered_dcp.storage.format import parse_step_dir
+from tiered_dcp.storage import blocks, open_storage
+from tiered_dcp.storage.format import parse_step_dir, step_dir
 
 from . import runtime
 from .catalog import StepState, TierView, copies_marks, loadable_steps, one_save, views
@@ -95,6 +96,63 @@ def namespaces(tiers: list[Tier]) -> list[NamespaceInfo]:
                 size = sum(r.size_bytes for r in rows)
                 out.append(NamespaceInfo(name, i, tier.path, len(rows), newest, size))
     return sorted(out, key=lambda n: (n.namespace, n.tier_index))
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What ``remove_steps`` or ``prune`` did with one step on one tier."""
+
+    tier_index: int
+    tier: str
+    step: int
+    removed: bool
+    why: str = ""  # why it stays
+
+
+def remove_steps(
+    config: TieredConfig, steps: Iterable[int], *, tiers: Iterable[int] | None = None, force: bool = False
+) -> list[Removal]:
+    """Remove ``steps`` from ``tiers`` (default: all), in the roots this process sees (on a
+    node-local tier: this node's). The newest committed step stays unless ``force``; a step
+    a writer process still copies or a reader reads stays whatever ``force`` says, and so
+    does one whose save is still under way. The marker goes first (``TierView.drop``)."""
+    wanted = set(steps)
+    tier_views = views(config, *here())
+    picked = set(range(len(config.tiers)) if tiers is None else tiers)
+    committed = {v.index: set(v.committed()) for v in tier_views}
+    newest = max((s for c in committed.values() for s in c), default=None)
+    out = []
+    for v in (v for v in tier_views if v.index in picked):
+        store, removed = v.own, False
+        for step in sorted(wanted & set(v.step_dirs(store))):
+            why = ""
+            if step not in committed[v.index]:
+                if v.abandoned(store, step):  # a save that failed or died: its leftovers
+                    store.delete(step_dir(config.namespace, step))
+                else:
+                    why = "not committed, and its save may still be under way"
+            elif step == newest and not force:
+                why = "the newest committed step (force it to remove it)"
+            elif not v.drop(step):
+                why = "a writer process still copies it, or a reader reads it"
+            out.append(Removal(v.index, v.tier.path, step, not why, why))
+            removed = removed or not why
+        if removed:
+            blocks.collect(store, config.namespace)  # the blocks no step uses any more (dedup)
+    return out
+
+
+def prune(config: TieredConfig, keep: int, *, tiers: Iterable[int] | None = None) -> list[Removal]:
+    """Keep the newest ``keep`` committed steps of each of ``tiers`` (default: all); remove
+    the older ones as ``remove_steps`` does (the newest committed step always stays)."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"prune: keep={keep!r} must be an integer >= 1")
+    out = []
+    for v in views(config, *here()):
+        if tiers is None or v.index in set(tiers):
+            older = sorted(v.committed())[:-keep]
+            out += remove_steps(config, older, tiers=[v.index]) if older else []
+    return out
 
 
 def host_memory(config: TieredConfig) -> HostMemory:

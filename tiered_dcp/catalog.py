@@ -489,29 +489,35 @@ class TierView:
         recycles = tierfile.recycles(self.config, store)
         if recycles and doomed:  # the spares the last retention left went unclaimed for a save
             tierfile.clear_spares(store, ns)
-        deleted = 0
-        for step in sorted(doomed):
-            if self.held(store, step):
-                continue
-            try:
-                raw = store.read(marker_key(ns, step))
-            except FileNotFoundError:
-                raw = None
-            store.delete(marker_key(ns, step))
-            if raw is not None and self.held(store, step):  # leased in the meantime: its reader saw
-                store.write(marker_key(ns, step), [raw])  # the marker, so the step stays for it
-                continue
-            if recycles:
-                tierfile.recycle(store, ns, step)
-            store.delete(step_dir(ns, step))
-            self._drop_marks(store, {step})
-            deleted += 1
+        deleted = sum(self.drop(step) for step in sorted(doomed))
         for step in listed:
             if step < newest and step not in committed and self.abandoned(store, step):
                 store.delete(step_dir(ns, step))
                 deleted += 1
         if deleted:
             blocks.collect(store, ns)  # blocks no remaining step references (dedup)
+
+    def drop(self, step: int) -> bool:
+        """Remove ``step`` from this view's own root; False (nothing removed) while a writer
+        process (a pin) or a reader (a lease) still needs it. The marker goes first, so a
+        half-removed step is never trusted; a memory tier keeps its part files as spares
+        (``tierfile``). The caller collects the blocks no step uses any more (dedup)."""
+        store, ns = self.own, self.config.namespace
+        if self.held(store, step):
+            return False
+        try:
+            raw = store.read(marker_key(ns, step))
+        except FileNotFoundError:
+            raw = None
+        store.delete(marker_key(ns, step))
+        if raw is not None and self.held(store, step):  # leased in the meantime: its reader saw
+            store.write(marker_key(ns, step), [raw])  # the marker, so the step stays for it
+            return False
+        if tierfile.recycles(self.config, store):
+            tierfile.recycle(store, ns, step)
+        store.delete(step_dir(ns, step))
+        self._drop_marks(store, {step})
+        return True
 
     def _drop_marks(self, store: Storage, steps: set[int]) -> None:
         """Remove the quarantine marks of ``steps`` (whose directories are gone) in ``store``."""

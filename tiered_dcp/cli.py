@@ -1,4 +1,4 @@
-"""The ``tiered-dcp`` command: ls, verify, export, goodput, drill, demo.
+"""The ``tiered-dcp`` command: ls, verify, export, rm, prune, goodput, drill, demo.
 
 ``ls`` imports no torch, so it answers at once; the others import it when they run.
 Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
@@ -17,7 +17,7 @@ import sys
 import time
 
 from . import __version__
-from .api import export, host_memory, namespaces, status, writer_status
+from .api import Removal, export, host_memory, namespaces, prune, remove_steps, status, writer_status
 from .catalog import views
 from .config import Tier, TieredConfig, here
 from .errors import TieredCheckpointError
@@ -305,6 +305,33 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    tiers = None if args.tier is None else [args.tier]
+    return _report_removals(remove_steps(cfg, args.step, tiers=tiers, force=args.force), cfg, args.step)
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    tiers = None if args.tier is None else [args.tier]
+    return _report_removals(prune(cfg, args.keep, tiers=tiers), cfg, None)
+
+
+def _report_removals(done: list[Removal], cfg: TieredConfig, asked: list[int] | None) -> int:
+    """One line per step and tier; exit 1 when a step asked for is nowhere, or one stays."""
+    for r in done:
+        if r.removed:
+            print(f"removed step {r.step} from tier {r.tier_index} ({r.tier})")
+        else:
+            print(f"kept step {r.step} on tier {r.tier_index} ({r.tier}): {r.why}")
+    missing = sorted(set(asked or []) - {r.step for r in done})
+    if missing:
+        print(f"step(s) {missing} of namespace {cfg.namespace!r} are on no tier reached", file=sys.stderr)
+    if asked is None and not done:
+        print("nothing to prune: no tier holds more committed steps than that")
+    return 1 if missing or any(not r.removed for r in done) else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -365,6 +392,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, help="the step (default: the newest complete)")
     p.add_argument("--to", required=True, help="destination directory")
     p.set_defaults(fn=cmd_export)
+    p = sub.add_parser(
+        "rm", help="remove a step from the tiers (never the newest committed one without --force)"
+    )
+    _tier_args(p)
+    p.add_argument("--step", type=int, action="append", required=True, help="the step (repeatable)")
+    p.add_argument("--tier", type=int, help="only this tier (its index)")
+    p.add_argument("--force", action="store_true", help="also the newest committed step")
+    p.set_defaults(fn=cmd_rm)
+    p = sub.add_parser("prune", help="keep the newest K committed steps of each tier, remove the older")
+    _tier_args(p)
+    p.add_argument("--keep", type=int, required=True, help="committed steps to keep per tier (>= 1)")
+    p.add_argument("--tier", type=int, help="only this tier (its index)")
+    p.set_defaults(fn=cmd_prune)
     from . import drill, goodput  # torch-free; their commands import what they need when run
 
     p = sub.add_parser("goodput", help="best save interval per tier, and the goodput it buys (Young/Daly)")
