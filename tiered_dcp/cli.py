@@ -333,7 +333,7 @@ def _report_removals(done: list[Removal], cfg: TieredConfig, asked: list[int] | 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     return run_demo(args.dir, steps=args.steps, kill_at=args.kill_at)
 
@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=int, required=True, help="committed steps to keep per tier (>= 1)")
     p.add_argument("--tier", type=int, help="only this tier (its index)")
     p.set_defaults(fn=cmd_prune)
-    from . import drill, goodput  # torch-free; their commands import what they need when run
+    from . import goodput  # torch-free; the commands import what they need when run
+    from .tools import drill
 
     p = sub.add_parser("goodput", help="best save interval per tier, and the goodput it buys (Young/Daly)")
     _tier_args(p, json_output=True)

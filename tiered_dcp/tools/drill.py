@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Collection
     from concurrent.futures import Future
 
-    from .config import TieredConfig
-    from .storage.format import Marker
+    from ..config import TieredConfig
+    from ..storage.format import Marker
 
 WORLD = 2  # ranks, one per simulated node
 HIDDEN = 256
@@ -121,9 +121,9 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import NoCheckpointError, TieredWriter, load_latest, shutdown
+    from .. import NoCheckpointError, TieredWriter, load_latest, shutdown
+    from ..jobconfig import load_job_config
     from .demo import _build, _state, _state_hash, _train_step
-    from .jobconfig import load_job_config
 
     dist.init_process_group("gloo")
     ckpt_pg = dist.new_group(backend="gloo")  # the async saves' collectives run beside FSDP's
@@ -288,7 +288,7 @@ def _finite(state: object) -> bool:
 
 def _load_tiers(cfg: TieredConfig, rank: int, step: int) -> list[int]:
     """The tiers holding ``step`` complete when this rank loaded it (the load's record)."""
-    from .records import Kind, read_records
+    from ..records import Kind, read_records
 
     loads = [r for r in read_records(cfg, Kind.LOAD, tail_bytes=1 << 16) if (r.rank, r.step) == (rank, step)]
     return list(loads[-1].tiers or ()) if loads else []
@@ -296,9 +296,9 @@ def _load_tiers(cfg: TieredConfig, rank: int, step: int) -> list[int]:
 
 def _quarantined(cfg: TieredConfig, rank: int) -> list[list]:
     """[step, ident] of the quarantine marks in this rank's own root of each node-local tier."""
-    from .catalog import TierView
-    from .config import node_of
-    from .storage.format import parse_quarantine
+    from ..catalog import TierView
+    from ..config import node_of
+    from ..storage.format import parse_quarantine
 
     marks = set()
     for i, tier in enumerate(cfg.tiers):
@@ -428,7 +428,7 @@ class Drill:
                 MASTER_PORT=str(port),
                 OMP_NUM_THREADS="1",
             )
-            cmd = [sys.executable, "-m", "tiered_dcp.drill", "--worker", "--dir", self.dir]
+            cmd = [sys.executable, "-m", "tiered_dcp.tools.drill", "--worker", "--dir", self.dir]
             cmd += ["--config", self.config_path, "--attempt", str(self.attempt)]
             with open(f"{self.dir}/stderr.{self.attempt}.rank{rank}", "wb") as err:
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
@@ -484,7 +484,7 @@ class Drill:
     def committed(self, passed: Collection[int] = ()) -> int:
         """The newest step whose save returned on every rank (0: none), or the bucket's newest;
         ``passed``: steps not to count (the drill made them unloadable itself)."""
-        from .api import status
+        from ..api import status
 
         saved = min(self.progress(r) for r in range(WORLD)) - 1
         while saved in passed:
@@ -498,7 +498,7 @@ class Drill:
 
     def marker(self, step: int) -> Marker | None:
         """``step``'s commit marker on node 0's RAM tier."""
-        from .catalog import TierView
+        from ..catalog import TierView
 
         view = TierView(self.cfg, 0, 0, 0)
         return view.read_marker(view.own, step)
@@ -559,7 +559,7 @@ class Drill:
 
     def fault_kill_save(self, event: Event) -> None:
         """A rank SIGKILLs itself while its save is in flight; the others fail by themselves."""
-        from .verify import verify_step
+        from ..verify import verify_step
 
         victim = self.rng.randrange(WORLD)
         others = [r for r in range(WORLD) if r != victim]
@@ -644,7 +644,7 @@ class Drill:
 
     def fault_damage(self, event: Event) -> None:
         """Every copy of a part (or the metadata) of the newest step, on the RAM tier only, damaged."""
-        from .storage.format import metadata_key, part_key
+        from ..storage.format import metadata_key, part_key
 
         fault_time = time.time()
         self.command({"do": "halt"})  # after the next step that only the RAM tier takes
@@ -678,8 +678,8 @@ class Drill:
             event.problems.append(f"the damaged step {step} was not quarantined")
 
     def fault_wipe(self, event: Event) -> None:
-        from .rundir import RunDir
-        from .runtime import pid_alive
+        from ..rundir import RunDir
+        from ..runtime import pid_alive
 
         node = self.rng.randrange(WORLD)  # one rank per node: the node's rank is `node`
         fault_time = time.time()
@@ -698,9 +698,9 @@ class Drill:
         self.restart(event, fault_time)
 
     def fault_flip(self, event: Event) -> None:
-        from .catalog import TierView
-        from .storage.format import part_key
-        from .verify import verify_step
+        from ..catalog import TierView
+        from ..storage.format import part_key
+        from ..verify import verify_step
 
         fault_time = time.time()
         self.crash()
@@ -724,7 +724,7 @@ class Drill:
         self.restart(event, fault_time)
 
     def fault_outage(self, event: Event) -> None:
-        from .api import status
+        from ..api import status
 
         def bucket_newest() -> int:
             return max(
@@ -771,7 +771,7 @@ class Drill:
     # -- the run
 
     def run(self) -> DrillReport:
-        from .jobconfig import load_job_config
+        from ..jobconfig import load_job_config
 
         bucket, opts = self.start_bucket()
         self.config_path = write_config(self.dir, self.ram, bucket, opts)
@@ -880,9 +880,9 @@ def run_drill(
     """Run the drill for ``seconds`` of faults, each kind once at least, and return its report
     (``report.ok``: nothing lost, no silent escape). ``pause``: seconds of training between
     faults, drawn in this range."""
-    from .api import writer_status
-    from .jobconfig import load_job_config
-    from .rundir import RunDir, job_dir
+    from ..api import writer_status
+    from ..jobconfig import load_job_config
+    from ..rundir import RunDir, job_dir
 
     faults = list(faults or FAULTS)
     unknown = set(faults) - set(FAULTS)

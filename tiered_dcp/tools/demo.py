@@ -45,7 +45,7 @@ STOCK_SAVES = 3  # stock FileSystemWriter async saves timed at the start of each
 
 
 def demo_config(workdir: str, ram_root: str):
-    from .config import Tier, TieredConfig
+    from ..config import Tier, TieredConfig
 
     return TieredConfig(
         "demo",
@@ -67,7 +67,7 @@ NL_LOST = 1  # the node whose tiers are wiped
 
 
 def node_loss_config(workdir: str, ram_root: str):
-    from .config import Tier, TieredConfig
+    from ..config import Tier, TieredConfig
 
     return TieredConfig(
         "demo-nodeloss",
@@ -107,7 +107,7 @@ def _state_hash(state) -> str:
 
 def _loaded_from(cfg, rank: int) -> list[int]:
     """The tiers this rank's last load read from, as its load record says (``records``)."""
-    from .records import Kind, read_records
+    from ..records import Kind, read_records
 
     loads = [r for r in read_records(cfg, Kind.LOAD, tail_bytes=1 << 16) if r.rank == rank]
     return list(loads[-1].tiers or ())
@@ -151,7 +151,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import TieredWriter, load_latest, shutdown
+    from .. import TieredWriter, load_latest, shutdown
 
     dist.init_process_group("gloo")
     # DCP runs an async save's collectives in its upload thread while training runs FSDP's
@@ -254,8 +254,8 @@ def node_loss_worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import TieredWriter, load_latest, shutdown, wait_for
-    from .config import node_of
+    from .. import TieredWriter, load_latest, shutdown, wait_for
+    from ..config import node_of
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -338,7 +338,7 @@ def _launch(
         cmd = [
             sys.executable,
             "-m",
-            "tiered_dcp.demo",
+            "tiered_dcp.tools.demo",
             "--dir",
             workdir,
             "--ram",
@@ -390,7 +390,7 @@ def _fail(procs: list[subprocess.Popen], workdir: str, phase: str, what: str) ->
 
 def _where(cfg, step: int) -> str:
     """Where ``step`` stands on each tier taking it, e.g. 'RAM committed | SSD queued'."""
-    from .api import status
+    from ..api import status
 
     rows = status(cfg)
     newest = {}
@@ -411,8 +411,8 @@ def _ms(seconds: float) -> str:
 
 def _node_loss_scene(workdir: str, ram: str) -> bool:
     """Lose a node after the newest step left the shared tier behind; resume from peers."""
-    from .api import status, writer_status
-    from .rundir import job_dir
+    from ..api import status, writer_status
+    from ..rundir import job_dir
 
     cfg = node_loss_config(workdir, ram)
     names = ["RAM", "bucket"]
@@ -505,10 +505,10 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
     """Run the demo; return 0 when the resumed state matched the saved one in both scenes."""
     if not 1 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 2 and {steps - 1}")
-    from .api import status, wait_for, writer_status
-    from .errors import TieredCheckpointError
-    from .rundir import job_dir
-    from .runtime import MAX_PENDING
+    from ..api import status, wait_for, writer_status
+    from ..errors import TieredCheckpointError
+    from ..rundir import job_dir
+    from ..runtime import MAX_PENDING
 
     own_dir = workdir is None
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tiered-dcp-demo-"))
