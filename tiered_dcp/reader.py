@@ -27,7 +27,7 @@ from .checkpoint_id import new_id, step_id, step_of
 from .config import TieredConfig, node_of
 from .errors import PeerLostError
 from .opening import OpenStep
-from .reading import StepReads
+from .reading import Failure, StepReads
 from .records import Kind, record
 
 log = logging.getLogger("tiered_dcp")
@@ -90,7 +90,7 @@ class TieredReader(StorageReader):
         return self._opened.tiers
 
     @property
-    def _failures(self) -> dict[int, list[str]]:
+    def _failures(self) -> dict[int, list[Failure]]:
         """The last load's items read from a second source (or not at all): what failed where."""
         return self._reads.failures
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,27 @@ from .transport import PeerTimeout
 log = logging.getLogger("tiered_dcp")
 
 
+class Failed(Enum):
+    """How one read of an item failed (its value: what the messages say)."""
+
+    REMOVED = "was removed (the step is no longer committed there: another job's retention?)"
+    DAMAGED = "is damaged"
+    UNREADABLE = "could not be read"
+    DAMAGED_IN_TRANSIT = "sent it damaged"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed read of an item: where from, how, and the error's words."""
+
+    where: str
+    kind: Failed
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.where} {self.kind.value}: {self.error}"
+
+
 class StepReads:
     """The reads of one opened step (``opening.OpenStep``): ``read_all`` executes a load plan.
 
@@ -55,7 +78,7 @@ class StepReads:
         self._views = opened.views
         self._metadata = opened.metadata
         self._held: dict[tuple[str, int, int], PartIndex | None] = {}  # (root, tier, part) -> index
-        self.failures: dict[int, list[str]] = {}  # id(item) -> its failed reads, this load
+        self.failures: dict[int, list[Failure]] = {}  # id(item) -> its failed reads, this load
         self._unproven: set[int] = set()  # items a failure other than damage kept from a source
 
     def _routes(self, plan: LoadPlan) -> list[ItemRoute]:
@@ -158,20 +181,20 @@ class StepReads:
                 where = store.describe(rec.file)
                 view = self._views[src.tier]
                 if isinstance(e, FileNotFoundError) and view.read_marker(store, self.step) is None:
-                    what = "was removed (the step is no longer committed there: another job's retention?)"
+                    kind = Failed.REMOVED
                     self._unproven.add(id(req))
                 elif isinstance(e, ChecksumMismatch | FileNotFoundError):  # missing from a committed copy
-                    what = "is damaged"
+                    kind = Failed.DAMAGED
                 else:  # a tier that failed to answer proves nothing about the bytes
-                    what = "could not be read"
+                    kind = Failed.UNREADABLE
                     self._unproven.add(id(req))
-                self.failures.setdefault(id(req), []).append(f"{where} {what}: {e}")
+                self.failures.setdefault(id(req), []).append(Failure(where, kind, str(e)))
                 log.warning(
                     "step %d: item %r in %s %s (%s); trying another copy",
                     self.step,
                     req.storage_index.fqn,
                     where,
-                    what,
+                    kind.value,
                     e,
                 )
         return False
@@ -244,7 +267,9 @@ class StepReads:
                         check_raw(info, buf)
                         self._deliver(req, planner, info, buf)
                     except ChecksumMismatch as e:
-                        self.failures.setdefault(id(req), []).append(f"from rank {holder}: {e}")
+                        self.failures.setdefault(id(req), []).append(
+                            Failure(f"rank {holder}", Failed.DAMAGED_IN_TRANSIT, str(e))
+                        )
                         log.warning(
                             "step %d: item %r from rank %d arrived damaged (%s)",
                             self.step,
@@ -297,8 +322,8 @@ class StepReads:
         if pending:
             req = pending[0]
             failures = self.failures.get(id(req), [])
-            detail = "; ".join(failures) or "no tier or peer holds it"
-            if failures and all(" was removed " in f for f in failures):
+            detail = "; ".join(map(str, failures)) or "no tier or peer holds it"
+            if failures and all(f.kind is Failed.REMOVED for f in failures):
                 raise NoCheckpointError(
                     f"step {self.step} was removed from every tier it was being read from (a lease that "
                     f"expired, or another job's retention on a shared tier): {detail}"
