@@ -161,3 +161,47 @@ def test_from_job_reads_the_costs_a_real_two_rank_run_measured(tmp_path):
     assert doc["best_every"][0] == want
     r = cli("goodput", "--config", toml, "--from-job", "--mtbf", "3600,86400", "--restore", "0.5,2")
     assert "measured from the job's records: 8 saves, 2 loads" in r.stdout
+
+
+def test_the_plot_is_readable(tmp_path):
+    """Rendered for three tiers whose best intervals lie close together: every curve and
+    marker inside the axes, no text over another or over the axes, a title in words and
+    units on both axes; `--plot` writes it as a PNG."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tiered_dcp.goodput import figure
+
+    tiers = [
+        TierCosts("/dev/shm/tdcp/{node}", 0.05, 5, 3600, 0.3, every=1),
+        TierCosts("/mnt/nvme/tdcp/{node}", 0.4, 30, 36000, 3, every=10),
+        TierCosts("gs://bucket/ckpt", 0.5, 300, 360000, 60, every=100),
+    ]
+    report = analyze(2.0, tiers)
+    fig = figure(report, tiers, plt)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    for line in ax.get_lines():
+        for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True):
+            assert x0 <= x <= x1 and y0 <= y <= y1, (line.get_label(), x, y)
+    renderer = fig.canvas.get_renderer()
+    texts = [ax.title, ax.xaxis.label, ax.yaxis.label, ax.get_legend(), *ax.texts]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+    assert not ax.get_legend().get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    assert "=" not in ax.get_title() and "goodput" in ax.get_title().lower()
+    assert "[" in ax.get_xlabel() and "[" in ax.get_ylabel()  # units
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("best every" in t and "now every" in t for t in legend)
+    plt.close(fig)
+    png = tmp_path / "p.png"
+    args = ["goodput", "-n", "job", *(t.name for t in tiers), "--step-time", "2", "--stall", "0.05,0.4,0.5"]
+    args += ["--restore", "5,30,300", "--mtbf", "3600,36000,360000", "--latency", "0.3,3,60"]
+    cli(*args, "--every", "1,10,100", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

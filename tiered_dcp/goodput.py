@@ -275,6 +275,9 @@ def measure_job(config: TieredConfig) -> Measured:
 # -- the picture -------------------------------------------------------------------------------
 
 
+SHOWN_LOSS = 5  # each curve is drawn where it loses at most this many times its best's loss
+
+
 def plot(report: GoodputReport, tiers: list[TierCosts], path: str) -> str:
     """Goodput against interval (steps, log scale) per tier, best and current marked; a PNG."""
     try:
@@ -284,35 +287,50 @@ def plot(report: GoodputReport, tiers: list[TierCosts], path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install 'tiered-dcp[plot]'") from e
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
-    t = report.step_time
-    for costs, advice in zip(tiers, report.tiers, strict=True):
-        top = max(advice.best_every, costs.every or 1) * 20
-        xs = sorted({max(1, round(10 ** (i / 60))) for i in range(int(60 * math.log10(top)) + 1)})
-        ys = [goodput(x, t, costs.stall, costs.restore, costs.mtbf, costs.latency) for x in xs]
-        (line,) = ax.plot(xs, ys, label=advice.name)
-        ax.plot([advice.best_every], [advice.goodput], "o", color=line.get_color())
-        ax.annotate(
-            f"best {advice.best_every}: {advice.goodput:.3f}",
-            (advice.best_every, advice.goodput),
-            textcoords="offset points",
-            xytext=(4, -12),
-            fontsize=8,
-        )
-        if advice.every is not None and advice.goodput_current is not None:
-            ax.plot([advice.every], [advice.goodput_current], "x", color=line.get_color(), markersize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"interval between saves (steps of {t:g} s)")
-    ax.set_ylabel("goodput (against that tier's failures)")
-    ax.set_title("tiered-dcp goodput: o best (Daly), x current every=")
-    lows = [a.goodput for a in report.tiers]
-    ax.set_ylim(max(0.0, min(lows) - 0.1), 1.002)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower center")
-    fig.tight_layout()
-    fig.savefig(path)
+    fig = figure(report, tiers, plt)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def figure(report: GoodputReport, tiers: list[TierCosts], plt: Any) -> Any:
+    """The plot's figure. Each curve is drawn over the intervals where it loses at most
+    ``SHOWN_LOSS`` times the time its best interval loses (at least 0.01 of goodput below the
+    best; the current interval always), so none runs off the axes and the region that
+    matters fills them; the numbers go in the legend, below the axes, so no label covers
+    another."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.2 + 0.3 * len(tiers)), dpi=100)
+    t = report.step_time
+    lowest = 1.0
+    for costs, advice in zip(tiers, report.tiers, strict=True):
+        ends = [advice.best_every] + ([advice.every] if advice.every else [])
+        top = max(ends) * 30
+        xs = sorted({max(1, round(10 ** (i / 60))) for i in range(int(60 * math.log10(top)) + 1)} | set(ends))
+        ys = [goodput(x, t, costs.stall, costs.restore, costs.mtbf, costs.latency) for x in xs]
+        floor = advice.goodput - max(0.01, SHOWN_LOSS * (1 - advice.goodput))
+        if advice.goodput_current is not None:
+            floor = min(floor, advice.goodput_current)
+        shown = [(x, y) for x, y in zip(xs, ys, strict=True) if y >= floor and x >= min(ends) / 30]
+        label = f"{advice.name}: best every {advice.best_every} ({advice.goodput:.3f})"
+        if advice.every is not None and advice.goodput_current is not None:
+            label += f", now every {advice.every} ({advice.goodput_current:.3f})"
+        (line,) = ax.plot([x for x, _ in shown], [y for _, y in shown], label=label)
+        ax.plot([advice.best_every], [advice.goodput], "o", color=line.get_color())
+        if advice.every is not None and advice.goodput_current is not None:
+            ax.plot([advice.every], [advice.goodput_current], "x", color=line.get_color(), markersize=8)
+        lowest = min([lowest] + [y for _, y in shown])
+    ax.plot([], [], "o", color="gray", label="best interval (Young/Daly)")
+    ax.plot([], [], "x", color="gray", markersize=8, label="current interval (every=)")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"interval between saves [steps; one step = {t:g} s]")
+    ax.set_ylabel("goodput [share of time training]")
+    ax.set_title("Goodput against the interval between saves, per tier")
+    margin = max(0.002, (1 - lowest) * 0.05)
+    ax.set_ylim(max(0.0, lowest - margin), min(1.0, max(a.goodput for a in report.tiers) + margin))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
+    fig.tight_layout()
+    return fig
 
 
 # -- the command ------------------------------------------------------------------------------
