@@ -5,6 +5,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 # gcsfs >= 2026.3 probes every bucket over gRPC unless this is off when it is imported:
 # against the emulator every call would stall. Set before anything imports gcsfs; rank
@@ -80,6 +81,17 @@ class GCSBucket:
 
     def via(self, endpoint: str) -> dict:
         return self.emulator.storage_options(endpoint)
+
+
+@pytest.fixture
+def shm():
+    """A directory in /dev/shm (a real tmpfs: RAM tiers stage into and recycle part files
+    there), removed afterwards."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="tdcp-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

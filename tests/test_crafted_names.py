@@ -21,7 +21,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -399,16 +398,6 @@ def test_the_writer_process_does_not_copy_a_crafted_step_down(tmp_path, case):
 
 
 # -- retention and GC -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def shm():
-    """A directory in /dev/shm (a real tmpfs: retention recycles part files there)."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
-    path = Path(tempfile.mkdtemp(prefix="tdcp-test-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_block_gc_deletes_nothing_through_a_linked_block_directory(tmp_path):

@@ -11,11 +11,9 @@ loadable and the next save works; the memory /dev/shm holds stays near the floor
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -35,16 +33,6 @@ from tiered_dcp.staging import POOL
 from tiered_dcp.verify import verify_step
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def shm():
-    """A directory in /dev/shm (a real tmpfs), removed afterwards."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
-    path = Path(tempfile.mkdtemp(prefix="tdcp-test-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(seed: int, mib: int = 2) -> dict:
