@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, value_kinds, zeros_like_state
 from test_save_load import flip_byte, save
@@ -206,3 +207,34 @@ def test_rm_and_prune_remove_steps_safely(tmp_path):
     assert "removed step 5" in r.stdout and committed() == [4] and latest_step(cfg) == 4 and blocks() == 1
     r = cli("prune", *args, "--keep", "0", check=False)
     assert r.returncode == 2 and "keep=0 must be an integer >= 1" in r.stderr
+
+
+def test_a_stock_dcp_checkpoint_is_imported_as_a_step(tmp_path):
+    """A stock FileSystemWriter directory becomes step 7 of the tiers: committed, checksummed,
+    loaded by TieredReader exactly, and copied down by the writer process like any save. A
+    taken step number, a directory that is no checkpoint and one with a file cut short are
+    each refused in one line."""
+    from tiered_dcp import Tier, TieredConfig, TieredReader, import_dcp, shutdown
+    from tiered_dcp.verify import verify_step
+
+    stock = tmp_path / "stock"
+    dcp.save(value_kinds(7), storage_writer=dcp.FileSystemWriter(str(stock)))
+    cfg = TieredConfig("imp", [Tier(str(tmp_path / "ram")), Tier(str(tmp_path / "ssd"))])
+    args = ["-n", "imp", str(tmp_path / "ram"), str(tmp_path / "ssd")]
+    r = cli("import", *args, "--from", str(stock), "--step", "7")
+    assert "imported" in r.stdout and "as step 7" in r.stdout
+    got = zeros_like_state(value_kinds(0))
+    dcp.load(got, storage_reader=TieredReader(cfg))
+    assert_state_equal(got, value_kinds(7))
+    wait_for(cfg, 7, timeout=120)  # the slower tier got it from the writer process
+    assert all(c.ok for c in verify_step(cfg, 7))
+    with pytest.raises(ValueError, match="step 7 of 'imp' exists"):
+        import_dcp(cfg, stock, 7)
+    r = cli("import", *args, "--from", str(tmp_path / "nothing"), "--step", "8", check=False)
+    assert r.returncode == 1 and "is no stock DCP checkpoint" in r.stderr and "Traceback" not in r.stderr
+    (data,) = [f for f in stock.iterdir() if f.suffix == ".distcp"]
+    os.truncate(data, data.stat().st_size // 2)
+    r = cli("import", *args, "--from", str(stock), "--step", "8", check=False)
+    assert r.returncode == 1 and "cannot be imported" in r.stderr and "Traceback" not in r.stderr
+    assert 8 not in {row.step for row in __import__("tiered_dcp").status(cfg)}
+    shutdown()

@@ -25,7 +25,17 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .api import WriterInfo, export, host_memory, latest_step, shutdown, status, wait_for, writer_status
+    from .api import (
+        WriterInfo,
+        export,
+        host_memory,
+        import_dcp,
+        latest_step,
+        shutdown,
+        status,
+        wait_for,
+        writer_status,
+    )
     from .catalog import StepState
     from .hostmem import HostMemory
     from .planners.tiered_save import TieredSavePlanner
@@ -43,6 +53,7 @@ _LAZY = {
     "WriterInfo": ".api",
     "export": ".api",
     "host_memory": ".api",
+    "import_dcp": ".api",
     "latest_step": ".api",
     "load_latest": ".resume",
     "on_preemption": ".preemption",
@@ -70,6 +81,7 @@ __all__ = [
     "WriterInfo",
     "export",
     "host_memory",
+    "import_dcp",
     "latest_step",
     "load_latest",
     "on_preemption",

@@ -5,11 +5,14 @@ Torch is imported by ``export`` only, so ``tiered-dcp ls`` and a status poll sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiered_dcp.storage import blocks, open_storage
 from tiered_dcp.storage.format import parse_step_dir, step_dir
@@ -17,7 +20,7 @@ from tiered_dcp.storage.format import parse_step_dir, step_dir
 from . import runtime
 from .catalog import StepState, TierView, copies_marks, loadable_steps, one_save, views
 from .config import Tier, TieredConfig, here, is_namespace
-from .errors import TieredCheckpointError
+from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .hostmem import HostMemory, held
 from .planners.choice import choose, pool_marks
 from .rundir import OutcomeState, RunDir, TierState
@@ -263,30 +266,78 @@ def export(config: TieredConfig, step: int | None, dest: str | os.PathLike) -> s
 
     Runs in one process and holds the whole (unsharded) state in memory while it copies.
     """
-    import warnings
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from .reader import TieredReader
     from .resume import resume, unwrapped
 
-    def load(reader: TieredReader) -> dict:
-        state: dict = {}
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-        return state
-
     dest = os.fspath(dest)
-    with warnings.catch_warnings():  # DCP's note that it runs in one process: it is meant to
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _one_process():
         try:
             if step is None:
-                _, state = resume(config, load, caller="export", no_dist=True)
+                _, state = resume(config, _read_whole, caller="export", no_dist=True)
             else:
-                state = load(TieredReader(config, step, no_dist=True))
+                state = _read_whole(TieredReader(config, step, no_dist=True))
         except CheckpointException as e:
             raise unwrapped(e) from None
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dest), no_dist=True)
     return dest
+
+
+def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> int:
+    """Store the stock DCP checkpoint directory ``source`` (a path or fsspec URL) as ``step``
+    of ``config``'s tiers, written, checksummed and committed as a save of this process is
+    (``TieredWriter``): ``TieredReader(config)`` then loads it, with any world size or
+    sharding. A step number already committed is refused (``ValueError``); a source that is
+    no checkpoint raises ``NoCheckpointError``, one whose files are missing or cut short
+    ``CheckpointCorruptError``, each naming it.
+
+    Runs in one process and holds the whole (unsharded) state in memory while it copies;
+    on node-local tiers the step lands in this node's roots (the slower tiers taking it get
+    it from this node's writer process).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .writer import TieredWriter
+
+    if any(step in v.committed() for v in views(config, *here())):
+        raise ValueError(f"step {step} of {config.namespace!r} exists: remove it first (tiered-dcp rm)")
+    src = os.fspath(source)
+    local = "://" not in src or src.startswith("file://")
+    reader = dcp.FileSystemReader(src.removeprefix("file://")) if local else dcp.FsspecReader(src)
+    with _one_process():
+        try:
+            if local and not os.path.isfile(os.path.join(src.removeprefix("file://"), ".metadata")):
+                raise FileNotFoundError(f"{src}/.metadata")
+            reader.read_metadata()
+        except FileNotFoundError as e:
+            raise NoCheckpointError(f"{src} is no stock DCP checkpoint (no .metadata to read): {e}") from None
+        try:
+            state = _read_whole(reader)
+        except CheckpointException as e:  # DCP's wrapping of a read that failed
+            cause = next(iter(e.failures.values()), e)
+            cause = cause[0] if isinstance(cause, tuple) else cause
+            why = f"{type(cause).__name__}: {cause}"
+            raise CheckpointCorruptError(f"{src} cannot be imported: {why}") from None
+        dcp.save(state, storage_writer=TieredWriter(config, step=step), no_dist=True)
+    return step
+
+
+def _read_whole(reader: Any) -> dict:
+    """Every item ``reader`` holds, as the state dict its metadata describes (unsharded)."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """Quiet DCP's note that it runs in one process: these helpers mean to."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -1,4 +1,4 @@
-"""The ``tiered-dcp`` command: ls, verify, export, rm, prune, goodput, drill, demo.
+"""The ``tiered-dcp`` command: ls, verify, export, import, rm, prune, goodput, drill, demo.
 
 ``ls`` imports no torch, so it answers at once; the others import it when they run.
 Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
@@ -17,7 +17,17 @@ import sys
 import time
 
 from . import __version__
-from .api import Removal, export, host_memory, namespaces, prune, remove_steps, status, writer_status
+from .api import (
+    Removal,
+    export,
+    host_memory,
+    import_dcp,
+    namespaces,
+    prune,
+    remove_steps,
+    status,
+    writer_status,
+)
 from .catalog import views
 from .config import Tier, TieredConfig, here
 from .errors import TieredCheckpointError
@@ -305,6 +315,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    t0 = time.perf_counter()
+    import_dcp(cfg, args.source, args.step)
+    print(
+        f"imported {args.source} as step {args.step} of {cfg.namespace!r} in {time.perf_counter() - t0:.1f}s "
+        f"(committed on tier {cfg.tiers_for(args.step)[0]}; the writer process fills the slower tiers)"
+    )
+    return 0
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
     cfg = _config(args)
     tiers = None if args.tier is None else [args.tier]
@@ -392,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, help="the step (default: the newest complete)")
     p.add_argument("--to", required=True, help="destination directory")
     p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("import", help="store a stock DCP checkpoint directory as a step of the tiers")
+    _tier_args(p)
+    p.add_argument("--from", dest="source", required=True, help="the stock DCP directory (a path or URL)")
+    p.add_argument("--step", type=int, required=True, help="the step number it becomes")
+    p.set_defaults(fn=cmd_import)
     p = sub.add_parser(
         "rm", help="remove a step from the tiers (never the newest committed one without --force)"
     )
