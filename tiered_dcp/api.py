@@ -300,6 +300,7 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from .resume import failures_of
     from .writer import TieredWriter
 
     if any(step in v.committed() for v in views(config, *here())):
@@ -317,8 +318,7 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
         try:
             state = _read_whole(reader)
         except CheckpointException as e:  # DCP's wrapping of a read that failed
-            cause = next(iter(e.failures.values()), e)
-            cause = cause[0] if isinstance(cause, tuple) else cause
+            cause = failures_of(e)[0]
             why = f"{type(cause).__name__}: {cause}"
             raise CheckpointCorruptError(f"{src} cannot be imported: {why}") from None
         dcp.save(state, storage_writer=TieredWriter(config, step=step), no_dist=True)

@@ -98,13 +98,17 @@ def unwrapped(e: CheckpointException) -> CheckpointException | CheckpointCorrupt
     return e if why is None else CheckpointCorruptError(why)
 
 
+def failures_of(e: BaseException) -> list[BaseException]:
+    """The ranks' exceptions DCP wrapped in its ``CheckpointException`` (else ``[e]``)."""
+    failures = getattr(e, "failures", None)  # rank -> exception (torch >= 2.7: (exception, traceback))
+    errors = list(failures.values()) if isinstance(failures, dict) and failures else [e]
+    return [f[0] if isinstance(f, tuple) and f else f for f in errors]
+
+
 def _data_failure(e: BaseException) -> str | None:
     """Why the load failed, when it failed for the step's data (another step may load);
     None when it failed for any other reason."""
-    failures = getattr(e, "failures", None)  # rank -> exception (torch >= 2.7: (exception, traceback))
-    errors = list(failures.values()) if isinstance(failures, dict) else [e]
-    errors = [f[0] if isinstance(f, tuple) and f else f for f in errors]
-    ours = [f for f in errors if isinstance(f, CheckpointCorruptError | NoCheckpointError)]
+    ours = [f for f in failures_of(e) if isinstance(f, CheckpointCorruptError | NoCheckpointError)]
     return "; ".join(dict.fromkeys(str(f) for f in ours)) if ours else None
 
 
