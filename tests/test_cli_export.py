@@ -238,3 +238,25 @@ def test_a_stock_dcp_checkpoint_is_imported_as_a_step(tmp_path):
     assert r.returncode == 1 and "cannot be imported" in r.stderr and "Traceback" not in r.stderr
     assert 8 not in {row.step for row in __import__("tiered_dcp").status(cfg)}
     shutdown()
+
+
+def test_an_imported_checkpoint_whose_metadata_names_code_is_refused_unrun(tmp_path):
+    """torch's reader unpickles a stock .metadata whatever it names; the import reads it
+    admitting only DCP's metadata records, so a crafted one is refused and never run."""
+    import pickle
+
+    from tiered_dcp import CheckpointCorruptError, Tier, TieredConfig, import_dcp
+
+    stock = tmp_path / "stock"
+    dcp.save(value_kinds(3), storage_writer=dcp.FileSystemWriter(str(stock)))
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {ran}",))
+
+    (stock / ".metadata").write_bytes(pickle.dumps(Payload()))
+    cfg = TieredConfig("imp", [Tier(str(tmp_path / "ram"))])
+    with pytest.raises(CheckpointCorruptError, match=r"\.metadata: metadata refused: forbidden global"):
+        import_dcp(cfg, stock, 3)
+    assert not ran.exists()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_dcp.storage import blocks, open_storage
+from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import parse_step_dir, step_dir
 
 from . import runtime
@@ -306,15 +307,8 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
     if any(step in v.committed() for v in views(config, *here())):
         raise ValueError(f"step {step} of {config.namespace!r} exists: remove it first (tiered-dcp rm)")
     src = os.fspath(source)
-    local = "://" not in src or src.startswith("file://")
-    reader = dcp.FileSystemReader(src.removeprefix("file://")) if local else dcp.FsspecReader(src)
+    reader = _stock_reader(src)
     with _one_process():
-        try:
-            if local and not os.path.isfile(os.path.join(src.removeprefix("file://"), ".metadata")):
-                raise FileNotFoundError(f"{src}/.metadata")
-            reader.read_metadata()
-        except FileNotFoundError as e:
-            raise NoCheckpointError(f"{src} is no stock DCP checkpoint (no .metadata to read): {e}") from None
         try:
             state = _read_whole(reader)
         except CheckpointException as e:  # DCP's wrapping of a read that failed
@@ -323,6 +317,37 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
             raise CheckpointCorruptError(f"{src} cannot be imported: {why}") from None
         dcp.save(state, storage_writer=TieredWriter(config, step=step), no_dist=True)
     return step
+
+
+def _stock_reader(src: str) -> Any:
+    """A reader of the stock checkpoint ``src`` whose metadata was unpickled admitting only
+    DCP's metadata records (``metadata.loads``): torch's own reader unpickles that file
+    whatever it names, and a checkpoint from elsewhere is not to be trusted that far."""
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from .metadata import loads
+
+    local = "://" not in src or src.startswith("file://")
+    path = src.removeprefix("file://") if local else src
+    try:
+        with fsspec.open(f"{path.rstrip('/')}/.metadata", "rb") as f:
+            blob = f.read()
+    except FileNotFoundError as e:
+        raise NoCheckpointError(f"{src} is no stock DCP checkpoint (no .metadata to read): {e}") from None
+    try:
+        md = loads(blob, stock=True)
+    except ChecksumMismatch as e:
+        raise CheckpointCorruptError(f"{src}/.metadata: {e}") from None
+
+    class Checked(dcp.FileSystemReader if local else dcp.FsspecReader):  # type: ignore[misc]
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            md.storage_meta = md.storage_meta or StorageMeta()
+            md.storage_meta.load_id = self.load_id  # as torch's reader does
+            return md
+
+    return Checked(path)
 
 
 def _read_whole(reader: Any) -> dict:

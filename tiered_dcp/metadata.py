@@ -65,10 +65,12 @@ def build_blob(metadata: Metadata, records: Mapping[MetadataIndex, Record]) -> b
     )
 
 
-def loads(blob: bytes) -> Metadata:
-    """Unpickle a metadata blob, admitting only what DCP's metadata is made of."""
+def loads(blob: bytes, stock: bool = False) -> Metadata:
+    """Unpickle a metadata blob, admitting only what DCP's metadata is made of (``stock``:
+    also what a stock ``FileSystemWriter`` puts in it, for an import)."""
+    unpickler = _StockMetadataUnpickler if stock else _MetadataUnpickler
     try:
-        md = _MetadataUnpickler(io.BytesIO(blob)).load()
+        md = unpickler(io.BytesIO(blob)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
         raise ChecksumMismatch(f"metadata refused: {e}") from e
     if not isinstance(md, Metadata):
@@ -152,3 +154,20 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"forbidden global {module}.{name} (a checkpoint's metadata holds only DCP's metadata "
             "classes, torch dtypes and sizes, and plain data)"
         )
+
+
+class _StockMetadataUnpickler(_MetadataUnpickler):
+    """``_MetadataUnpickler`` and what a stock ``FileSystemWriter``'s metadata holds beside:
+    its per-item ``_StorageInfo`` records and the checkpoint's path (a plain ``PosixPath``).
+    torch's reader unpickles that file admitting anything; an import reads it this way first."""
+
+    _STOCK = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._STOCK:
+            return pickle.Unpickler.find_class(self, module, name)
+        return super().find_class(module, name)
