@@ -200,3 +200,34 @@ def test_ranks_agree_on_a_step_every_rank_can_load(tmp_path):
     results = run_ranks(_ranks_see_different_steps, 2, str(tmp_path))
     assert [r[0] for r in results] == [1, 2]  # alone, the ranks would disagree
     assert [r[1:] for r in results] == [(1, [1.0] * 3)] * 2
+
+
+def _stock_sharded_save(rank, world, root):
+    mesh = init_device_mesh("cpu", (world,))
+    dcp.save(dtensor_state(5, mesh, Shard(0)), storage_writer=dcp.FileSystemWriter(f"{root}/stock"))
+    dist.barrier()
+
+
+def _load_imported(rank, world, root):
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = TieredConfig("imported", [Tier(f"{root}/shared", shared=True)])
+    target = dtensor_state(0, mesh, Shard(1))  # another sharding than the stock save's
+    reader = TieredReader(cfg)
+    dcp.load(target, storage_reader=reader)
+    exact = torch.equal(target["w"].full_tensor(), full(5)) and torch.equal(
+        target["plain"], torch.full((5,), 5.0)
+    )
+    return reader.step, exact, target["meta"]
+
+
+def test_a_sharded_stock_checkpoint_is_imported_and_resharded_on_load(tmp_path):
+    """2 ranks save a stock DCP checkpoint of a row-sharded DTensor; one process imports it
+    as step 5 of a shared tier; 2 ranks load it column-sharded, exactly."""
+    from tiered_dcp import import_dcp, shutdown
+
+    run_ranks(_stock_sharded_save, 2, str(tmp_path))
+    cfg = TieredConfig("imported", [Tier(f"{tmp_path}/shared", shared=True)])
+    import_dcp(cfg, tmp_path / "stock", 5)
+    shutdown()
+    for step, exact, meta in run_ranks(_load_imported, 2, str(tmp_path)):
+        assert step == 5 and exact and meta == {"step": 5, "name": "x"}
