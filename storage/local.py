@@ -301,7 +301,10 @@ class LocalStorage(Storage):
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.ENOTDIR, errno.ELOOP):
-                why = "no directory of this tier on the way (a link, or a file): nothing written"
+                why = (
+                    "no directory of this tier on the way (a link, or a file): nothing written; "
+                    "remove what stands there (a tier follows no link below its root)"
+                )
                 raise NotAnObject(errno.ENOENT, why, self.describe(key)) from e
             raise
         return fd
