@@ -57,7 +57,7 @@ def test_cli_ls_verify_export(tiers3, tmp_path):
     assert r.stdout.splitlines()[-1].startswith("step 4: DAMAGED on tier 1 of 3 tier(s)")
     assert "(replica)" not in r.stdout  # each node-local root holds its own rank's part here
     r = cli("export", *tier_args(tmp_path), "--step", "2", "--to", str(tmp_path / "exp"))
-    assert "exported to" in r.stdout
+    assert "exported step 2 to" in r.stdout
     got = zeros_like_state(value_kinds(0))
     dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "exp")))
     assert_state_equal(got, value_kinds(2))
@@ -260,3 +260,65 @@ def test_an_imported_checkpoint_whose_metadata_names_code_is_refused_unrun(tmp_p
     with pytest.raises(CheckpointCorruptError, match=r"\.metadata: metadata refused: forbidden global"):
         import_dcp(cfg, stock, 3)
     assert not ran.exists()
+
+
+def test_cli_exports_safetensors_and_refuses_what_it_cannot_do(tmp_path):
+    """`export --format safetensors --only model`: files of at most --max-shard-size with the
+    index, names without the prefix, the non-tensor values named as left out. A prefix the
+    step does not hold, a destination holding an export, or no safetensors package: exit 2
+    and the fix in one line. A damaged step: exit 1 and the destination is not made."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tiered_dcp import Tier, TieredConfig, TieredWriter
+
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ssd"))])
+    model = {f"layers.{i}.w": torch.randn(64, 64) for i in range(4)}
+    state = {"model": {**model, "step": 7}, "optim": {"lr": torch.tensor(0.1)}}
+    dcp.save(state, storage_writer=TieredWriter(cfg, step=3), no_dist=True)
+    args = ["-n", "run", str(tmp_path / "ssd")]
+    dest = tmp_path / "hf"
+    r = cli("export", *args, "--format", "safetensors", "--only", "model", "--max-shard-size", "20KB",
+            "--to", str(dest))  # fmt: skip
+    assert "exported step 3 to" in r.stdout and "4 tensor(s), 64.0 KiB" in r.stdout, r.stdout
+    assert "left out 1 non-tensor item(s), which safetensors cannot hold: step" in r.stdout
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)
+    ]
+    got = {k: v for f in set(index["weight_map"].values()) for k, v in load_file(dest / f).items()}
+    assert sorted(got) == sorted(model) and all(torch.equal(got[k], v) for k, v in model.items())
+
+    r = cli("export", *args, "--format", "safetensors", "--only", "model", "--to", str(dest), check=False)
+    assert r.returncode == 2 and "already holds an export" in r.stderr and "Traceback" not in r.stderr
+    r = cli(
+        "export",
+        *args,
+        "--format",
+        "safetensors",
+        "--only",
+        "modle",
+        "--to",
+        str(tmp_path / "x"),
+        check=False,
+    )
+    assert r.returncode == 2 and "no item under 'modle.'" in r.stderr and "model, optim" in r.stderr
+    assert not (tmp_path / "x").exists()
+    blocked = (
+        "import sys; sys.modules['safetensors'] = None; from tiered_dcp.cli import main; sys.exit(main())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", blocked, "export", *args, "--format", "safetensors", "--to", str(dest) + "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2 and "pip install safetensors" in r.stderr, r.stderr
+
+    (part,) = glob.glob(str(tmp_path / "ssd/run/step_000000000003/rank_*.part"))
+    flip_byte(part, 0.5)
+    r = cli(
+        "export", *args, "--step", "3", "--format", "safetensors", "--to", str(tmp_path / "z"), check=False
+    )
+    assert r.returncode == 1 and "no good copy" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "z").exists()

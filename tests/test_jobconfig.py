@@ -161,4 +161,4 @@ def test_ls_verify_export_from_a_config_file_and_a_python_module(tmp_path, tiers
     bad = [t for t in doc["tiers"] if not t["ok"]]
     assert [t["tier_index"] for t in bad] == [1] and any(part in p for p in bad[0]["problems"])
     r = cli("export", "--config", toml, "--step", "2", "--to", str(tmp_path / "exp"))
-    assert "exported to" in r.stdout
+    assert "exported step 2 to" in r.stdout

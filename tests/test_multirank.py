@@ -1,5 +1,6 @@
 """Several real processes on gloo: node-local tiers, resharding, FSDP2, async modes."""
 
+import io
 import os
 
 import torch
@@ -231,3 +232,58 @@ def test_a_sharded_stock_checkpoint_is_imported_and_resharded_on_load(tmp_path):
     shutdown()
     for step, exact, meta in run_ranks(_load_imported, 2, str(tmp_path)):
         assert step == 5 and exact and meta == {"step": 5, "name": "x"}
+
+
+def _save_model_for_export(rank, world, root):
+    """An FSDP2 model's sharded state (DTensors), a row-sharded ShardedTensor and a bf16
+    DTensor under ``model``, beside an optimizer and a non-tensor value."""
+    from torch.distributed._shard.sharded_tensor import empty as sharded_empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _model_and_opt(seed=3)
+    _train(model, opt, 2)
+    msd, osd = get_state_dict(model, opt)
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
+    st = sharded_empty(spec, 4 * world, 6)
+    st.local_shards()[0].tensor.copy_(torch.arange(24.0).reshape(4, 6) + 100 * rank)
+    mesh = init_device_mesh("cpu", (world,))
+    half = distribute_tensor(full(1).to(torch.bfloat16), mesh, [Shard(1)])
+    state = {"model": {**msd, "table": st, "half": half, "note": {"epoch": 3}}, "optim": osd}
+    dcp.save(state, storage_writer=TieredWriter(make_config(root), step=5))
+    full_model, _ = _full_state(model, opt)
+    buf = io.BytesIO()  # tensors through the result queue would need their memory shared
+    torch.save({k: v.clone() for k, v in full_model.items()}, buf)
+    return buf.getvalue()
+
+
+def test_a_sharded_state_exports_to_safetensors_whole_and_exact(tmp_path):
+    """Issue 27 part 1: two ranks save FSDP2 DTensors, a ShardedTensor and a bf16 DTensor
+    sharded by columns; one process exports the model to safetensors, in several files with
+    Hugging Face's index, and `safetensors.torch.load_file` reads every tensor whole and exact,
+    named without the `model.` prefix; the non-tensor value is left out and named."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tiered_dcp.exporting import INDEX_FILE, format_named, run_export
+
+    saved = run_ranks(_save_model_for_export, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1})[0]
+    expect = torch.load(io.BytesIO(saved))
+    settle(make_config(str(tmp_path)))
+    expect["table"] = torch.cat([torch.arange(24.0).reshape(4, 6) + 100 * r for r in range(2)])
+    expect["half"] = full(1).to(torch.bfloat16)
+    done = run_export(
+        make_config(str(tmp_path)), None, tmp_path / "hf", format_named("safetensors", 4000), only="model"
+    )
+    assert done.step == 5 and done.left_out == ("note.epoch",) and len(done.files) > 2
+    index = json.loads((tmp_path / "hf" / INDEX_FILE).read_text())
+    assert sorted(index["weight_map"]) == sorted(expect)
+    got = {}
+    for name in sorted(set(index["weight_map"].values())):
+        got.update(load_file(tmp_path / "hf" / name))
+    assert sorted(got) == sorted(expect)
+    for k, v in expect.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in expect.values())
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted(done.files)  # nothing else left there

@@ -5,12 +5,10 @@ Torch is imported by ``export`` only, so ``tiered-dcp ls`` and a status poll sta
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
-import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,30 +258,29 @@ def shutdown(wait: bool = True, timeout: float | None = None) -> bool:
     return ok
 
 
-def export(config: TieredConfig, step: int | None, dest: str | os.PathLike) -> str:
-    """Write ``step`` (None: the newest that loads, as ``load_latest`` picks it) as a stock
-    DCP directory ``FileSystemReader`` loads. A step with no good copy of some item raises
-    ``CheckpointCorruptError`` (not DCP's wrapping of it).
+def export(
+    config: TieredConfig,
+    step: int | None,
+    dest: str | os.PathLike,
+    *,
+    format: str = "dcp",
+    only: str | None = None,
+    max_shard_size: int | None = None,
+) -> str:
+    """Write ``step`` (None: the newest that loads, as ``load_latest`` picks it) into the local
+    directory ``dest``; return ``dest``.
 
-    Runs in one process and holds the whole (unsharded) state in memory while it copies.
+    ``format="dcp"``: a stock DCP directory torch's ``FileSystemReader`` loads (held whole in
+    memory while it is written). ``format="safetensors"``: Hugging Face safetensors, every
+    tensor whole (consolidated from every rank's shards), in files of at most
+    ``max_shard_size`` bytes (default 5 GB), one file's tensors in memory at a time.
+    ``only="model"``: just the items named ``model.*``, named without that prefix
+    (``model.l.weight`` -> ``l.weight``). A step with no good copy of some item raises
+    ``CheckpointCorruptError``; ``dest`` is left as it was on any failure. See ``exporting``.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
+    from .exporting import format_named, run_export
 
-    from .reader import TieredReader
-    from .resume import resume, unwrapped
-
-    dest = os.fspath(dest)
-    with _one_process():
-        try:
-            if step is None:
-                _, state = resume(config, _read_whole, caller="export", no_dist=True)
-            else:
-                state = _read_whole(TieredReader(config, step, no_dist=True))
-        except CheckpointException as e:
-            raise unwrapped(e) from None
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(dest), no_dist=True)
-    return dest
+    return run_export(config, step, dest, format_named(format, max_shard_size), only).dest
 
 
 def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> int:
@@ -301,6 +298,7 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from .exporting import one_process, read_whole
     from .resume import failures_of
     from .writer import TieredWriter
 
@@ -308,9 +306,9 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
         raise ValueError(f"step {step} of {config.namespace!r} exists: remove it first (tiered-dcp rm)")
     src = os.fspath(source)
     reader = _stock_reader(src)
-    with _one_process():
+    with one_process():
         try:
-            state = _read_whole(reader)
+            state = read_whole(reader)
         except CheckpointException as e:  # DCP's wrapping of a read that failed
             cause = failures_of(e)[0]
             why = f"{type(cause).__name__}: {cause}"
@@ -348,21 +346,3 @@ def _stock_reader(src: str) -> Any:
             return md
 
     return Checked(path)
-
-
-def _read_whole(reader: Any) -> dict:
-    """Every item ``reader`` holds, as the state dict its metadata describes (unsharded)."""
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict = {}
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return state
-
-
-@contextlib.contextmanager
-def _one_process() -> Iterator[None]:
-    """Quiet DCP's note that it runs in one process: these helpers mean to."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield

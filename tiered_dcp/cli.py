@@ -19,7 +19,6 @@ import time
 from . import __version__
 from .api import (
     Removal,
-    export,
     host_memory,
     import_dcp,
     namespaces,
@@ -44,6 +43,23 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``5GB`` (decimal, as Hugging Face writes sizes), ``2GiB`` or ``1000``."""
+    num = text.strip().upper().rstrip("BIKMGT")
+    unit = text.strip().upper()[len(num) :]
+    try:
+        n = int(float(num) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is no size: e.g. 5GB, 500MB, 2GiB or 1000") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be > 0")
+    return n
 
 
 def age(created: float | None) -> str:
@@ -305,13 +321,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from .exporting import format_named, run_export
+
     cfg = _config(args)
     t0 = time.perf_counter()
-    dest = export(cfg, args.step, args.to)
-    print(
-        f"exported to {dest} (a stock DCP checkpoint: FileSystemReader({dest!r})) "
-        f"in {time.perf_counter() - t0:.1f}s"
-    )
+    fmt = format_named(args.format, args.max_shard_size)
+    done = run_export(cfg, args.step, args.to, fmt, args.only)
+    took = time.perf_counter() - t0
+    what = f"{done.tensors} tensor(s), {human(done.bytes)}"
+    if done.format == "dcp":
+        how = f"a stock DCP checkpoint: FileSystemReader({done.dest!r})"
+    else:
+        more = ", ..." if len(done.files) > 3 else ""
+        how = f"{len(done.files)} file(s): {', '.join(done.files[:3])}{more}"
+    print(f"exported step {done.step} to {done.dest} ({how}), {what}, in {took:.1f}s")
+    if done.left_out:
+        names = ", ".join(done.left_out[:5]) + (", ..." if len(done.left_out) > 5 else "")
+        print(f"left out {len(done.left_out)} non-tensor item(s), which {done.format} cannot hold: {names}")
     return 0
 
 
@@ -408,10 +434,24 @@ def main(argv: list[str] | None = None) -> int:
     _tier_args(p, json_output=True)
     p.add_argument("--step", type=int, help="the step (default: the newest committed)")
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("export", help="write a step as a stock DCP checkpoint directory")
+    p = sub.add_parser(
+        "export", help="write a step as a stock DCP checkpoint directory, or as Hugging Face safetensors"
+    )
     _tier_args(p)
-    p.add_argument("--step", type=int, help="the step (default: the newest complete)")
-    p.add_argument("--to", required=True, help="destination directory")
+    p.add_argument("--step", type=int, help="the step (default: the newest that loads)")
+    p.add_argument("--to", required=True, help="destination directory (local; must hold no export yet)")
+    p.add_argument(
+        "--format",
+        choices=("dcp", "safetensors"),
+        default="dcp",
+        help="dcp (default): a stock DCP directory; safetensors: whole tensors, as Hugging Face loads them",
+    )
+    p.add_argument("--only", help="just the items under this name, named without it (e.g. model)")
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        help="safetensors: the largest file, e.g. 5GB (the default), 500MB, 2GiB",
+    )
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("import", help="store a stock DCP checkpoint directory as a step of the tiers")
     _tier_args(p)
