@@ -209,29 +209,40 @@ def _stock_sharded_save(rank, world, root):
     dist.barrier()
 
 
-def _load_imported(rank, world, root):
+def _imported_config(root: str, shared_only: bool = False) -> TieredConfig:
+    ram = Tier(f"{root}/ram/{{node}}")
+    shared = Tier(f"{root}/shared", shared=True)
+    return TieredConfig(
+        "imported", [shared] if shared_only else [ram, shared], replication_factor=2, replication_jump=1
+    )
+
+
+def _load_imported(rank, world, root, shared_only):
     mesh = init_device_mesh("cpu", (world,))
-    cfg = TieredConfig("imported", [Tier(f"{root}/shared", shared=True)])
     target = dtensor_state(0, mesh, Shard(1))  # another sharding than the stock save's
-    reader = TieredReader(cfg)
+    reader = TieredReader(_imported_config(root, shared_only))
     dcp.load(target, storage_reader=reader)
     exact = torch.equal(target["w"].full_tensor(), full(5)) and torch.equal(
         target["plain"], torch.full((5,), 5.0)
     )
-    return reader.step, exact, target["meta"]
+    return reader.step, reader.tiers, exact, target["meta"]
 
 
 def test_a_sharded_stock_checkpoint_is_imported_and_resharded_on_load(tmp_path):
     """2 ranks save a stock DCP checkpoint of a row-sharded DTensor; one process imports it
-    as step 5 of a shared tier; 2 ranks load it column-sharded, exactly."""
+    as step 5 of a replicated config (one process has no clique peers: stored unreplicated,
+    on node 0's RAM tier and, through the writer process, the shared tier); 2 ranks on 2
+    nodes load it column-sharded, exactly: from node 0's RAM and the shared tier (node 1
+    holds nothing of it), and from the shared tier alone."""
     from tiered_dcp import import_dcp, shutdown
 
     run_ranks(_stock_sharded_save, 2, str(tmp_path))
-    cfg = TieredConfig("imported", [Tier(f"{tmp_path}/shared", shared=True)])
-    import_dcp(cfg, tmp_path / "stock", 5)
+    import_dcp(_imported_config(str(tmp_path)), tmp_path / "stock", 5)
     shutdown()
-    for step, exact, meta in run_ranks(_load_imported, 2, str(tmp_path)):
-        assert step == 5 and exact and meta == {"step": 5, "name": "x"}
+    assert not (tmp_path / "ram/1").exists()
+    for shared_only, tiers in ((False, [0, 1]), (True, [0])):
+        got = run_ranks(_load_imported, 2, str(tmp_path), shared_only, env={"LOCAL_WORLD_SIZE": 1})
+        assert got == [(5, tiers, True, {"step": 5, "name": "x"})] * 2, (shared_only, got)
 
 
 def _save_model_for_export(rank, world, root):
@@ -287,3 +298,8 @@ def test_a_sharded_state_exports_to_safetensors_whole_and_exact(tmp_path):
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in expect.values())
     assert sorted(os.listdir(tmp_path / "hf")) == sorted(done.files)  # nothing else left there
+    # the public call, one file at the default size: the same tensors
+    dest = export(make_config(str(tmp_path)), 5, tmp_path / "hf1", format="safetensors", only="model")
+    assert os.listdir(dest) == ["model.safetensors"]
+    one = load_file(os.path.join(dest, "model.safetensors"))
+    assert sorted(one) == sorted(expect) and all(torch.equal(one[k], v) for k, v in expect.items())

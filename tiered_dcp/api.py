@@ -5,6 +5,7 @@ Torch is imported by ``export`` only, so ``tiered-dcp ls`` and a status poll sta
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -293,7 +294,10 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
 
     Runs in one process and holds the whole (unsharded) state in memory while it copies;
     on node-local tiers the step lands in this node's roots (the slower tiers taking it get
-    it from this node's writer process).
+    it from this node's writer process). One process has no clique peers: with
+    ``replication_factor`` > 1 the step is stored unreplicated (one copy in this node's
+    roots, plus the slower tiers'), which a replicated job loads like any step whose
+    replicas are gone.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -313,7 +317,8 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
             cause = failures_of(e)[0]
             why = f"{type(cause).__name__}: {cause}"
             raise CheckpointCorruptError(f"{src} cannot be imported: {why}") from None
-        dcp.save(state, storage_writer=TieredWriter(config, step=step), no_dist=True)
+        alone = dataclasses.replace(config, replication_factor=1)
+        dcp.save(state, storage_writer=TieredWriter(alone, step=step), no_dist=True)
     return step
 
 
