@@ -322,3 +322,25 @@ def test_cli_exports_safetensors_and_refuses_what_it_cannot_do(tmp_path):
     )
     assert r.returncode == 1 and "no good copy" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "z").exists()
+
+
+def test_an_imported_step_is_deduplicated_against_by_the_next_save(tmp_path):
+    """Under dedup=True an imported step is stored as blocks like any save: a job resuming
+    from it and saving its unchanged tensors again writes none of their bytes anew."""
+    import torch
+
+    from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, import_dcp, shutdown, status
+
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(3 << 18)}  # 4 MiB and 3 MiB: blocks
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
+    cfg = TieredConfig("dd", [Tier(str(tmp_path / "ssd"))], dedup=True)
+    import_dcp(cfg, tmp_path / "stock", 1)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(got, storage_reader=TieredReader(cfg))
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    got["b"][:10] += 1  # one block changes
+    dcp.save(got, storage_writer=TieredWriter(cfg, step=2), no_dist=True)
+    rows = {r.step: r for r in status(cfg)}
+    assert rows[1].written_bytes >= 7 << 20
+    assert rows[2].written_bytes < 2 << 20, rows[2]  # the changed block and the small files
+    shutdown()
