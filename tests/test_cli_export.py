@@ -344,3 +344,29 @@ def test_an_imported_step_is_deduplicated_against_by_the_next_save(tmp_path):
     assert rows[1].written_bytes >= 7 << 20
     assert rows[2].written_bytes < 2 << 20, rows[2]  # the changed block and the small files
     shutdown()
+
+
+def test_a_stock_checkpoint_in_a_bucket_is_imported(gcs_bucket, tmp_path):
+    """A stock checkpoint that torch's FsspecWriter wrote to a (fake) GCS bucket is imported
+    from its URL with the bucket's storage options, by the API and by the CLI
+    (--from-option), and loads exactly."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from tiered_dcp import Tier, TieredConfig, TieredReader, import_dcp
+
+    url = f"{gcs_bucket.url}/stock"
+    options = gcs_bucket.storage_options
+    dcp.save(value_kinds(4), storage_writer=FsspecWriter(url, **options), no_dist=True)
+    cfg = TieredConfig("imp", [Tier(str(tmp_path / "ssd"))])
+    import_dcp(cfg, url, 4, storage_options=options)
+    flags = [f"--from-option={k}={v}" for k, v in options.items()]
+    r = cli("import", "-n", "imp", str(tmp_path / "ssd"), "--from", url, *flags, "--step", "5")
+    assert "as step 5" in r.stdout
+    for step in (4, 5):
+        got = zeros_like_state(value_kinds(0))
+        dcp.load(got, storage_reader=TieredReader(cfg, step))
+        assert_state_equal(got, value_kinds(4))
+    r = cli(
+        "import", "-n", "imp", str(tmp_path / "ssd"), "--from", url + "x", *flags, "--step", "6", check=False
+    )
+    assert r.returncode == 1 and "is no stock DCP checkpoint" in r.stderr, r.stderr

@@ -289,8 +289,15 @@ def export(
 IMPORT_READ_THREADS = 4  # a stock checkpoint's items read at once (torch's reader: one at a time)
 
 
-def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> int:
-    """Store the stock DCP checkpoint directory ``source`` (a path or fsspec URL) as ``step``
+def import_dcp(
+    config: TieredConfig,
+    source: str | os.PathLike,
+    step: int,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """Store the stock DCP checkpoint directory ``source`` (a path or fsspec URL, opened with
+    ``storage_options`` as a tier's are) as ``step``
     of ``config``'s tiers, written, checksummed and committed as a save of this process is
     (``TieredWriter``): ``TieredReader(config)`` then loads it, with any world size or
     sharding. A step number already committed is refused (``ValueError``); a source that is
@@ -314,7 +321,7 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
     if any(step in v.committed() for v in views(config, *here())):
         raise ValueError(f"step {step} of {config.namespace!r} exists: remove it first (tiered-dcp rm)")
     src = os.fspath(source)
-    reader = _stock_reader(src)
+    reader = _stock_reader(src, storage_options or {})
     with one_process():
         try:
             state = read_whole(reader)
@@ -327,12 +334,13 @@ def import_dcp(config: TieredConfig, source: str | os.PathLike, step: int) -> in
     return step
 
 
-def _stock_reader(src: str) -> Any:
+def _stock_reader(src: str, storage_options: dict[str, Any]) -> Any:
     """A reader of the stock checkpoint ``src`` whose metadata was unpickled admitting only
     DCP's metadata records (``metadata.loads``): torch's own reader unpickles that file
     whatever it names, and a checkpoint from elsewhere is not to be trusted that far."""
     import fsspec
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     from .metadata import loads
@@ -340,7 +348,7 @@ def _stock_reader(src: str) -> Any:
     local = "://" not in src or src.startswith("file://")
     path = src.removeprefix("file://") if local else src
     try:
-        with fsspec.open(f"{path.rstrip('/')}/.metadata", "rb") as f:
+        with fsspec.open(f"{path.rstrip('/')}/.metadata", "rb", **({} if local else storage_options)) as f:
             blob = f.read()
     except FileNotFoundError as e:
         raise NoCheckpointError(f"{src} is no stock DCP checkpoint (no .metadata to read): {e}") from None
@@ -349,7 +357,7 @@ def _stock_reader(src: str) -> Any:
     except ChecksumMismatch as e:
         raise CheckpointCorruptError(f"{src}/.metadata: {e}") from None
 
-    class Checked(dcp.FileSystemReader if local else dcp.FsspecReader):  # type: ignore[misc]
+    class Checked(dcp.FileSystemReader if local else FsspecReader):  # type: ignore[misc]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             md.storage_meta = md.storage_meta or StorageMeta()
             md.storage_meta.load_id = self.load_id  # as torch's reader does
@@ -370,7 +378,7 @@ def _stock_reader(src: str) -> Any:
             done.set_result(None)
             return done
 
-    return Checked(path)
+    return Checked(path) if local else Checked(path, **storage_options)
 
 
 def _runs(items: list, n: int) -> list[list]:

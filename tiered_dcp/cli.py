@@ -73,6 +73,17 @@ def age(created: float | None) -> str:
     return f"{s / 3600:.1f}h" if s < 172800 else f"{s / 86400:.0f}d"
 
 
+def key_values(pairs: list[str] | None, flag: str) -> dict[str, str]:
+    """``KEY=VALUE`` arguments as a dict (fsspec storage options)."""
+    out = {}
+    for kv in pairs or []:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise ValueError(f"{flag} wants KEY=VALUE, got {kv!r}")
+        out[key] = value
+    return out
+
+
 def _config(args: argparse.Namespace) -> TieredConfig:
     if getattr(args, "config", None):
         if args.tiers or args.namespace:
@@ -89,12 +100,7 @@ def _config(args: argparse.Namespace) -> TieredConfig:
 
 
 def _tiers(args: argparse.Namespace) -> list[Tier]:
-    options = {}
-    for kv in args.option or []:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise ValueError(f"--option wants KEY=VALUE, got {kv!r}")
-        options[key] = value
+    options = key_values(args.option, "--option")
     return [
         Tier(t, storage_options=options if "://" in t and not t.startswith("file://") else {})
         for t in args.tiers
@@ -344,7 +350,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     cfg = _config(args)
     t0 = time.perf_counter()
-    import_dcp(cfg, args.source, args.step)
+    import_dcp(cfg, args.source, args.step, storage_options=key_values(args.from_option, "--from-option"))
     print(
         f"imported {args.source} as step {args.step} of {cfg.namespace!r} in {time.perf_counter() - t0:.1f}s "
         f"(committed on tier {cfg.tiers_for(args.step)[0]}; the writer process fills the slower tiers)"
@@ -457,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     _tier_args(p)
     p.add_argument("--from", dest="source", required=True, help="the stock DCP directory (a path or URL)")
     p.add_argument("--step", type=int, required=True, help="the step number it becomes")
+    p.add_argument(
+        "--from-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="storage option passed to fsspec for a --from URL (repeatable)",
+    )
     p.set_defaults(fn=cmd_import)
     p = sub.add_parser(
         "rm", help="remove a step from the tiers (never the newest committed one without --force)"
