@@ -283,6 +283,7 @@ def test_cli_exports_safetensors_and_refuses_what_it_cannot_do(tmp_path):
     r = cli("export", *args, "--format", "safetensors", "--only", "model", "--max-shard-size", "20KB",
             "--to", str(dest))  # fmt: skip
     assert "exported step 3 to" in r.stdout and "4 tensor(s), 64.0 KiB" in r.stdout, r.stdout
+    assert "  wrote model-00002-of-00004.safetensors (16.0 KiB), 2 of 4" in r.stdout
     assert "left out 1 non-tensor item(s), which safetensors cannot hold: step" in r.stdout
     index = json.loads((dest / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == [

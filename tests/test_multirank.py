@@ -287,7 +287,7 @@ def test_a_sharded_state_exports_to_safetensors_whole_and_exact(tmp_path):
     done = run_export(
         make_config(str(tmp_path)), None, tmp_path / "hf", format_named("safetensors", 4000), only="model"
     )
-    assert done.step == 5 and done.left_out == ("note.epoch",) and len(done.files) > 2
+    assert done.step == 5 and done.written.left_out == ("note.epoch",) and len(done.written.files) > 2
     index = json.loads((tmp_path / "hf" / INDEX_FILE).read_text())
     assert sorted(index["weight_map"]) == sorted(expect)
     got = {}
@@ -297,7 +297,7 @@ def test_a_sharded_state_exports_to_safetensors_whole_and_exact(tmp_path):
     for k, v in expect.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in expect.values())
-    assert sorted(os.listdir(tmp_path / "hf")) == sorted(done.files)  # nothing else left there
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted(done.written.files)  # nothing else left there
     # the public call, one file at the default size: the same tensors
     dest = export(make_config(str(tmp_path)), 5, tmp_path / "hf1", format="safetensors", only="model")
     assert os.listdir(dest) == ["model.safetensors"]

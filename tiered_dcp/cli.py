@@ -331,19 +331,25 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     t0 = time.perf_counter()
+
+    def progress(name: str, size: int, done: int, total: int) -> None:
+        if total > 1:
+            print(f"  wrote {name} ({human(size)}), {done} of {total}", flush=True)
+
     fmt = format_named(args.format, args.max_shard_size)
-    done = run_export(cfg, args.step, args.to, fmt, args.only)
+    done = run_export(cfg, args.step, args.to, fmt, args.only, progress)
     took = time.perf_counter() - t0
-    what = f"{done.tensors} tensor(s), {human(done.bytes)}"
+    w = done.written
+    what = f"{w.tensors} tensor(s), {human(w.bytes)}"
     if done.format == "dcp":
         how = f"a stock DCP checkpoint: FileSystemReader({done.dest!r})"
     else:
-        more = ", ..." if len(done.files) > 3 else ""
-        how = f"{len(done.files)} file(s): {', '.join(done.files[:3])}{more}"
+        more = ", ..." if len(w.files) > 3 else ""
+        how = f"{len(w.files)} file(s): {', '.join(w.files[:3])}{more}"
     print(f"exported step {done.step} to {done.dest} ({how}), {what}, in {took:.1f}s")
-    if done.left_out:
-        names = ", ".join(done.left_out[:5]) + (", ..." if len(done.left_out) > 5 else "")
-        print(f"left out {len(done.left_out)} non-tensor item(s), which {done.format} cannot hold: {names}")
+    if w.left_out:
+        names = ", ".join(w.left_out[:5]) + (", ..." if len(w.left_out) > 5 else "")
+        print(f"left out {len(w.left_out)} non-tensor item(s), which {done.format} cannot hold: {names}")
     return 0
 
 

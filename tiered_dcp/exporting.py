@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,24 +44,36 @@ def shard_name(i: int, n: int) -> str:
 
 
 @dataclass(frozen=True)
+class Written:
+    """What a format wrote."""
+
+    files: tuple[str, ...]  # names in the directory, in the order they are to appear
+    tensors: int
+    bytes: int  # tensor bytes
+    left_out: tuple[str, ...] = ()  # selected items the format cannot hold (their names)
+
+
+@dataclass(frozen=True)
 class Exported:
-    """What an export wrote: a summary the CLI prints."""
+    """What an export wrote, and where: the summary the CLI prints."""
 
     step: int
     dest: str
     format: str
-    files: tuple[str, ...]  # names in dest
-    tensors: int
-    bytes: int  # tensor bytes written
-    left_out: tuple[str, ...] = ()  # selected items the format cannot hold (their names)
+    written: Written
+
+
+Progress = Callable[[str, int, int, int], None]  # (file written, its bytes, files done, files in all)
 
 
 class Items:
-    """The selected items of one step, read through one reader of it."""
+    """The selected items of one step, read through one reader of it; ``progress`` is told
+    of each file a format has written."""
 
-    def __init__(self, reader: Any, only: str | None) -> None:
+    def __init__(self, reader: Any, only: str | None, progress: Progress | None = None) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        self.progress = progress or (lambda name, size, done, total: None)
         self.reader = reader
         self.step: int = reader.step
         self.metadata = reader.read_metadata()
@@ -107,9 +119,8 @@ class Items:
 class ExportFormat(Protocol):
     name: str
 
-    def write(self, items: Items, out: str) -> tuple[tuple[str, ...], int, int, tuple[str, ...]]:
-        """Write ``items`` into the empty directory ``out``: (files, tensors, tensor bytes,
-        names left out)."""
+    def write(self, items: Items, out: str) -> Written:
+        """Write ``items`` into the empty directory ``out``."""
         ...
 
 
@@ -118,13 +129,14 @@ class DcpFormat:
 
     name = "dcp"
 
-    def write(self, items: Items, out: str) -> tuple[tuple[str, ...], int, int, tuple[str, ...]]:
+    def write(self, items: Items, out: str) -> Written:
         import torch.distributed.checkpoint as dcp
 
         state = items.load(items.fqns) if items.prefix else read_whole(items.reader)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
         size = sum(items.nbytes(k) for k in items.tensors)
-        return tuple(sorted(os.listdir(out))), len(items.tensors), size, ()
+        items.progress(".metadata", size, 1, 1)
+        return Written(tuple(sorted(os.listdir(out))), len(items.tensors), size)
 
 
 class SafetensorsFormat:
@@ -151,7 +163,7 @@ class SafetensorsFormat:
             size += n
         return out
 
-    def write(self, items: Items, out: str) -> tuple[tuple[str, ...], int, int, tuple[str, ...]]:
+    def write(self, items: Items, out: str) -> Written:
         from safetensors.torch import save_file
 
         left_out = tuple(items.name(k) for k in items.fqns if k not in items.tensors)
@@ -168,18 +180,20 @@ class SafetensorsFormat:
         header = {"format": "pt", "tiered_dcp.step": str(items.step)}
         weight_map: dict[str, str] = {}
         total = 0
-        for name, fqns in zip(names, groups, strict=True):
+        for i, (name, fqns) in enumerate(zip(names, groups, strict=True), 1):
             tensors = items.load(fqns)
             save_file(tensors, os.path.join(out, name), metadata=header)
             weight_map.update(dict.fromkeys(tensors, name))
-            total += sum(items.nbytes(k) for k in fqns)
+            size = sum(items.nbytes(k) for k in fqns)
+            total += size
             del tensors
+            items.progress(name, size, i, n)
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             with open(os.path.join(out, INDEX_FILE), "w") as f:
                 json.dump(index, f, indent=2)
             names.append(INDEX_FILE)
-        return tuple(names), len(items.tensors), total, left_out
+        return Written(tuple(names), len(items.tensors), total, left_out)
 
 
 def format_named(name: str, max_shard_size: int | None = None) -> ExportFormat:
@@ -206,6 +220,7 @@ def run_export(
     dest: str | os.PathLike,
     fmt: ExportFormat,
     only: str | None = None,
+    progress: Progress | None = None,
 ) -> Exported:
     """Export ``step`` (None: the newest that loads) of ``config`` into the local directory
     ``dest`` as ``fmt``. ``dest`` may exist; files of the export's own names already there are
@@ -221,24 +236,22 @@ def run_export(
     dest = dest.removeprefix("file://")
     _check_dest(dest)
 
-    def write(reader: Any) -> tuple[int, tuple[str, ...], int, int, tuple[str, ...]]:
-        items = Items(reader, only)
+    def write(reader: Any) -> Written:
+        items = Items(reader, only, progress)
         with _fresh_dir(dest) as out:
-            files, tensors, size, left_out = fmt.write(items, out)
-            _move_into(out, dest, files)
-        return items.step, files, tensors, size, left_out
+            written = fmt.write(items, out)
+            _move_into(out, dest, written.files)
+        return written
 
     with one_process():
         try:
             if step is None:
-                _, (chosen, files, tensors, size, left_out) = resume(
-                    config, write, caller="export", no_dist=True
-                )
+                step, written = resume(config, write, caller="export", no_dist=True)
             else:
-                chosen, files, tensors, size, left_out = write(TieredReader(config, step, no_dist=True))
+                written = write(TieredReader(config, step, no_dist=True))
         except CheckpointException as e:
             raise unwrapped(e) from None
-    return Exported(chosen, dest, fmt.name, files, tensors, size, left_out)
+    return Exported(step, dest, fmt.name, written)
 
 
 def read_whole(reader: Any) -> dict:
