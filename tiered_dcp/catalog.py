@@ -39,6 +39,7 @@ from tiered_dcp.storage.format import is_pin as _is_pin
 from tiered_dcp.storage.local import DIRTY
 
 from . import tierfile
+from .cliques import Layout
 from .config import Tier, TieredConfig
 from .leases import leased, owner_alive
 from .placement import Placement, WholeRule, nodes_of, placement_for
@@ -247,7 +248,7 @@ class TierView:
     def holders(self, marker: Marker, rank: int) -> list[Storage]:
         """The roots that hold (a copy of) rank's part: its own first, then its clique's."""
         nodes = nodes_of(marker)
-        ranks = self.placement.holders(rank, nodes, marker.replication)
+        ranks = self.placement.holders(rank, nodes, Layout.of_marker(marker))
         stores = [self.store_for(nodes[h], h) for h in ranks]
         return list({s.url: s for s in stores}.values())
 
