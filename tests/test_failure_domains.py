@@ -9,6 +9,8 @@ their parts; ``failure_domain="RACK"`` pairs each node with one in the other rac
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tiered_dcp import NoCheckpointError, Tier, TieredConfig, TieredReader, TieredWriter
+from tiered_dcp import NoCheckpointError, Tier, TieredConfig, TieredReader, TieredWriter, status
 
 ONE_PER_NODE = {"LOCAL_WORLD_SIZE": 1}
 RACKS = ["rack-a", "rack-a", "rack-b", "rack-b"]
@@ -62,14 +64,27 @@ def _save_lose_rack_a_load(rank, world, root, failure_domain):
         return {"error": str(e)}
     dcp.load(target, storage_reader=reader)
     exact = torch.equal(target["w"].full_tensor(), full(reader.step)) and target["meta"] == {"step": 2}
-    return {"step": reader.step, "exact": exact}
+    committed = [r for r in status(cfg) if r.state == "committed"]
+    return {"step": reader.step, "exact": exact, "rows": [(r.step, r.cliques, r.domains) for r in committed]}
 
 
 def test_a_lost_rack_loses_no_step(tmp_path):
     results = run_ranks(_save_lose_rack_a_load, 4, str(tmp_path), "RACK", env=ONE_PER_NODE)
     assert [(r["step"], r["exact"]) for r in results] == [(2, True)] * 4, results
+    cliques, domains = [[0, 2], [1, 3]], RACKS
+    for r in results[2:]:  # status() on a surviving node shows each clique's domains
+        assert r["rows"] == [(1, cliques, domains), (2, cliques, domains)]
     marker = json.loads((tmp_path / "ram/3/racks/step_000000000002/COMMITTED").read_text())
-    assert marker["cliques"] == [[0, 2], [1, 3]] and marker["domains"] == RACKS
+    assert marker["cliques"] == cliques and marker["domains"] == domains
+    env = {**os.environ, "RANK": "3", "LOCAL_WORLD_SIZE": "1"}  # ls on node 3, which survived
+    out = subprocess.run(
+        [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "racks", f"{tmp_path}/ram/{{node}}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert "cliques on tier 0 (steps 1, 2): [0, 2] in rack-a, rack-b; [1, 3] in rack-a, rack-b" in out, out
 
 
 def test_without_a_domain_the_cliques_are_the_jump_rule_s_and_the_rack_takes_them(tmp_path):
