@@ -128,3 +128,32 @@ def test_domains_that_cannot_hold_the_copies_apart_are_refused_before_any_byte(t
     errors = run_ranks(_save_in, 4, str(tmp_path), racks, env=ONE_PER_NODE)
     assert all(e is not None and message in e for e in errors), errors
     assert not (tmp_path / "ram").exists()  # nothing written, on any node
+
+
+def _async_save_in_a_process_then_lose_rack_a(rank, world, root):
+    """DCP's PROCESS async mode saves with a pickled copy of the writer: the layout travels."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    os.environ["RACK"] = RACKS[rank]
+    cfg = make_config(root)
+    mesh = init_device_mesh("cpu", (world,))
+    group = dist.new_group(backend="gloo")
+    writer = TieredWriter(cfg, step=1)
+    kind = AsyncCheckpointerType.PROCESS
+    dcp.async_save(
+        state(1, mesh), storage_writer=writer, process_group=group, async_checkpointer_type=kind
+    ).result()
+    dist.barrier()
+    if rank == 0:
+        for node in (0, 1):
+            shutil.rmtree(f"{root}/ram/{node}")
+    dist.barrier()
+    target = {"w": distribute_tensor(torch.zeros(16, 3), mesh, [Shard(0)]), "meta": {"step": -1}}
+    reader = TieredReader(cfg)
+    dcp.load(target, storage_reader=reader)
+    return reader.step, torch.equal(target["w"].full_tensor(), full(1))
+
+
+def test_async_saves_in_dcp_s_process_mode_place_replicas_by_domain_too(tmp_path):
+    results = run_ranks(_async_save_in_a_process_then_lose_rack_a, 4, str(tmp_path), env=ONE_PER_NODE)
+    assert results == [(1, True)] * 4
