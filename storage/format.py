@@ -232,11 +232,16 @@ class Marker:
     format: int = FORMAT_VERSION
     nonfinite_items: int = 0  # items holding NaN/Inf when saved (``on_nonfinite="mark"``)
     nonfinite: list[str] = field(default_factory=list)  # the first NONFINITE_NAMES of them
+    cliques: list[list[int]] | None = None  # failure domains: the cliques, else the jump rule
+    domains: list[str] | None = None  # failure domains: rank -> its domain, as stated
 
     def to_bytes(self) -> bytes:
         d = asdict(self)
         if self.finite:  # a finite step's marker reads as before, by older versions too
             del d["nonfinite_items"], d["nonfinite"]
+        for key in ("cliques", "domains"):  # so does one saved without failure domains
+            if d[key] is None:
+                del d[key]
         return json.dumps(d, indent=1).encode()
 
     @classmethod
@@ -250,6 +255,7 @@ class Marker:
         counts = [marker.step, marker.world_size, *parts]
         if not isinstance(marker.namespace, str) or not all(_is_count(n) for n in counts):
             raise ValueError("a marker's namespace is a name, its step, ranks, nodes and sizes are counts")
+        _check_layout(marker)
         return marker
 
     @property
@@ -265,6 +271,24 @@ class Marker:
 
     def part(self, rank: int) -> PartInfo | None:
         return next((p for p in self.parts if p.rank == rank), None)
+
+
+def _check_layout(marker: Marker) -> None:
+    """``cliques`` split the ranks into groups of the replication factor; ``domains`` name
+    one domain per rank: a marker saying otherwise would send reads to the wrong roots."""
+    world, factor = marker.world_size, marker.replication[0]
+    if marker.cliques is not None:
+        flat = [r for g in marker.cliques if isinstance(g, list) for r in g]
+        if (
+            not all(isinstance(g, list) and len(g) == factor for g in marker.cliques)
+            or not all(_is_count(r) for r in flat)
+            or sorted(flat) != list(range(world))
+        ):
+            raise ValueError(f"a marker's cliques must split its {world} ranks into groups of {factor}")
+    if marker.domains is not None and (
+        len(marker.domains) != world or not all(isinstance(d, str) for d in marker.domains)
+    ):
+        raise ValueError(f"a marker's domains must name one domain for each of its {world} ranks")
 
 
 def _is_count(n: object) -> bool:

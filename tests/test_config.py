@@ -19,6 +19,9 @@ def ok_tiers():
         ({"namespace": "run", "tiers": ok_tiers(), "replication_factor": 0}, "replication_factor=0"),
         ({"namespace": "run", "tiers": ok_tiers(), "replication_jump": -1}, "replication_jump=-1"),
         ({"namespace": "run", "tiers": ok_tiers(), "dedup": "yes"}, "dedup='yes'"),
+        ({"namespace": "run", "tiers": ok_tiers(), "failure_domain": ""}, "failure_domain='' must be"),
+        ({"namespace": "run", "tiers": ok_tiers(), "failure_domain": "MY RACK"}, "name of an environment"),
+        ({"namespace": "run", "tiers": ok_tiers(), "failure_domain": 3}, "failure_domain=3 must be"),
     ],
 )
 def test_bad_config_refused(kwargs, message):
@@ -76,3 +79,14 @@ def test_node_from_environment(monkeypatch):
     assert node_of(5) == 2
     monkeypatch.setenv("GROUP_RANK", "7")
     assert node_of(5) == 7
+
+
+def _rack(rank: int) -> str:
+    return f"rack-{rank // 8}"
+
+
+def test_failure_domain_travels_to_the_writer_process_as_data():
+    by_env = TieredConfig("run", ok_tiers(), failure_domain="RACK")
+    assert TieredConfig.from_dict(by_env.to_dict()) == by_env
+    by_function = TieredConfig("run", ok_tiers(), failure_domain=_rack)
+    assert by_function.to_dict()["failure_domain"] is None  # cliques come from each step's marker

@@ -112,6 +112,24 @@ def test_marker_round_trip_and_formats():
         Marker.from_bytes(json.dumps(old).encode())
 
 
+def test_marker_records_cliques_placed_by_failure_domain_and_refuses_bad_ones():
+    parts = [PartInfo(r, r, 10) for r in range(4)]
+    plain = Marker(5, "run", 4, parts, 300, 7, replication=[2, 1])
+    assert "cliques" not in json.loads(plain.to_bytes()) and "domains" not in json.loads(plain.to_bytes())
+    m = Marker(5, "run", 4, parts, 300, 7, replication=[2, 1], cliques=[[0, 2], [1, 3]], domains=list("aabb"))
+    assert Marker.from_bytes(m.to_bytes()) == m
+    for cliques, domains in (
+        ([[0, 2], [1, 2]], None),  # rank 3 in none, rank 2 in two
+        ([[0, 2, 1], [3]], None),  # not groups of the factor
+        ([[0, 2], [1, "3"]], None),
+        (None, ["a", "a", "b"]),  # a domain per rank
+    ):
+        d = json.loads(m.to_bytes())
+        d["cliques"], d["domains"] = cliques, domains
+        with pytest.raises(ValueError, match="a marker's (cliques|domains)"):
+            Marker.from_bytes(json.dumps(d).encode())
+
+
 def test_index_written_read_and_cached_once(tmp_path):
     store = LocalStorage(str(tmp_path))
     recs = [

@@ -88,7 +88,8 @@ def test_a_toml_file_takes_every_field_of_the_dataclasses(tmp_path):
     path.write_text(
         'namespace = "all"\nreplication_factor = 2\nreplication_jump = 1\ndedup = true\n'
         "peer_timeout = 30.0\ntier_timeout = 5.0\nwriter_drain_timeout = 60.0\n"
-        'on_nonfinite = "raise"\n[[tiers]]\npath = "/a/{node}"\nevery = 1\nkeep = 2\n'
+        'on_nonfinite = "raise"\nfailure_domain = "RACK"\n'
+        '[[tiers]]\npath = "/a/{node}"\nevery = 1\nkeep = 2\n'
         'compression = "zstd"\nshared = false\n[tiers.storage_options]\n'
     )
     assert load_job_config(str(path)) == TieredConfig(
@@ -100,6 +101,7 @@ def test_a_toml_file_takes_every_field_of_the_dataclasses(tmp_path):
         tier_timeout=5.0,
         writer_drain_timeout=60.0,
         on_nonfinite="raise",
+        failure_domain="RACK",
     )
 
 

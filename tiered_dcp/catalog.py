@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from tiered_dcp.storage import Storage, blocks, open_storage
@@ -39,6 +39,7 @@ from tiered_dcp.storage.format import is_pin as _is_pin
 from tiered_dcp.storage.local import DIRTY
 
 from . import tierfile
+from .cliques import Layout
 from .config import Tier, TieredConfig
 from .leases import leased, owner_alive
 from .placement import Placement, WholeRule, nodes_of, placement_for
@@ -98,6 +99,15 @@ class StepState:
     logical_bytes: int = 0  # committed: the raw bytes of the step's items held in this tier
     stored_bytes: int = 0  # what its records name (after compression, before dedup)
     written_bytes: int = 0  # what its writers wrote for it here (without the blocks it reused)
+    # committed on a replicated node-local tier: its cliques (the ranks holding copies of each
+    # other's parts), and each rank's failure domain where one was stated (its marker's)
+    cliques: list[list[int]] = field(default_factory=list)
+    domains: list[str] = field(default_factory=list)
+
+    @property
+    def clique_domains(self) -> list[list[str]]:
+        """Each clique's members' failure domains (empty when none was stated)."""
+        return [[self.domains[r] for r in c] for c in self.cliques] if self.domains else []
 
     @property
     def compression_ratio(self) -> float | None:
@@ -247,7 +257,7 @@ class TierView:
     def holders(self, marker: Marker, rank: int) -> list[Storage]:
         """The roots that hold (a copy of) rank's part: its own first, then its clique's."""
         nodes = nodes_of(marker)
-        ranks = self.placement.holders(rank, nodes, marker.replication)
+        ranks = self.placement.holders(rank, nodes, Layout.of_marker(marker))
         stores = [self.store_for(nodes[h], h) for h in ranks]
         return list({s.url: s for s in stores}.values())
 
@@ -397,6 +407,9 @@ class TierView:
                 f"committed, but not loadable from here: {'; '.join(missing)}" if missing else None,
             )
             self._byte_counts(rows[step], c)
+            layout = Layout.of_marker(c.marker)
+            if self.placement.pooled and layout.factor > 1:
+                rows[step].cliques, rows[step].domains = layout.cliques(), list(layout.domains)
         for store in self.scan_roots():
             for step in self.step_dirs(store):
                 if step not in rows:

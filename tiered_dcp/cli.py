@@ -15,6 +15,7 @@ import logging
 import shutil
 import sys
 import time
+from itertools import zip_longest
 
 from . import __version__
 from .api import (
@@ -123,6 +124,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
         return 1
     _print_table(cfg, rows, args.wide)
+    _print_cliques(rows)
     for r in rows:  # what a state that is not a good step means, and what to do
         if r.error and r.state in ("damaged", "incomplete"):
             print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
@@ -182,6 +184,23 @@ def _print_table(cfg: TieredConfig, rows: list, wide: bool) -> None:
             print(line)
     for line in lines:
         print(line)
+
+
+def _print_cliques(rows: list) -> None:
+    """Who holds copies of whose part on the replicated node-local tiers, with each clique's
+    failure domains: one line per layout (a job keeps one), naming its steps."""
+    layouts: dict[tuple, list[str]] = {}
+    for r in rows:
+        if r.cliques:
+            key = (r.tier_index, tuple(map(tuple, r.cliques)), tuple(map(tuple, r.clique_domains)))
+            layouts.setdefault(key, []).append(str(r.step))
+    for (tier, cliques, domains), steps in sorted(layouts.items()):
+        shown = [
+            f"{list(c)} in {', '.join(d)}" if domains else str(list(c))
+            for c, d in zip_longest(cliques, domains)
+        ]
+        which = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(steps)}"
+        print(f"cliques on tier {tier} ({which}): {'; '.join(shown)}")
 
 
 def _columns(header: list[str], table: list[list[str]]) -> list[str]:

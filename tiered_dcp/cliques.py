@@ -1,25 +1,150 @@
 """Clique replication layout: which ranks hold copies of each other's parts.
 
-As in NVIDIA's CliqueReplicationStrategy: with ``replication_factor`` F and
-``replication_jump`` J, ranks n, n+J, ..., n+(F-1)J form a clique (within blocks of F*J
-consecutive ranks). J is typically the number of ranks per node, so that a clique's members
-sit on different nodes and the loss of one node leaves a copy of every part.
+Two rules, one ``Layout`` that every caller asks (``Layout.clique``): the writer, the
+replica exchange, the writer process, the loader pooling replicas, ``ls`` and ``status``.
+
+- The jump rule (no failure domain given), as in NVIDIA's CliqueReplicationStrategy: with
+  ``replication_factor`` F and ``replication_jump`` J, ranks n, n+J, ..., n+(F-1)J form a
+  clique (within blocks of F*J consecutive ranks). J is typically the number of ranks per
+  node, so that a clique's members sit on different nodes and the loss of one node leaves
+  a copy of every part.
+- Failure domains (``TieredConfig(failure_domain=...)``): every rank's (node, domain) is
+  gathered once (``domains.gather_layout``) and the cliques are laid out explicitly, each
+  member in another domain (``by_domain``), so that losing a whole rack loses no part.
+
+A save records its layout in the step's marker (``Layout.marker_fields``), so a load, the
+writer process, ``ls`` and another job's reader use the layout the step was saved with
+(``Layout.of_marker``), never their own config's. Torch-free.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiered_dcp.storage.format import Marker
 
 log = logging.getLogger("tiered_dcp")
 _warned: set[tuple[int, int, int]] = set()
 
 
-def clique(rank: int, world: int, factor: int, jump: int) -> list[int]:
-    """The ranks of ``rank``'s clique, itself included, in rank order."""
+@dataclass(frozen=True)
+class Layout:
+    """A save's cliques: the jump rule, or explicit ``groups`` placed by failure domain.
+
+    ``domains`` (rank -> its failure domain) is kept when one was stated, for display.
+    """
+
+    world: int
+    factor: int = 1
+    jump: int = 1
+    groups: tuple[tuple[int, ...], ...] = ()
+    domains: tuple[str, ...] = ()
+
+    def clique(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s clique, itself included, in rank order: THE clique rule."""
+        if self.groups:
+            return list(next(g for g in self.groups if rank in g))
+        return jump_clique(rank, self.world, self.factor, self.jump)
+
+    def cliques(self) -> list[list[int]]:
+        """Every clique once, by its lowest rank."""
+        seen: dict[int, list[int]] = {}
+        for r in range(self.world):
+            members = self.clique(r)
+            seen.setdefault(members[0], members)
+        return [seen[k] for k in sorted(seen)]
+
+    def describe(self) -> list[str]:
+        """Each clique as ``[0, 2] in rack-a, rack-b`` (its members' domains where stated)."""
+        out = []
+        for members in self.cliques():
+            where = f" in {', '.join(self.domains[m] for m in members)}" if self.domains else ""
+            out.append(f"{members}{where}")
+        return out
+
+    def marker_fields(self) -> dict:
+        """What a marker records of this layout (``format.Marker``): ``cliques`` and
+        ``domains`` only when a failure domain placed them, so other markers read as before."""
+        fields: dict = {"replication": [self.factor, self.jump]}
+        if self.groups:
+            fields["cliques"] = [list(g) for g in self.groups]
+        if self.domains:
+            fields["domains"] = list(self.domains)
+        return fields
+
+    @classmethod
+    def of_marker(cls, marker: Marker) -> Layout:
+        """The layout a step was saved with (format 1: no replication)."""
+        factor, jump = marker.replication
+        groups = tuple(tuple(g) for g in marker.cliques or ())
+        return cls(marker.world_size, factor, jump, groups, tuple(marker.domains or ()))
+
+
+def jump_clique(rank: int, world: int, factor: int, jump: int) -> list[int]:
+    """The jump rule's clique of ``rank`` (``Layout.clique`` is what callers ask)."""
     block = factor * jump
     base = rank // block * block + rank % jump
     return [base + k * jump for k in range(factor)]
+
+
+def by_domain(
+    factor: int, nodes: Sequence[int], domains: Sequence[str], source: str, jump: int = 1
+) -> Layout:
+    """Cliques of ``factor`` ranks each, every member in another failure domain (hence on
+    another node), spread as evenly as the domains allow; ValueError when they cannot be.
+
+    Ranks are listed domain by domain (largest domain first, each by node then rank) and
+    dealt round-robin into world/factor cliques: a domain holding at most world/factor ranks
+    never lands twice in one clique, and a larger one makes any layout impossible.
+    ``source`` names the config's failure_domain in messages; ``jump`` (the config's, unused
+    here) is only recorded.
+    """
+    world = len(nodes)
+    members: dict[str, list[int]] = {}
+    for r, d in enumerate(domains):
+        members.setdefault(d, []).append(r)
+    _one_domain_per_node(nodes, domains, source)
+    if factor == 1:
+        return Layout(world, 1, jump, (), tuple(domains))
+    count = world // factor
+    biggest = max(len(rs) for rs in members.values())
+    if world % factor or biggest > count:
+        found = ", ".join(
+            f"{d!r}: {len(rs)} rank(s) on {len({nodes[r] for r in rs})} node(s)"
+            for d, rs in sorted(members.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+        )
+        need = (
+            f"a world size divisible by {factor}"
+            if world % factor
+            else f"{factor} distinct domains per clique, so no domain may hold more than "
+            f"{world}/{factor}={count} of the {world} ranks"
+        )
+        raise ValueError(
+            f"replication_factor={factor} with failure_domain={source} needs {need}; the domains found "
+            f"are {found}. State a finer domain (a rack rather than a zone), spread the job over more "
+            f"domains, or lower replication_factor"
+        )
+    order = sorted(members.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    dealt: list[list[int]] = [[] for _ in range(count)]
+    for i, r in enumerate(r for _, rs in order for r in sorted(rs, key=lambda r: (nodes[r], r))):
+        dealt[i % count].append(r)
+    groups = tuple(sorted(tuple(sorted(g)) for g in dealt))
+    return Layout(world, factor, jump, groups, tuple(domains))
+
+
+def _one_domain_per_node(nodes: Sequence[int], domains: Sequence[str], source: str) -> None:
+    """A node sits in one failure domain: ranks of one node naming two are a misstatement."""
+    seen: dict[int, tuple[int, str]] = {}
+    for r, (n, d) in enumerate(zip(nodes, domains, strict=True)):
+        first = seen.setdefault(n, (r, d))
+        if first[1] != d:
+            raise ValueError(
+                f"failure_domain={source}: node {n} has rank {first[0]} in domain {first[1]!r} and "
+                f"rank {r} in {d!r}; a node sits in one failure domain: give all its ranks the same one"
+            )
 
 
 def peer_node(rank: int) -> int:
@@ -49,7 +174,7 @@ def check_cliques(world: int, factor: int, jump: int) -> None:
     if key in _warned:
         return
     for r in range(world):
-        members = clique(r, world, factor, jump)
+        members = jump_clique(r, world, factor, jump)
         nodes = [peer_node(m) for m in members]
         if len(set(nodes)) < len(nodes):
             _warned.add(key)

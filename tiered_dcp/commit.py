@@ -37,15 +37,19 @@ from .placement import CopyCommit
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from .cliques import Layout
     from .metadata import Records
 
 log = logging.getLogger("tiered_dcp")
 
 
 def build_commit(
-    view: TierView, step: int, metadata: Metadata, world: list[int], records: Records
+    view: TierView, step: int, metadata: Metadata, world: list[int], records: Records, layout: Layout
 ) -> tuple[bytes, Marker]:
     """The metadata blob (every rank's items) and the marker naming it, for every root.
+
+    The marker records the save's clique ``layout``: loads, the writer process and ``ls``
+    find every copy of a part by it, whatever their own config says.
 
     Items saved holding NaN/Inf (``on_nonfinite="mark"``) are counted and named in the
     marker, so that loads pass the step over; the committer says so once for the job."""
@@ -64,7 +68,7 @@ def build_commit(
         [PartInfo(r, n, sizes[r]) for r, n in enumerate(world)],
         len(blob),
         checksum(blob),
-        replication=[cfg.replication_factor, cfg.replication_jump],
+        **layout.marker_fields(),
         nonfinite_items=len(bad),
         nonfinite=bad[:NONFINITE_NAMES],
     )

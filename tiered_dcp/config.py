@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -16,6 +17,7 @@ from tiered_dcp.storage import check_url
 
 COMPRESSIONS = (None, "zstd")
 _PLACEHOLDERS = {"node", "rank"}
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*(?:::[A-Za-z][A-Za-z0-9+.-]*)*)://")  # fsspec chains too
 
@@ -157,7 +159,11 @@ class TieredConfig:
     persist and exits. ``on_nonfinite``: what a save of a floating tensor holding NaN/Inf
     does (``NONFINITE_POLICIES``): ``"mark"`` saves the step marked non-finite, so that
     ``load_latest`` and ``TieredReader(config)`` pass it over; ``"raise"`` fails the save
-    before it is committed; ``"ignore"`` does not look.
+    before it is committed; ``"ignore"`` does not look. ``failure_domain``: where each rank
+    sits among the groups that fail together (a rack, a power domain, a node pool): the name
+    of an environment variable each rank reads, or a callable ``rank -> str`` (a module-level
+    function, for DCP's PROCESS async mode). Given, cliques are laid out across domains
+    (``cliques.by_domain``) instead of by ``replication_jump``.
     """
 
     namespace: str
@@ -169,6 +175,7 @@ class TieredConfig:
     tier_timeout: float = 10.0
     writer_drain_timeout: float = 600.0
     on_nonfinite: str = "mark"
+    failure_domain: str | Callable[[int], str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -199,6 +206,12 @@ class TieredConfig:
                 raise ValueError(f"TieredConfig: {name}={value!r} must be a number of seconds > 0")
         if not isinstance(self.dedup, bool):
             raise ValueError(f"TieredConfig: dedup={self.dedup!r} must be True or False")
+        fd = self.failure_domain
+        if not (fd is None or callable(fd) or (isinstance(fd, str) and _ENV_NAME.match(fd))):
+            raise ValueError(
+                f"TieredConfig: failure_domain={fd!r} must be the name of an environment variable "
+                "each rank reads (e.g. 'RACK'), a function rank -> str, or None"
+            )
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"TieredConfig: on_nonfinite={self.on_nonfinite!r} must be one of {list(NONFINITE_POLICIES)}"
@@ -208,9 +221,14 @@ class TieredConfig:
         """Every field, the tiers as dicts: plain data, as the writer process receives it.
 
         Generic over the fields, so a field added later travels without edits here; its
-        value must be JSON data (``runtime`` says which when it is not).
+        value must be JSON data (``runtime`` says which when it is not). A callable
+        ``failure_domain`` travels as None: the writer process takes each step's cliques
+        from its marker, and a function is no data.
         """
-        return {**_to_dict(self), "tiers": [t.to_dict() for t in self.tiers]}
+        d = {**_to_dict(self), "tiers": [t.to_dict() for t in self.tiers]}
+        if callable(self.failure_domain):
+            d["failure_domain"] = None
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TieredConfig:

@@ -39,6 +39,7 @@ from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, wr
 
 from . import dedup
 from .catalog import StepCopy, TierView, read_metadata_blob
+from .cliques import Layout
 from .commit import copied_marker
 from .placement import nodes_of
 from .records import Kind, record
@@ -384,7 +385,7 @@ class Persister:
         self.writing(job.target, step, dst.own)  # from here on, a write that makes no progress stalls
         nodes = nodes_of(copy.marker)
         started, size = time.monotonic(), 0
-        for rank in dst.placement.parts_written_by(job.rank, nodes, copy.marker.replication):
+        for rank in dst.placement.parts_written_by(job.rank, nodes, Layout.of_marker(copy.marker)):
             index = src.indexes.get(src.own, ns, step, rank)  # BadIndex: damaged (a name included)
             if index is None:
                 raise FileNotFoundError(

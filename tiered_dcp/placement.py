@@ -29,7 +29,7 @@ from enum import Enum
 
 from tiered_dcp.storage.format import Marker
 
-from .cliques import clique
+from .cliques import Layout
 from .config import Tier
 
 Nodes = Mapping[int, int]  # rank -> node, as in the marker's parts (a save's world)
@@ -90,11 +90,11 @@ class Placement(ABC):
         return out
 
     @abstractmethod
-    def holders(self, rank: int, nodes: Nodes, replication: Sequence[int]) -> list[int]:
+    def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         """Ranks whose root holds a copy of ``rank``'s part: its own first, one per root."""
 
     @abstractmethod
-    def parts_written_by(self, rank: int, nodes: Nodes, replication: Sequence[int]) -> list[int]:
+    def parts_written_by(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         """The parts whose copy ``rank`` writes into its own root: its own first, then replicas."""
 
     @abstractmethod
@@ -118,10 +118,10 @@ class SharedPlacement(Placement):
     whole_rule = WholeRule.LOADABLE
     copy_commit = CopyCommit.EVERY_INDEX
 
-    def holders(self, rank: int, nodes: Nodes, replication: Sequence[int]) -> list[int]:
+    def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         return self._distinct_roots([rank], nodes)
 
-    def parts_written_by(self, rank: int, nodes: Nodes, replication: Sequence[int]) -> list[int]:
+    def parts_written_by(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         return [rank]
 
     def scan_roots(self, node: int, rank: int) -> list[tuple[int, int]]:
@@ -143,15 +143,13 @@ class NodeLocalPlacement(Placement):
     whole_rule = WholeRule.OWN_PARTS
     copy_commit = CopyCommit.SOURCE_PARTS
 
-    def holders(self, rank: int, nodes: Nodes, replication: Sequence[int]) -> list[int]:
-        factor, jump = replication
-        members = [rank] + [m for m in clique(rank, len(nodes), factor, jump) if m != rank]
+    def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
+        members = [rank] + [m for m in layout.clique(rank) if m != rank]
         return self._distinct_roots(members, nodes)
 
-    def parts_written_by(self, rank: int, nodes: Nodes, replication: Sequence[int]) -> list[int]:
-        factor, jump = replication
+    def parts_written_by(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         mine = self.root(nodes[rank], rank)
-        peers = clique(rank, len(nodes), factor, jump)
+        peers = layout.clique(rank)
         return [rank] + [q for q in peers if q != rank and self.root(nodes[q], q) != mine]
 
     def scan_roots(self, node: int, rank: int) -> list[tuple[int, int]]:
@@ -162,11 +160,11 @@ class NodeLocalPlacement(Placement):
         return next(r for r in sorted(nodes) if self.root(nodes[r], r) == mine) == rank  # its lowest rank
 
     def parts_in_root(self, node: int, rank: int, marker: Marker) -> list[int]:
-        nodes, root = nodes_of(marker), self.root(node, rank)
+        nodes, root, layout = nodes_of(marker), self.root(node, rank), Layout.of_marker(marker)
         return [
             p.rank
             for p in marker.parts
-            if root in (self.root(nodes[h], h) for h in self.holders(p.rank, nodes, marker.replication))
+            if root in (self.root(nodes[h], h) for h in self.holders(p.rank, nodes, layout))
         ]
 
 

@@ -30,7 +30,7 @@ from tiered_dcp.storage.format import write_index as write_part_index
 
 from . import dedup, transport
 from .catalog import TierView
-from .cliques import clique
+from .cliques import Layout
 from .commit import build_commit
 from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
 from .metadata import Records, part_index, records_from_json, records_to_json
@@ -99,13 +99,13 @@ class Swap:
     ``sent`` counts the bytes this rank sent.
     """
 
-    def __init__(self, view: TierView, step: int, part: SavedPart, world: list[int], name: str) -> None:
-        cfg = view.config
+    def __init__(
+        self, view: TierView, step: int, part: SavedPart, world: list[int], name: str, layout: Layout
+    ) -> None:
         self.view, self.step, self.part = view, step, part
-        self.members = clique(part.rank, len(world), cfg.replication_factor, cfg.replication_jump)
+        self.members = layout.clique(part.rank)
         self.world, self.name = world, name
-        replication = (cfg.replication_factor, cfg.replication_jump)
-        self.takes = view.placement.parts_written_by(part.rank, dict(enumerate(world)), replication)[1:]
+        self.takes = view.placement.parts_written_by(part.rank, dict(enumerate(world)), layout)[1:]
         self.landed: list[Landing] = []
         self.here: dict[str, dedup.Held | None] = {}  # the blocks the peers' parts use, in this root
         self.group: Group | None = None
@@ -243,6 +243,7 @@ def commit_everywhere(
     records: Records,
     error: BaseException | None,
     name: str,
+    layout: Layout,
 ) -> None:
     """Commit ``step`` on this node-local tier: in every root, once every rank is clean.
 
@@ -254,7 +255,7 @@ def commit_everywhere(
     if not transport.dist_up() or len(world) == 1:
         if error is not None:
             raise error
-        blob, marker = build_commit(view, step, metadata(), world, records)
+        blob, marker = build_commit(view, step, metadata(), world, records, layout)
         view.commit(step, blob, marker)
         return
     store = transport.store()
@@ -293,7 +294,7 @@ def commit_everywhere(
             refusal = _refusal(step, view, failed)
             store.set(verdict, json.dumps(refusal))
             raise _refused(refusal, step)
-        blob, marker = build_commit(view, step, metadata(), world, merged)
+        blob, marker = build_commit(view, step, metadata(), world, merged, layout)
         _OWN_KEYS.append(f"{verdict}/metadata")
         store.set(f"{verdict}/metadata", blob)  # before the verdict, which says it is there
         store.set(verdict, json.dumps({"error": None, "marker": marker.to_bytes().decode()}))

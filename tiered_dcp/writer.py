@@ -36,10 +36,10 @@ from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.format import NONFINITE_NAMES, failed_key, index_key, part_key, pin_key
 from tiered_dcp.storage.local import LocalStorage
 
-from . import dedup, hostmem, preemption, scores, tierfile, transport
+from . import dedup, domains, hostmem, preemption, scores, tierfile, transport
 from .catalog import TierView, bounded
 from .checkpoint_id import new_id, step_id, step_of
-from .cliques import check_cliques
+from .cliques import Layout
 from .commit import build_commit
 from .config import TieredConfig, node_of
 from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
@@ -324,7 +324,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.emergency = bool(emergency)
         self._target(step)
         self.save_id = new_id()
-        check_cliques(_world_size(), config.replication_factor, config.replication_jump)
+        # the cliques: checked now (a bad layout fails here, before any byte is written);
+        # with failure domains, gathered from every rank at the first writer of the config
+        self.layout = domains.layout_for(config, _world_size(), _current_rank())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -541,7 +543,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         try:
             part = encode_part(first, self.step, self.rank, resolved, aliases, replicated)
             if replicated:  # the transfer runs while the part is written
-                swap = Swap(first, self.step, part, world, name).start()
+                swap = Swap(first, self.step, part, world, name, self._layout(world)).start()
             t0 = time.perf_counter()
             write_part(first, self.step, part)
             self._write_seconds = time.perf_counter() - t0
@@ -568,9 +570,30 @@ class TieredWriter(StorageWriter, AsyncStager):
 
         with transport.watching_peers(self.step, "the commit agreement"):  # the store may be gone
             commit_everywhere(
-                first, self.step, self.rank, world, self.is_coordinator, metadata, records, error, name
+                first,
+                self.step,
+                self.rank,
+                world,
+                self.is_coordinator,
+                metadata,
+                records,
+                error,
+                name,
+                self._layout(world),
             )
         return records
+
+    def _layout(self, world: list[int]) -> Layout:
+        """The cliques of this save's ``world`` (rank -> node, from the plan): the jump rule
+        over its ranks, or the failure domains' layout, which must be of the same ranks."""
+        if not self.layout.groups and not self.layout.domains:
+            return dataclasses.replace(self.layout, world=len(world))
+        if self.layout.world != len(world):
+            raise TieredCheckpointError(
+                f"step {self.step}: the failure domains were gathered from {self.layout.world} rank(s), "
+                f"but this save has {len(world)}: save with the job's default process group's ranks"
+            )
+        return self.layout
 
     def _in_file(self, first: TierView) -> InFile | None:
         """The part file ``stage`` filled, when this save writes that very file (the step and
@@ -616,7 +639,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         try:
             with _failing_save(first, self.step):
-                first.commit(self.step, *build_commit(first, self.step, metadata, world, records))
+                blob, marker = build_commit(first, self.step, metadata, world, records, self._layout(world))
+                first.commit(self.step, blob, marker)
         except BaseException as e:
             _abandon(first, self.step, self.rank, [], e)
             raise
