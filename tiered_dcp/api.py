@@ -329,7 +329,7 @@ def import_dcp(
             cause = failures_of(e)[0]
             why = f"{type(cause).__name__}: {cause}"
             raise CheckpointCorruptError(f"{src} cannot be imported: {why}") from None
-        alone = dataclasses.replace(config, replication_factor=1)
+        alone = dataclasses.replace(config, replication_factor=1, failure_domain=None)
         dcp.save(state, storage_writer=TieredWriter(alone, step=step), no_dist=True)
     return step
 

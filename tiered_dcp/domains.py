@@ -27,7 +27,7 @@ def layout_for(config: TieredConfig, world: int, rank: int) -> Layout:
     before), or, with a failure domain, the domains gathered from every rank once."""
     fd = config.failure_domain
     factor, jump = config.replication_factor, config.replication_jump
-    if fd is None:
+    if fd is None or factor == 1:  # no replicas to place: nothing to gather
         check_cliques(world, factor, jump)
         return Layout(world, factor, jump)
     key = (config.namespace, fd if isinstance(fd, str) else id(fd), world, factor, jump)
