@@ -76,6 +76,24 @@ def test_record_round_trips_through_json():
     assert info.raw_length == rec.raw_length
 
 
+# An index as this version writes it (blocks, codecs, a non-finite item, a bytes item): the
+# layout on storage, key order included, must not change with the classes that read it.
+TODAYS_INDEX = (
+    b'{"format":3,"rank":1,"size":67,"items":[{"key":["model.w",[0,0],0],"file":"run/blocks",'
+    b'"offset":0,"codec":"zstd-bg2","chunks":[[10,100,18446744073709551615],[5,20,7]],"rank":1,'
+    b'"kind":"tensor","dtype":"torch.bfloat16","shape":[5,6],"blocks":["00000000000000000000000000000000",'
+    b'"ffffffffffffffffffffffffffffffff"],"codecs":["zstd-bg2","zstd"],"nonfinite":true},'
+    b'{"key":["extra",null,null],"file":"run/step_000000000001/rank_00001.part","offset":64,'
+    b'"codec":"raw","chunks":[[3,3,9]],"rank":1,"kind":"bytes"}],"written":90}'
+)
+
+
+def test_todays_index_reads_into_records_and_back_byte_for_byte():
+    index = PartIndex.from_bytes(TODAYS_INDEX, "run", 1, 1)
+    assert index.to_bytes() == TODAYS_INDEX
+    assert (index.size, index.written, index.stored_bytes, index.logical_bytes) == (67, 90, 18, 123)
+
+
 def test_legacy_record_dicts_name_their_file_relative_to_the_step():
     old = {
         "file": "rank_00001.part",
