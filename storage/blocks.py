@@ -406,7 +406,7 @@ class BlockPut:
 
 def fetch_raw(store: Storage, record: Record, i: int) -> bytes:
     """Chunk i of a dedup record, raw and verified, read from ``store``."""
-    _, n, h = record.chunks[i]
+    n, h = record.info.raw_chunks[i]
     codec, stored = read_block(store, record, i)
     out = bytearray(n)
     decode_chunk(codec, stored, n, memoryview(out), i, h)

@@ -163,21 +163,19 @@ def make_record(
     file: str,
     offset: int,
     stored: list[Buffer],
-    raw: list[memoryview],
-    hashes: list[int],
     codec: str,
-    **facts: Any,
+    info: ItemInfo,
+    codecs: tuple[str, ...] | None = None,
 ) -> Record:
-    """The record of one item just encoded: ``file`` is its part's key, ``facts`` its rank,
-    kind, dtype and shape (and ``blocks``, ``codecs`` where they apply)."""
-    chunks = tuple((memoryview(s).nbytes, len(r), h) for s, r, h in zip(stored, raw, hashes, strict=True))
-    return Record(file, offset, codec, chunks, **facts)
+    """The record of one item just encoded into ``stored`` chunks at ``offset`` of ``file``
+    (its part's key)."""
+    return Record(file, offset, codec, tuple(memoryview(s).nbytes for s in stored), info, codecs=codecs)
 
 
-def verify_raw(record: Record | ItemInfo, raw: memoryview) -> None:
-    """Check every chunk of raw (uncompressed) bytes against the record (or the item's info)."""
+def verify_raw(info: ItemInfo, raw: memoryview) -> None:
+    """Check every chunk of an item's raw (uncompressed) bytes against its checksums."""
     pos = 0
-    for i, (n, h) in enumerate(record.raw_chunks):
+    for i, (n, h) in enumerate(info.raw_chunks):
         if checksum(raw[pos : pos + n]) != h:
             raise ChecksumMismatch(f"chunk {i} (bytes {pos}..{pos + n} of the item)")
         pos += n
@@ -212,7 +210,7 @@ def verify_stored(record: Record, stored: memoryview) -> None:
     """Check an item's stored bytes (as a peer sent them) against its record."""
     if len(stored) != record.length:
         raise ChecksumMismatch(f"{len(stored)} bytes where the record says {record.length}")
-    decode_into(record, stored, memoryview(bytearray(record.raw_length)))
+    decode_into(record, stored, memoryview(bytearray(record.info.raw_length)))
 
 
 # -- blocks -----------------------------------------------------------------------------
@@ -235,7 +233,7 @@ def read_block(store: Storage, record: Record, i: int) -> tuple[str, bytes]:
 
 
 def _block_into(store: Storage, record: Record, i: int, out: memoryview) -> None:
-    _, n, h = record.chunks[i]
+    n, h = record.info.raw_chunks[i]
     codec, stored = read_block(store, record, i)
     decode_chunk(codec, stored, n, out, i, h)
 
@@ -267,7 +265,7 @@ def iter_raw_chunks(store: Storage, record: Record) -> Iterator[Buffer]:
     """An item's raw chunks read one at a time from ``store``, each verified. A raw chunk is
     the buffer it was read into (the writer process holds one chunk, not three copies)."""
     pos = record.offset
-    for i, (s, n, h) in enumerate(record.chunks):
+    for i, (s, (n, h)) in enumerate(zip(record.stored, record.info.raw_chunks, strict=True)):
         if record.blocks is not None:
             raw = bytearray(n)
             _block_into(store, record, i, memoryview(raw))
@@ -292,7 +290,7 @@ def read_item(store: Storage, record: Record, out: memoryview) -> None:
     out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
     if record.blocks is not None:
         calls, pos = [], 0
-        for i, (_, n, _) in enumerate(record.chunks):
+        for i, (n, _) in enumerate(record.info.raw_chunks):
             calls.append((_block_into, store, record, i, out[pos : pos + n]))
             pos += n
         _parallel(calls)
@@ -307,10 +305,10 @@ def decode_into(record: Record, stored: memoryview, out: memoryview) -> None:
     """Decode the stored bytes of an item into ``out`` (its raw size), verifying chunks."""
     if record.codec == "raw" and record.codecs is None:
         out[:] = stored
-        verify_raw(record, out)
+        verify_raw(record.info, out)
         return
     calls, pos, at = [], 0, 0
-    for i, (s, n, h) in enumerate(record.chunks):
+    for i, (s, (n, h)) in enumerate(zip(record.stored, record.info.raw_chunks, strict=True)):
         calls.append((decode_chunk, record.chunk_codec(i), stored[pos : pos + s], n, out[at : at + n], i, h))
         pos, at = pos + s, at + n
     _parallel(calls)

@@ -13,9 +13,10 @@ steps with it alone. One tier root holds::
 
 The DCP metadata holds what is true of an item on every tier (``ItemInfo``: its rank,
 kind, dtype, shape and raw chunk checksums); each root's index holds where the item's
-bytes are there (``Record``: file, offset, codec, stored chunk lengths). So the metadata
-and the marker are the same bytes on every tier, and copying a step to another tier is
-copying parts, writing their indexes and copying those two files.
+bytes are there (``Record``: file, offset, codecs, stored chunk lengths, and the item's
+``ItemInfo`` again, so that an index reads on its own). So the metadata and the marker are
+the same bytes on every tier, and copying a step to another tier is copying parts, writing
+their indexes and copying those two files.
 """
 
 from __future__ import annotations
@@ -317,24 +318,30 @@ class ItemKey:
         return cls(fqn, None if offset is None else tuple(offset), index)
 
 
-Chunk = tuple[int, int, int]  # (stored length, raw length, xxh3-64 of the raw bytes)
+Chunk = tuple[int, int, int]  # (stored length, raw length, xxh3-64 of the raw bytes), as in an index
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ItemInfo:
-    """What is true of an item on every tier; the DCP metadata's ``storage_data`` holds it."""
+    """What is true of an item on every tier: the DCP metadata's ``storage_data`` holds it,
+    and each record of the item (``Record.info``) carries it. Slotted, as ``Record``: an
+    index holds tens of thousands, and objects without a ``__dict__`` parse faster."""
 
     rank: int  # whose part holds the item
     kind: str  # "tensor" | "bytes"
     raw_chunks: tuple[tuple[int, int], ...]  # (raw length, xxh3-64) per chunk
     dtype: str | None = None  # tensors: "torch.float32"
     shape: tuple[int, ...] | None = None
+    # A floating tensor that held NaN/Inf when saved. The indexes' records say so and the
+    # marker counts such items; the metadata does not (``to_dict``), so there it reads False.
+    nonfinite: bool = False
 
     @property
     def raw_length(self) -> int:
         return sum(n for n, _ in self.raw_chunks)
 
     def to_dict(self) -> dict[str, Any]:
+        """The metadata's dict of the item. No ``nonfinite``: the metadata never held it."""
         d: dict[str, Any] = {
             "rank": self.rank,
             "kind": self.kind,
@@ -346,15 +353,24 @@ class ItemInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ItemInfo:
-        """From format 3's dict, or from a format 1/2 record (chunks of three numbers)."""
-        chunks = tuple((c[-2], c[-1]) for c in d["chunks"])
+        """From the metadata's dict, or from a record's (any format: its chunks are
+        ``[stored, raw, xxh3]``, the last two being the info's)."""
+        chunks = tuple((int(c[-2]), int(c[-1])) for c in d["chunks"])
         shape = d.get("shape")
-        return cls(d["rank"], d["kind"], chunks, d.get("dtype"), None if shape is None else tuple(shape))
+        return cls(
+            int(d["rank"]),
+            d.get("kind", "bytes"),
+            chunks,
+            d.get("dtype"),
+            None if shape is None else tuple(shape),
+            bool(d.get("nonfinite", False)),
+        )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Record:
-    """Where one item's bytes are on one tier, and how to decode and check them.
+    """Where one item's bytes are on one tier and how to undo their transforms (as torch's
+    ``_StorageInfo``: file, offset, lengths, codecs), with the item's ``info``.
 
     ``file`` is the key of the file holding the bytes, relative to the tier root; it may
     name another step's part file (a record may point into data written before). Read from
@@ -369,19 +385,15 @@ class Record:
     file: str
     offset: int
     codec: str  # "raw" | "zstd" | "zstd-bg2" | "zstd-bg4"
-    chunks: tuple[Chunk, ...]
-    rank: int = 0
-    kind: str = "bytes"
-    dtype: str | None = None
-    shape: tuple[int, ...] | None = None
+    stored: tuple[int, ...]  # each chunk's stored length here; its raw length and checksum: info's
+    info: ItemInfo
     blocks: tuple[str, ...] | None = None  # xxh3-128 (32 hex digits) of each chunk's raw bytes
     codecs: tuple[str, ...] | None = None  # per chunk, where they differ
-    nonfinite: bool = False  # a floating tensor that held NaN/Inf when saved
 
     @property
     def length(self) -> int:
         """Stored bytes of the item's chunks (in ``file`` at ``offset``, or in its blocks)."""
-        return sum(c[0] for c in self.chunks)
+        return sum(self.stored)
 
     @property
     def part_length(self) -> int:
@@ -391,33 +403,26 @@ class Record:
     def chunk_codec(self, i: int) -> str:
         return self.codecs[i] if self.codecs is not None else self.codec
 
-    @property
-    def raw_length(self) -> int:
-        return sum(c[1] for c in self.chunks)
-
-    @property
-    def raw_chunks(self) -> tuple[tuple[int, int], ...]:
-        return tuple((n, h) for _, n, h in self.chunks)
-
-    def info(self) -> ItemInfo:
-        return ItemInfo(self.rank, self.kind, self.raw_chunks, self.dtype, self.shape)
-
     def to_dict(self) -> dict[str, Any]:
+        """The record as an index holds it: each chunk ``[stored, raw, xxh3]``, the info's
+        facts after (in the index's order, not the metadata's), then what applies of
+        ``blocks``, ``codecs`` and ``nonfinite``."""
+        info = self.info
         d: dict[str, Any] = {
             "file": self.file,
             "offset": self.offset,
             "codec": self.codec,
-            "chunks": [list(c) for c in self.chunks],
-            "rank": self.rank,
-            "kind": self.kind,
+            "chunks": [[s, n, h] for s, (n, h) in zip(self.stored, info.raw_chunks, strict=True)],
+            "rank": info.rank,
+            "kind": info.kind,
         }
-        if self.kind == "tensor":
-            d.update(dtype=self.dtype, shape=list(self.shape or ()))
+        if info.kind == "tensor":
+            d.update(dtype=info.dtype, shape=list(info.shape or ()))
         if self.blocks is not None:
             d["blocks"] = list(self.blocks)
         if self.codecs is not None:
             d["codecs"] = list(self.codecs)
-        if self.nonfinite:
+        if info.nonfinite:
             d["nonfinite"] = True
         return d
 
@@ -426,21 +431,15 @@ class Record:
         """A record from its dict. Formats 1 and 2 name the file by its base name only:
         ``directory`` (the step's directory) completes it."""
         file = str(d["file"]) if directory is None else f"{directory}/{d['file']}"
-        chunks = tuple((int(s), int(n), int(h)) for s, n, h in d["chunks"])
-        shape = d.get("shape")
         blocks, codecs = d.get("blocks"), d.get("codecs")
         return cls(
             file,
             int(d["offset"]),
             d["codec"],
-            chunks,
-            int(d["rank"]),
-            d.get("kind", "bytes"),
-            d.get("dtype"),
-            None if shape is None else tuple(shape),
+            tuple(int(s) for s, _, _ in d["chunks"]),
+            ItemInfo.from_dict(d),
             None if blocks is None else tuple(str(b) for b in blocks),
             None if codecs is None else tuple(str(c) for c in codecs),
-            bool(d.get("nonfinite", False)),
         )
 
 
@@ -469,7 +468,7 @@ class PartIndex:
 
     @property
     def logical_bytes(self) -> int:
-        return sum(r.raw_length for r in self.records.values())
+        return sum(r.info.raw_length for r in self.records.values())
 
     @property
     def stored_bytes(self) -> int:

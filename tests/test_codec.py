@@ -11,7 +11,7 @@ from tiered_dcp.storage.codec import (
     decode_into,
     make_record,
 )
-from tiered_dcp.storage.format import Record, read_index
+from tiered_dcp.storage.format import ItemInfo, Record, read_index
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
 
@@ -44,9 +44,10 @@ def test_choice_is_per_chunk_and_recorded():
     chunks = [weights, zeros]
     stored, codec, codecs = enc.encode_item(chunks, "torch.bfloat16")
     assert (codec, codecs) == ("zstd-bg2", ("zstd-bg2", "zstd"))
-    rec = make_record("f", 0, stored, chunks, [checksum(c) for c in chunks], codec, codecs=codecs)
+    info = ItemInfo(0, "tensor", tuple((len(c), checksum(c)) for c in chunks), "torch.bfloat16", (2, 1 << 16))
+    rec = make_record("f", 0, stored, codec, info, codecs)
     assert Record.from_dict(rec.to_dict()) == rec
-    out = bytearray(rec.raw_length)
+    out = bytearray(rec.info.raw_length)
     decode_into(rec, memoryview(b"".join(bytes(s) for s in stored)), memoryview(out))
     assert out == bytes(weights) + bytes(zeros)
     # not a float tensor, or a raw tier: no grouping
@@ -74,7 +75,7 @@ def test_zstd_tier_stores_floats_grouped_and_loads_exactly(tmp_path):
     index = read_index(open_storage(str(tmp_path / "b")), "run", 1, 0)
     codecs = {k.fqn: r.codec for k, r in index.records.items()}
     assert codecs["bf16"] == "zstd-bg2" and codecs["fp32"] == "zstd-bg4" and codecs["ints"] == "zstd"
-    raw = sum(r.raw_length for r in index.records.values())
+    raw = index.logical_bytes
     assert index.size < 0.8 * raw
     got = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(got, storage_reader=TieredReader(cfg))

@@ -33,6 +33,7 @@ from conftest import settle
 from tiered_dcp.storage import format as layout
 from tiered_dcp.storage.codec import checksum
 from tiered_dcp.storage.format import (
+    ItemInfo,
     Marker,
     Record,
     block_header,
@@ -159,7 +160,8 @@ def forge(
         offset=rec.offset if file is None else 0,
         codec="raw",
         codecs=None,
-        chunks=((n, n, h),),  # a block's stored length leaves its header out
+        stored=(n,),  # a block's stored length leaves its header out
+        info=dataclasses.replace(rec.info, raw_chunks=((n, h),)),
         blocks=blocks,
     )
     write_index(store, NS, step, dataclasses.replace(index, records={**index.records, key: rec}))
@@ -237,7 +239,7 @@ def save(cfg: TieredConfig, *steps: int) -> None:
 
 
 def test_the_rule_admits_only_the_layouts_own_names():
-    rec = lambda file, blocks=None: Record(file, 0, "raw", ((1, 1, 0),), blocks=blocks)  # noqa: E731
+    rec = lambda file, blocks=None: Record(file, 0, "raw", (1,), ItemInfo(0, "bytes", ((1, 0),)), blocks)  # noqa: E731
     good = [rec(part_key(NS, 2, 0)), rec(part_key(NS, 1, 7)), rec(f"{NS}/blocks", ("0" * 32, "ab" * 16))]
     assert [layout.stray_name(r, NS) for r in good] == [None, None, None]
     files = [

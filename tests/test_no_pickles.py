@@ -22,7 +22,7 @@ from conftest import assert_state_equal, settle, value_kinds, zeros_like_state
 from dist_utils import run_ranks
 from test_save_load import cause, load, save
 from tiered_dcp.storage.codec import checksum
-from tiered_dcp.storage.format import Record
+from tiered_dcp.storage.format import ItemInfo, Record
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tiered_dcp import (
@@ -204,20 +204,13 @@ def test_what_ranks_exchange_through_the_store_is_plain_data():
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     idx = MetadataIndex("a.b", torch.Size([4, 0]), 3)
-    rec = Record(
-        "run/step_000000000001/rank_00000.part",
-        8,
-        "zstd",
-        ((5, 16, 123),),
-        0,
-        "tensor",
-        "torch.float32",
-        (4, 4),
-    )
-    raw = records_to_json({idx: rec, MetadataIndex("n"): Record("f", 0, "raw", ((3, 3, 9),))})
+    info = ItemInfo(0, "tensor", ((16, 123),), "torch.float32", (4, 4))
+    rec = Record("run/step_000000000001/rank_00000.part", 8, "zstd", (5,), info)
+    small = Record("f", 0, "raw", (3,), ItemInfo(0, "bytes", ((3, 9),)))
+    raw = records_to_json({idx: rec, MetadataIndex("n"): small})
     assert raw[:1] == b"["
     back = records_from_json(raw)
-    assert back == {idx: rec, MetadataIndex("n"): Record("f", 0, "raw", ((3, 3, 9),))}
+    assert back == {idx: rec, MetadataIndex("n"): small}
     (k,) = [k for k in back if k.fqn == "a.b"]
     assert k.offset == torch.Size([4, 0]) and item_key(k) == item_key(idx)
     req = PeerRequest(1, 2, idx, 64)

@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from tiered_dcp.storage.blocks import BLOCK_BYTES, SCREEN_PIECE, block_id, fingerprints
 from tiered_dcp.storage.codec import checksum
-from tiered_dcp.storage.format import Marker, marker_key, parse_quarantine, part_key, step_dir
+from tiered_dcp.storage.format import Marker, marker_key, parse_quarantine, part_key, read_index, step_dir
+from tiered_dcp.storage.local import LocalStorage
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tiered_dcp import (
@@ -167,6 +168,21 @@ def test_every_nonfinite_value_is_caught_in_every_float_dtype(tmp_path, value):
     dcp.save(sd, storage_writer=TieredWriter(cfg, step=9))
     assert Marker.from_bytes((tmp_path / "ram" / marker_key("run", 9)).read_bytes()).finite
     shutdown()
+
+
+def test_every_tiers_index_says_an_item_was_nonfinite_blocks_included(tmp_path):
+    """The writer process copies a record with its item's facts, ``nonfinite`` among them,
+    whether the item is stored in the part or as blocks (dedup)."""
+    cfg = config(tmp_path, dedup=True)
+    sd = {"big": torch.zeros(BLOCK_BYTES), "small": torch.zeros(16)}  # 4 MiB of float32: blocks
+    sd["big"][5] = sd["small"][3] = float("nan")
+    dcp.save(sd, storage_writer=TieredWriter(cfg, step=2))
+    shutdown()
+    for tier in ("ram", "ssd"):
+        index = read_index(LocalStorage(str(tmp_path / tier / "0")), "run", 2, 0)
+        recs = {k.fqn: r for k, r in index.records.items()}
+        assert recs["big"].blocks is not None and recs["small"].blocks is None, tier
+        assert recs["big"].info.nonfinite and recs["small"].info.nonfinite, tier
 
 
 @pytest.mark.parametrize("dedup", [False, True])

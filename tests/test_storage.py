@@ -11,6 +11,7 @@ from tiered_dcp.storage.codec import (
     split,
     verify_stored,
 )
+from tiered_dcp.storage.format import ItemInfo
 from tiered_dcp.storage.local import needs_fsync
 
 
@@ -97,7 +98,8 @@ def test_codec_roundtrip_and_damage(codec):
     hashes = [checksum(c) for c in raw]
     enc = Encoder(codec)
     stored = [bytes(enc.encode(c)) for c in raw]
-    rec = make_record("part", 0, stored, raw, hashes, enc.codec)
+    info = ItemInfo(0, "bytes", tuple((len(c), h) for c, h in zip(raw, hashes, strict=True)))
+    rec = make_record("part", 0, stored, enc.codec, info)
     blob = bytearray(b"".join(stored))
     if codec == "zstd":
         assert len(blob) < len(data) / 10

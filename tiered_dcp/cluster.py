@@ -176,7 +176,7 @@ class PeerRequest:
 
 def read_raw(store: Storage, rec: Record) -> bytearray:
     """An item's raw bytes from this rank's own root, verified (for a peer that asked)."""
-    out = bytearray(rec.raw_length)
+    out = bytearray(rec.info.raw_length)
     read_item(store, rec, memoryview(out))
     return out
 

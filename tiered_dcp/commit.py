@@ -58,9 +58,9 @@ def build_commit(
     blob = build_blob(metadata, records)
     sizes = [0] * len(world)
     for rec in records.values():
-        sizes[rec.rank] += rec.part_length
+        sizes[rec.info.rank] += rec.part_length
     cfg = view.config
-    bad = sorted(f"{index.fqn}" for index, rec in records.items() if rec.nonfinite)
+    bad = sorted(f"{index.fqn}" for index, rec in records.items() if rec.info.nonfinite)
     marker = Marker(
         step,
         cfg.namespace,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tiered_dcp.storage.base import Buffer
 from tiered_dcp.storage.blocks import (
@@ -34,6 +34,7 @@ from tiered_dcp.storage.codec import ChecksumMismatch, Encoder, decode_chunk
 from tiered_dcp.storage.format import (
     BLOCK_HEADER,
     Chunk,
+    ItemInfo,
     Record,
     block_key,
     blocks_dir,
@@ -49,13 +50,12 @@ Held = tuple[str, int]  # a block in a root: (its codec, its stored length)
 
 @dataclass
 class BlockedItem:
-    """One item to store as blocks: its raw chunks (or a way to read each), checksums, ids."""
+    """One item to store as blocks: its raw chunks (or a way to read each), its info (their
+    lengths and checksums among its facts), its block ids."""
 
     chunks: list[Buffer | None]  # raw bytes per block; None: read with ``fetch(i)`` if needed
-    raw_lengths: list[int]
-    hashes: list[int]
+    info: ItemInfo
     ids: list[str]
-    facts: dict[str, Any]  # rank, kind, dtype, shape
     fetch: Callable[[int], bytes] | None = None
 
 
@@ -96,7 +96,7 @@ def put_items(
             submit(
                 block,
                 raw,
-                it.facts.get("dtype"),
+                it.info.dtype,
                 None if it.fetch is None else (lambda i=i, f=it.fetch: f(i)),
             )
             for i, (block, raw) in enumerate(zip(it.ids, it.chunks, strict=True))
@@ -107,27 +107,26 @@ def put_items(
     for key, futs in futures.items():
         it = items[key]
         got = [f.result() for f in futs]
-        sizes = zip(got, it.raw_lengths, it.hashes, strict=True)
-        chunks = tuple((stored, n, h) for (stored, _), n, h in sizes)
-        records[key] = block_record(ns, it.ids, chunks, [c for _, c in got], put.enc.codec, it.facts)
+        stored = tuple(s for s, _ in got)
+        records[key] = block_record(ns, it.ids, stored, [c for _, c in got], put.enc.codec, it.info)
     return records, put.result
 
 
 def block_record(
-    namespace: str, ids: list[str], chunks: tuple[Chunk, ...], codecs: list[str], default: str, facts: Mapping
+    namespace: str, ids: list[str], stored: tuple[int, ...], codecs: list[str], default: str, info: ItemInfo
 ) -> Record:
-    """The record of an item stored as the blocks ``ids`` (``chunks``: their stored lengths
-    in this root, raw lengths and checksums; ``codecs``: each block's codec there)."""
+    """The record of an item stored as the blocks ``ids`` (``stored``: their stored lengths
+    in this root; ``codecs``: each block's codec there)."""
     first = codecs[0] if codecs else default
     mixed = any(c != first for c in codecs)
     return Record(
         blocks_dir(namespace),
         0,
         first,
-        chunks,
+        stored,
+        info,
         blocks=tuple(ids),
         codecs=tuple(codecs) if mixed else None,
-        **facts,
     )
 
 
@@ -147,7 +146,11 @@ def block_ids(records: Mapping[K, Record]) -> list[str]:
 def block_chunks(records: Mapping[K, Record]) -> dict[str, Chunk]:
     """Each block of a part: (stored length in the root the records describe, raw length, checksum)."""
     blocked = (rec for rec in records.values() if rec.blocks is not None)
-    return {b: c for rec in blocked for b, c in zip(rec.blocks or (), rec.chunks, strict=True)}
+    return {
+        b: (s, n, h)
+        for rec in blocked
+        for b, s, (n, h) in zip(rec.blocks or (), rec.stored, rec.info.raw_chunks, strict=True)
+    }
 
 
 def holdings(view: TierView, ids: Iterable[str]) -> dict[str, Held | None]:
@@ -202,9 +205,8 @@ def as_held(namespace: str, records: Mapping[K, Record], here: Mapping[str, Held
             if g is None:
                 raise ChecksumMismatch(f"block {b} is neither in this root nor arrived")
             got.append(g)
-        chunks = tuple((stored, n, h) for (_, stored), (_, n, h) in zip(got, rec.chunks, strict=True))
-        facts = {"rank": rec.rank, "kind": rec.kind, "dtype": rec.dtype, "shape": rec.shape}
-        out[key] = block_record(namespace, list(rec.blocks), chunks, [c for c, _ in got], rec.codec, facts)
+        stored = tuple(s for _, s in got)
+        out[key] = block_record(namespace, list(rec.blocks), stored, [c for c, _ in got], rec.codec, rec.info)
     return out
 
 
@@ -216,13 +218,10 @@ def copy_items(
     items = {}
     for key, rec in records.items():
         assert rec.blocks is not None
-        facts = {"rank": rec.rank, "kind": rec.kind, "dtype": rec.dtype, "shape": rec.shape}
         items[key] = BlockedItem(
-            [None] * len(rec.chunks),
-            [n for _, n, _ in rec.chunks],
-            [h for _, _, h in rec.chunks],
+            [None] * len(rec.stored),
+            rec.info,
             list(rec.blocks),
-            facts,
             fetch=lambda i, r=rec: fetch_raw(src.own, r, i),
         )
     return put_items(dst, step, rank, items)

@@ -59,7 +59,7 @@ def part_index(rank: int, records: Mapping[MetadataIndex, Record]) -> PartIndex:
 
 def build_blob(metadata: Metadata, records: Mapping[MetadataIndex, Record]) -> bytes:
     """The pickled metadata of a save, with each item's tier-independent facts."""
-    storage_data = {i: r.info().to_dict() for i, r in records.items()}
+    storage_data = {i: r.info.to_dict() for i, r in records.items()}
     return pickle.dumps(
         dataclasses.replace(metadata, storage_data=storage_data), protocol=pickle.HIGHEST_PROTOCOL
     )
@@ -102,7 +102,7 @@ def legacy_index(md: Metadata, namespace: str, step: int, rank: int) -> PartInde
     Raises BadIndex when one names what is no object of the layout (``PartIndex.check_names``)."""
     directory = step_dir(namespace, step)
     recs = ((item_key(i), Record.from_dict(d, directory)) for i, d in md.storage_data.items())
-    return PartIndex.of(rank, [(k, r) for k, r in recs if r.rank == rank]).check_names(namespace)
+    return PartIndex.of(rank, [(k, r) for k, r in recs if r.info.rank == rank]).check_names(namespace)
 
 
 class _NewerTensorProperties(TensorProperties):

@@ -95,14 +95,14 @@ def copy_part(
         for key, rec in index.in_file_order():
             if key in records:
                 continue  # stored as blocks
-            meta, codecs = [], []  # one chunk in memory at a time, however large the item
-            for raw, (_, n, h) in zip(iter_raw_chunks(src.own, rec), rec.chunks, strict=True):
-                codecs.append(enc.choose(memoryview(raw), rec.dtype))
+            lengths, codecs = [], []  # one chunk in memory at a time, however large the item
+            for raw in iter_raw_chunks(src.own, rec):
+                codecs.append(enc.choose(memoryview(raw), rec.info.dtype))
                 stored = enc.encode_as(memoryview(raw), codecs[-1])
-                meta.append((memoryview(stored).nbytes, n, h))
+                lengths.append(memoryview(stored).nbytes)
                 yield stored
                 progress()
-                sent += meta[-1][0]
+                sent += lengths[-1]
                 if rate:  # a slow tier, but a healthy one: it shows progress while it waits
                     while (ahead := sent / rate - (time.monotonic() - started)) > 0:
                         time.sleep(min(ahead, 1.0))
@@ -114,7 +114,7 @@ def copy_part(
                 file=out_key,
                 offset=offset,
                 codec=codec,
-                chunks=tuple(meta),
+                stored=tuple(lengths),
                 codecs=tuple(codecs) if mixed else None,
                 blocks=None,
             )

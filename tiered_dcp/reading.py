@@ -130,12 +130,12 @@ class StepReads:
 
     def _read_one(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            raw = bytearray(rec.raw_length)
+            raw = bytearray(rec.info.raw_length)
             read_item(store, rec, memoryview(raw))
             planner.load_bytes(req, user_values.checked(raw))
             return
         target = planner.resolve_tensor(req).detach()
-        dtype, shape = dtype_from_name(rec.dtype or ""), list(rec.shape or ())
+        dtype, shape = dtype_from_name(rec.info.dtype or ""), list(rec.info.shape or ())
         if (
             whole_item_request(req, shape)
             and target.dtype == dtype
@@ -147,7 +147,7 @@ class StepReads:
             if rec.codec == "raw" and rec.codecs is None and rec.blocks is None:
                 if len(out):
                     store.read_into(rec.file, rec.offset, out)
-                verify_raw(rec, out)
+                verify_raw(rec.info, out)
             else:  # compressed or in blocks: decoded straight into the target, in parallel
                 read_item(store, rec, out)
             planner.commit_tensor(req, target)

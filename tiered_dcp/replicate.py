@@ -83,7 +83,7 @@ def write_index(view: TierView, step: int, rank: int, records: Records, written:
 def stored_chunk_sizes(records: Records) -> list[int]:
     """The stored length of every chunk of a part file, in file order (blocks are not in it)."""
     in_file = sorted((r for r in records.values() if r.blocks is None), key=lambda r: r.offset)
-    return [c[0] for rec in in_file for c in rec.chunks]
+    return [n for rec in in_file for n in rec.stored]
 
 
 class Swap:

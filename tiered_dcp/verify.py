@@ -197,14 +197,14 @@ def _verify_copy(
             root.problems.append(f"{store.describe(key)}: item {fqn!r} of {which} is not in its index")
             good = False
             continue
-        if rec.raw_chunks != info.raw_chunks:
+        if rec.info.raw_chunks != info.raw_chunks:
             root.problems.append(
                 f"{store.describe(rec.file)}: item {fqn!r} of {which}: "
                 "its index and the metadata disagree on its chunks"
             )
             good = False
         try:
-            read_item(store, rec, memoryview(bytearray(rec.raw_length)))
+            read_item(store, rec, memoryview(bytearray(rec.info.raw_length)))
         except (OSError, ChecksumMismatch) as e:
             bad = unreadable.setdefault(rec.file, [])
             if len(bad) < SHOWN_ITEMS:

@@ -33,7 +33,7 @@ from tiered_dcp.planners.save import ALIASES, Alias, plan_global, tag_local_plan
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
-from tiered_dcp.storage.format import NONFINITE_NAMES, failed_key, index_key, part_key, pin_key
+from tiered_dcp.storage.format import NONFINITE_NAMES, ItemInfo, failed_key, index_key, part_key, pin_key
 from tiered_dcp.storage.local import LocalStorage
 
 from . import dedup, domains, hostmem, preemption, scores, tierfile, transport
@@ -64,11 +64,16 @@ class RawItem:
     index: MetadataIndex
     chunks: list[memoryview]
     hashes: list[int]
-    extra: dict[str, Any]
+    extra: dict[str, Any]  # the rest of its ItemInfo: kind, dtype, shape (nonfinite, once found)
     owner: object  # keeps the tensor / buffer alive while its bytes are written
     ids: list[str] | None = None  # dedup: each chunk is a block, named by these ids
     planned: list[str] | None = None  # dedup: the ids the save planner named already
     screen: Screen | None = None  # the non-finite check of its tensor
+
+    def info(self, rank: int) -> ItemInfo:
+        """Its facts once ``fingerprint`` is done (the checksums, the non-finite check)."""
+        raw_chunks = tuple(zip(map(len, self.chunks), self.hashes, strict=True))
+        return ItemInfo(rank=rank, raw_chunks=raw_chunks, **self.extra)
 
 
 def resolve_items(
@@ -224,9 +229,7 @@ def encode_part(
     if any(it.ids is not None for it in items):
         hashed.result()  # the blocks are written by name
         as_blocks = {
-            it.index: dedup.BlockedItem(
-                list(it.chunks), [len(c) for c in it.chunks], it.hashes, it.ids, {"rank": rank, **it.extra}
-            )
+            it.index: dedup.BlockedItem(list(it.chunks), it.info(rank), it.ids)
             for it in items
             if it.ids is not None
         }
@@ -253,9 +256,7 @@ def encode_part(
         out = dict(part.records)
         for i, off, stored, codec, codecs in placed:
             it = items[i]
-            out[it.index] = make_record(
-                key, off, stored, it.chunks, it.hashes, codec, rank=rank, codecs=codecs, **it.extra
-            )
+            out[it.index] = make_record(key, off, stored, codec, it.info(rank), codecs)
         for alias in aliases:
             source = out[alias.source]
             if source.blocks is None:
@@ -263,7 +264,8 @@ def encode_part(
                     f"step {step}: item {alias.index.fqn!r} was planned as an alias of {alias.source.fqn!r}, "
                     "which is not stored as blocks here (TieredSavePlanner plans aliases only for them)"
                 )
-            out[alias.index] = dataclasses.replace(source, shape=alias.shape)
+            info = dataclasses.replace(source.info, shape=alias.shape)
+            out[alias.index] = dataclasses.replace(source, info=info)
         return out
 
     part.pending = records
@@ -514,7 +516,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                 handle.enqueue(Job(self.step, first.index, target, self.rank, self.node, time.time()))
             handle.ensure(self.owner_pid or os.getpid())  # after: a writer is there for these jobs
         results = [  # the plan's items, and the aliases the planner gave this rank
-            WriteResult(index=index, size_in_bytes=rec.raw_length, storage_data=rec)
+            WriteResult(index=index, size_in_bytes=rec.info.raw_length, storage_data=rec)
             for index, rec in records.items()
         ]
         fut: Future[list[WriteResult]] = Future()
