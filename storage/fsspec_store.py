@@ -141,9 +141,13 @@ class FsspecStorage(Storage):
                 raise
 
     def size(self, key: str) -> int | None:
+        path = self._path(key)
+        # s3fs answers info() from the listing it cached of the parent, if any: an object
+        # another process wrote or replaced since then would be missing or keep its old size
+        self.fs.invalidate_cache(path)
         with self.errors(key):
             try:
-                info = self.fs.info(self._path(key))
+                info = self.fs.info(path)
             except OSError as e:
                 if _missing(e):
                     return None

@@ -13,6 +13,8 @@ import urllib.request
 import pytest
 from tiered_dcp.storage import FsspecStorage, PermanentStorageError, backend_for, check_url, open_storage
 
+s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[test]')")
+
 MiB = 1 << 20
 PARTS = {"default_block_size": 5 * MiB}  # s3fs uploads in parts of this size (S3's smallest)
 
@@ -54,3 +56,15 @@ def test_a_write_to_a_missing_bucket_does_not_create_it(s3_server):
         store.write("k", [b"x"])
     with urllib.request.urlopen(f"{s3_server.url}/", timeout=10) as r:
         assert b"never-made" not in r.read()  # ListBuckets
+
+
+def test_sizes_are_not_taken_from_a_stale_listing(s3_bucket):
+    store = open_storage(f"{s3_bucket.url}/root", s3_bucket.storage_options)
+    store.write("d/x", [b"1"])
+    assert store.list_sizes("d") == {"x": 1}  # s3fs caches this listing
+    # another process (a file system object of its own) adds an object and replaces one
+    other = s3fs.S3FileSystem(skip_instance_cache=True, **s3_bucket.storage_options)
+    root = f"{s3_bucket.url.removeprefix('s3://')}/root"
+    other.pipe_file(f"{root}/d/y", b"22")
+    other.pipe_file(f"{root}/d/x", b"333")
+    assert store.size("d/y") == 2 and store.size("d/x") == 3 and store.exists("d/y")
