@@ -1,16 +1,18 @@
 """Bucket requests per rank for one save (with persistence) and one load, at 1, 2, 4, 8 ranks.
 
-    .venv/bin/python benchmarks/bench_requests.py [--ranks 1 2 4 8] [--json]
+    .venv/bin/python benchmarks/bench_requests.py [--ranks 1 2 4 8] [--backend gcs s3] [--json]
 
-Every request reaches fake-gcs-server through a counting proxy (tests/gcs_emulator.py's
-FaultProxy, passing everything), classified as list / info / read / write / compose /
-delete / bucket. The job: N ranks on gloo, each its own node, tiers
-``[RAM node-local every=1, gs:// every=1]``; the state is two items (a DTensor sharded over
-the ranks, and an int). Save: one ``dcp.save`` committed on RAM, then each rank's writer
-process copies its part to the bucket and the last one commits it there; the ranks wait on
-their writers' local queues (nothing here polls the bucket). Load: every rank loads the
-step from a config whose only tier is the bucket. Prints requests per rank by kind;
-flat per-rank figures mean the bucket's load grows linearly with the job. docs/scale.md
+Every request reaches the bucket's server (fake-gcs-server for gs://, moto's S3 server for
+s3:// through s3fs) through a counting proxy (tests/gcs_emulator.py's FaultProxy, passing
+everything), classified as list / info / read / write / compose / delete / bucket (on S3:
+a multipart upload's parts are writes and its completion a compose). The job: N ranks on
+gloo, each its own node, tiers ``[RAM node-local every=1, gs:// or s3:// every=1]``; the
+state is two items (a DTensor sharded over the ranks, and an int). Save: one ``dcp.save``
+committed on RAM, then each rank's writer process copies its part to the bucket and the
+last one commits it there; the ranks wait on their writers' local queues (nothing here
+polls the bucket). Load: every rank loads the step from a config whose only tier is the
+bucket. Prints requests per rank by kind; flat per-rank figures mean the bucket's load
+grows linearly with the job. docs/scale.md
 holds the measured table and its extrapolation to 1,000 and 10,000 ranks;
 tests/test_request_counts.py runs ``measure`` at 1 and 3 ranks and asserts the bounds.
 """
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 from gcs_emulator import Emulator, FaultProxy  # noqa: E402
+from s3_server import MotoServer, s3_request_kind  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, writer_status  # noqa: E402
 
@@ -75,35 +78,41 @@ def _load(rank: int, world: int, root: str, url: str, options: dict) -> None:
     assert target["step"] == 1 and torch.equal(target["w"].full_tensor(), _full(world))
 
 
-def measure(world: int, emulator: Emulator) -> dict:
+def measure(world: int, server: Emulator | MotoServer) -> dict:
+    """Requests by kind for one save and one load by ``world`` ranks, on a fresh bucket of
+    ``server`` (fake-gcs-server: gs://, moto: s3://)."""
     bucket = f"req-{world}-{os.getpid()}"
-    emulator.create_bucket(bucket)
-    with FaultProxy(emulator.url) as proxy, tempfile.TemporaryDirectory() as root:
-        url, options = f"gs://{bucket}/ckpt", emulator.storage_options(proxy.url)
+    server.create_bucket(bucket)
+    s3 = isinstance(server, MotoServer)
+    kind = s3_request_kind if s3 else None
+    with FaultProxy(server.url, kind=kind) as proxy, tempfile.TemporaryDirectory() as root:
+        url, options = f"{'s3' if s3 else 'gs'}://{bucket}/ckpt", server.storage_options(proxy.url)
         env = {"LOCAL_WORLD_SIZE": 1}
         run_ranks(_save, world, root, url, options, env=env)
         save = proxy.reset_kinds()
         run_ranks(_load, world, root, url, options, env=env)
         load = proxy.reset_kinds()
-    return {"ranks": world, "save": save, "load": load}
+    return {"backend": "s3" if s3 else "gcs", "ranks": world, "save": save, "load": load}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--backend", nargs="+", choices=["gcs", "s3"], default=["gcs"])
     ap.add_argument("--json", action="store_true", help="print the counts as JSON too")
     args = ap.parse_args()
     rows = []
-    with Emulator() as emulator:
-        for world in args.ranks:
-            rows.append(measure(world, emulator))
-    print(f"{'ranks':>5}  {'op':<5} {'per rank':>9}  " + " ".join(f"{k:>7}" for k in KINDS))
+    for backend in args.backend:
+        with Emulator() if backend == "gcs" else MotoServer() as server:
+            for world in args.ranks:
+                rows.append(measure(world, server))
+    print(f"{'bucket':<6} {'ranks':>5}  {'op':<5} {'per rank':>9}  " + " ".join(f"{k:>7}" for k in KINDS))
     for r in rows:
         for op in ("save", "load"):
             counts = r[op]
             total = sum(counts.values())
             cells = " ".join(f"{counts.get(k, 0) / r['ranks']:>7.1f}" for k in KINDS)
-            print(f"{r['ranks']:>5}  {op:<5} {total / r['ranks']:>9.1f}  {cells}")
+            print(f"{r['backend']:<6} {r['ranks']:>5}  {op:<5} {total / r['ranks']:>9.1f}  {cells}")
     if args.json:
         print(json.dumps(rows))
 

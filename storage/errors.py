@@ -3,10 +3,11 @@
 A caller that retries (the writer process) asks one question of a failure: can trying
 again help? ``TransientStorageError`` says yes (a dropped or refused connection, a timeout,
 HTTP 429/5xx, EIO/EAGAIN), ``PermanentStorageError`` says no (a full, read-only or
-forbidden tier, HTTP 401/403, a bucket that does not exist). Both are ``OSError``s that
-keep the native errno where there is one, so every ``except OSError`` keeps working, and
-the native exception stays their ``__cause__``. A missing key stays ``FileNotFoundError``;
-errors of no known kind pass through unchanged.
+forbidden tier, HTTP 401/403, a bucket that does not exist). Client libraries' own errors
+(aiohttp, requests, gcsfs, botocore under s3fs) are recognised without importing them.
+Both are ``OSError``s that keep the native errno where there is one, so every
+``except OSError`` keeps working, and the native exception stays their ``__cause__``. A
+missing key stays ``FileNotFoundError``; errors of no known kind pass through unchanged.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def _own_kind(exc: BaseException) -> StorageErrorKind | None:
         return TransientStorageError
     if isinstance(exc, PermanentStorageError):
         return PermanentStorageError
+    if _s3_code(exc) == "NoSuchBucket":
+        return PermanentStorageError  # s3fs raises it as a FileNotFoundError caused by this
     if isinstance(exc, FileNotFoundError):
         return None
     status = _http_status(exc)
@@ -93,6 +96,8 @@ def _own_kind(exc: BaseException) -> StorageErrorKind | None:
         if status in PERMANENT_HTTP:
             return PermanentStorageError
         return TransientStorageError if transient_http(status) else None
+    if isinstance(exc, PermissionError):
+        return PermanentStorageError  # s3fs raises HTTP 403 as PermissionError(message), no errno
     if isinstance(exc, OSError) and exc.errno is not None:
         if exc.errno in PERMANENT_ERRNOS:
             return PermanentStorageError
@@ -100,8 +105,10 @@ def _own_kind(exc: BaseException) -> StorageErrorKind | None:
             return TransientStorageError
     if isinstance(exc, (ConnectionError, TimeoutError)) or _is(exc, "asyncio", "TimeoutError"):
         return TransientStorageError
-    if _is(exc, "aiohttp", "ClientError") or _is(
-        exc, "requests.exceptions", "ConnectionError", "Timeout", "ChunkedEncodingError"
+    if (
+        _is(exc, "aiohttp", "ClientError")
+        or _is(exc, "requests.exceptions", "ConnectionError", "Timeout", "ChunkedEncodingError")
+        or _is(exc, "botocore.exceptions", "HTTPClientError", "ConnectionError")  # s3fs: timeouts, refused
     ):
         return TransientStorageError  # a connection-level failure: no answer came back
     if type(exc) is OSError and exc.errno is None and str(exc).startswith("Forbidden"):
@@ -117,12 +124,21 @@ def _http_status(exc: BaseException) -> int | None:
         status = exc.code  # type: ignore[attr-defined]  # an int, sometimes a str
     elif _is(exc, "requests.exceptions", "HTTPError") and getattr(exc, "response", None) is not None:
         status = exc.response.status_code  # type: ignore[attr-defined]
+    elif _is(exc, "botocore.exceptions", "ClientError"):  # s3fs's errors are caused by these
+        status = (exc.response or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")  # type: ignore[attr-defined]
     else:
         return None
     try:
         return int(status)
     except (TypeError, ValueError):
         return None
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code ("NoSuchBucket", "SlowDown"...) of a botocore ClientError."""
+    if not _is(exc, "botocore.exceptions", "ClientError"):
+        return None
+    return (exc.response or {}).get("Error", {}).get("Code")  # type: ignore[attr-defined]
 
 
 def _is(exc: BaseException, module: str, *names: str) -> bool:
@@ -140,6 +156,10 @@ def as_storage_error(exc: BaseException, where: str) -> StorageError | None:
         return None
     if isinstance(exc, OSError) and exc.errno is not None:
         return kind(exc.errno, exc.strerror or str(exc), where)
+    if isinstance(exc, FileNotFoundError):  # a missing bucket (s3fs gives no errno)
+        return kind(errno.ENOENT, str(exc), where)
+    if isinstance(exc, PermissionError):  # s3fs's HTTP 403 (no errno either)
+        return kind(errno.EACCES, f"access denied: {exc}", where)
     return kind(f"{where}: {type(exc).__name__}: {exc}")
 
 

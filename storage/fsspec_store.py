@@ -20,6 +20,45 @@ from .base import Buffer, Storage
 from .errors import PermanentStorageError, classify
 from .registry import ANY_SCHEME, register_backend
 
+# Buckets have no directories to make: there makedirs asks whether the bucket exists (one
+# request more per write) and creates it when it does not (s3fs, gcsfs, adlfs): a mistyped
+# bucket name would become a new bucket instead of an error.
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+def _abandon(f: Any) -> None:
+    """A write whose source failed leaves no object: an upload under way is aborted (s3fs's
+    ``discard`` aborts its multipart upload) and the file is never closed, which would store
+    what was written so far under the key. Files that cannot discard (a local file written in
+    place) are closed as before: there the commit marker written last is what readers trust."""
+    try:
+        f.discard()
+    except Exception:  # nothing to discard with (autocommit): close what was written
+        with contextlib.suppress(Exception):
+            f.close()
+        return
+    with contextlib.suppress(Exception):
+        f.closed = True  # an fsspec buffered file: close() (also from __del__) would commit
+
+
+def _no_expect_continue(fs: Any) -> None:
+    """Send S3 uploads without ``Expect: 100-continue``. botocore asks for it on every PUT and
+    POST with a body; aiohttp then waits for the server's go-ahead with no timeout at all
+    (``read_timeout`` arms only once the body is sent), so an upload to a bucket endpoint that
+    accepts connections and never answers hangs forever instead of failing after
+    ``read_timeout``. Registered once per client (s3fs makes one per file system object)."""
+    client = fs.connect()  # the aiobotocore client; no request is made
+    client.meta.events.register("before-call.s3", _drop_expect, unique_id="tiered-dcp-no-expect")
+
+
+def _drop_expect(params: dict, **kwargs: Any) -> None:
+    params.get("headers", {}).pop("Expect", None)
+
 
 def _missing(e: OSError) -> bool:
     """A key that is not there, as opposed to a store that did not answer."""
@@ -51,6 +90,8 @@ class FsspecStorage(Storage):
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root = self.root.rstrip("/")
+        if type(self.fs).__module__.startswith("s3fs"):
+            _no_expect_continue(self.fs)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
@@ -61,11 +102,17 @@ class FsspecStorage(Storage):
         total = 0
         with self.errors(key):
             try:
-                self.fs.makedirs(parent, exist_ok=True)
-                with self.fs.open(path, "wb") as f:
+                if not _OBJECT_STORES.intersection(_protocols(self.fs)):
+                    self.fs.makedirs(parent, exist_ok=True)
+                f = self.fs.open(path, "wb")
+                try:
                     for chunk in chunks:
                         f.write(chunk)
                         total += memoryview(chunk).nbytes
+                except BaseException:
+                    _abandon(f)
+                    raise
+                f.close()
             except FileNotFoundError as e:
                 if not _missing(e):
                     raise
@@ -79,12 +126,28 @@ class FsspecStorage(Storage):
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         end = None if length is None else offset + length
         with self.errors(key):
-            return self.fs.cat_file(self._path(key), start=offset, end=end)
+            try:
+                return self.fs.cat_file(self._path(key), start=offset, end=end)
+            except FileNotFoundError as e:
+                if not _missing(e):
+                    raise
+                # s3fs says only "The specified key does not exist.": name the key
+                raise FileNotFoundError(errno.ENOENT, "no such object", self.describe(key)) from e
+            except OSError as e:
+                # S3 refuses a range starting at the end (HTTP 416), an empty object's too:
+                # there is nothing to read
+                if classify(e) is None and (size := self.size(key)) is not None and size <= offset:
+                    return b""
+                raise
 
     def size(self, key: str) -> int | None:
+        path = self._path(key)
+        # s3fs answers info() from the listing it cached of the parent, if any: an object
+        # another process wrote or replaced since then would be missing or keep its old size
+        self.fs.invalidate_cache(path)
         with self.errors(key):
             try:
-                info = self.fs.info(self._path(key))
+                info = self.fs.info(path)
             except OSError as e:
                 if _missing(e):
                     return None

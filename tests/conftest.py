@@ -15,6 +15,8 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from gcs_emulator import Emulator, FaultProxy  # noqa: E402
+from s3_server import MotoServer, s3_request_kind  # noqa: E402
+from s3_server import missing as s3_missing  # noqa: E402
 
 # Writer-process runtime dirs of this test session: private, removed when it ends.
 # Rank subprocesses import this module too: they inherit the session's directory.
@@ -78,9 +80,41 @@ class GCSBucket:
     url: str
     storage_options: dict
     emulator: Emulator
+    kind = "gcs"
 
     def via(self, endpoint: str) -> dict:
         return self.emulator.storage_options(endpoint)
+
+    def quick(self, endpoint: str) -> dict:
+        """Options through ``endpoint`` under which a bucket that does not answer fails a
+        call within seconds (the backend's defaults wait 30 s per request, 60 s in all)."""
+        return {**self.via(endpoint), "idle_timeout": 1.0, "retry_timeout": 2.0}
+
+    def proxy(self, lifetime: float = 300) -> FaultProxy:
+        return FaultProxy(self.emulator.url, lifetime=lifetime)
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """A fresh bucket on the moto server, reached through s3fs: like ``GCSBucket``."""
+
+    url: str
+    storage_options: dict
+    server: MotoServer
+    kind = "s3"
+
+    def via(self, endpoint: str) -> dict:
+        return self.server.storage_options(endpoint)
+
+    def quick(self, endpoint: str) -> dict:
+        """botocore waits 60 s for a connection or an answer and retries 4 times, and s3fs
+        tries each call 5 times over: 1 s and one botocore attempt bound a call to ~7 s."""
+        return self.server.storage_options(
+            endpoint, connect_timeout=1, read_timeout=1, retries={"max_attempts": 1}
+        )
+
+    def proxy(self, lifetime: float = 300) -> FaultProxy:
+        return FaultProxy(self.server.url, lifetime=lifetime, kind=s3_request_kind)
 
 
 @pytest.fixture
@@ -111,6 +145,43 @@ def fault_proxy(gcs_emulator):
     """A FaultProxy in front of the session's emulator (passing every request until told)."""
     with FaultProxy(gcs_emulator.url, lifetime=300) as proxy:
         yield proxy
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One moto S3 server for the session (a real subprocess); its log beside the session's
+    temporary directories. Skipped, saying why, only where s3fs or moto is not installed."""
+    why = s3_missing()
+    if why:
+        pytest.skip(why)
+    with MotoServer(tmp_path_factory.getbasetemp() / "moto-server.log") as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    s3_server.create_bucket(name)
+    bucket = S3Bucket(f"s3://{name}", s3_server.storage_options(), s3_server)
+    yield bucket
+    from tiered_dcp.storage import open_storage
+
+    with open_storage(bucket.url, bucket.storage_options) as store:
+        store.delete("")  # moto keeps everything in memory for the whole session
+
+
+@pytest.fixture(params=["gcs", "s3"])
+def bucket(request):
+    """A fresh bucket on each real server: fake-gcs-server (gs://, tiered-dcp's own backend)
+    and moto (s3://, s3fs through the fsspec backend); the same test runs on both."""
+    return request.getfixturevalue(f"{request.param}_bucket")
+
+
+@pytest.fixture
+def proxy(bucket):
+    """A FaultProxy in front of ``bucket``'s server, counting requests in its API's kinds."""
+    with bucket.proxy() as p:
+        yield p
 
 
 def value_kinds(i: int) -> dict:

@@ -75,7 +75,8 @@ def test_cli_errors_are_readable(tmp_path):
     assert r.returncode == 2 and "not a safe path component" in r.stderr
     r = cli("ls", "-n", "x", check=False)
     assert r.returncode == 2 and "say which job" in r.stderr
-    for out in (cli("ls", "-n", "nothing", "s3://b/c", check=False), cli("--bogus", check=False)):
+    # az:// needs adlfs, which is not installed (s3fs is, with the test tools)
+    for out in (cli("ls", "-n", "nothing", "az://b/c", check=False), cli("--bogus", check=False)):
         assert out.returncode == 2 and "Traceback" not in out.stderr
     r = cli("--version")
     assert r.stdout.startswith("tiered-dcp 0.")

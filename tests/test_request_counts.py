@@ -1,5 +1,6 @@
 """Bucket requests that do not grow with the job: counted through a proxy in front of a real
-fake-gcs-server, with real gloo ranks (benchmarks/bench_requests.py's job, at 1 and 3 ranks).
+fake-gcs-server, and of moto's S3 server (s3:// through s3fs), with real gloo ranks
+(benchmarks/bench_requests.py's job, at 1 and 3 ranks).
 
 Were every rank to look at every part again (an object-info call and an index read per part
 and rank), the load's requests per rank would grow with the ranks; here rank 0 finds the
@@ -10,6 +11,7 @@ tier, or fails the load when none is left).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -27,42 +29,51 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_requests import measure  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["local", "memory", "gcs"])
-def test_list_sizes_names_objects_and_sizes_in_one_listing(kind, tmp_path, gcs_bucket, fault_proxy):
-    if kind == "local":
-        store = open_storage(str(tmp_path / "root"))
-    elif kind == "memory":
-        store = open_storage(f"memory://sizes-{os.getpid()}/root")
-    else:
-        store = open_storage(f"{gcs_bucket.url}/root", gcs_bucket.via(fault_proxy.url))
-    store.write("d/b", [b"12345"])
-    store.write("d/a", [b""])
-    store.write("d/sub/c", [b"xy"])
-    assert store.list_sizes("d") == {"a": 0, "b": 5}  # a sub-directory is no object here
-    assert store.list_sizes("nothing") == {}
-    assert [list(page) for page in store.list_pages("d")] == [["a", "b"]]
-    if kind == "gcs":
-        fault_proxy.reset_kinds()
-        store.list_sizes("d")
-        assert fault_proxy.reset_kinds() == {"list": 1}
+@pytest.mark.parametrize("kind", ["local", "memory", "gcs", "s3"])
+def test_list_sizes_names_objects_and_sizes_in_one_listing(kind, tmp_path, request):
+    with contextlib.ExitStack() as stack:
+        proxy = None
+        if kind == "local":
+            store = open_storage(str(tmp_path / "root"))
+        elif kind == "memory":
+            store = open_storage(f"memory://sizes-{os.getpid()}/root")
+        else:
+            bucket = request.getfixturevalue(f"{kind}_bucket")
+            proxy = stack.enter_context(bucket.proxy())
+            store = open_storage(f"{bucket.url}/root", bucket.via(proxy.url))
+        store.write("d/b", [b"12345"])
+        store.write("d/a", [b""])
+        store.write("d/sub/c", [b"xy"])
+        assert store.list_sizes("d") == {"a": 0, "b": 5}  # a sub-directory is no object here
+        assert store.list_sizes("nothing") == {}
+        assert [list(page) for page in store.list_pages("d")] == [["a", "b"]]
+        if proxy is not None:
+            proxy.reset_kinds()
+            store.list_sizes("d")
+            assert proxy.reset_kinds() == {"list": 1}
 
 
 def per_rank(row: dict, op: str) -> float:
     return sum(row[op].values()) / row["ranks"]
 
 
-def test_bucket_requests_per_rank_do_not_grow_with_the_ranks(gcs_emulator):
-    one, three = measure(1, gcs_emulator), measure(3, gcs_emulator)
+@pytest.mark.parametrize("backend", ["gcs", "s3"])
+def test_bucket_requests_per_rank_do_not_grow_with_the_ranks(backend, request):
+    server = request.getfixturevalue({"gcs": "gcs_emulator", "s3": "s3_server"}[backend])
+    one, three = measure(1, server), measure(3, server)
     for row in (one, three):
         load, save, n = row["load"], row["save"], row["ranks"]
         # load: one listing of the namespace and one of the step, no object-info call per part
-        # (two: the lease's marker checks), indexes and data read by the ranks needing them
-        assert load.get("list", 0) <= 3 and load.get("info", 0) <= 2, row
+        # (two: the lease's marker checks; on S3 a third, s3fs's rm asking after the lease's
+        # key before deleting it), indexes and data read by the ranks needing them
+        assert load.get("list", 0) <= 3 and load.get("info", 0) <= {"gcs": 2, "s3": 3}[backend], row
         assert load.get("read", 0) <= 2 + 4 * n, row  # marker, metadata; per rank <= 2 indexes, 2 items
         # save with persistence: one listing per writer, and retention's (writers finishing at
         # once may each commit: a listing and a marker read each); no index read back
         assert save.get("list", 0) <= 2 * n + 1 and save.get("info", 0) == 0 and save.get("read", 0) <= n, row
-    assert per_rank(one, "load") <= 12 and per_rank(one, "save") <= 30
+        # nothing asks after the bucket itself (s3fs's makedirs did, before every write)
+        assert "bucket" not in save and "bucket" not in load, row
+    assert per_rank(one, "load") <= {"gcs": 12, "s3": 13}[backend] and per_rank(one, "save") <= 30
     assert per_rank(three, "load") <= per_rank(one, "load")  # what rank 0 does for all spreads out
     assert per_rank(three, "save") <= 1.25 * per_rank(one, "save")
 

@@ -23,6 +23,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,11 +156,15 @@ class FaultProxy:
     held until the proxy stops): ``inject(("stall", 1))`` is a bucket that accepts
     connections and never answers. ``counts`` says what was done and ``peak`` the most
     requests in flight at once, so a test can check that the faults (or the parallelism)
-    really happened. The upstream's address in ``Location`` headers (resumable uploads) is
-    rewritten to the proxy's. The proxy stops by itself after ``lifetime`` seconds.
+    really happened; ``kinds`` counts requests by kind (``request_kind`` for the GCS JSON API,
+    or the ``kind`` function given: S3's in tests/s3_server.py). The upstream's address in
+    ``Location`` headers (resumable uploads) is rewritten to the proxy's. The proxy stops by
+    itself after ``lifetime`` seconds.
     """
 
-    def __init__(self, upstream: str, lifetime: float = 600) -> None:
+    def __init__(
+        self, upstream: str, lifetime: float = 600, kind: Callable[[str, str], str] | None = None
+    ) -> None:
         self.upstream = upstream.rstrip("/")
         host, port = self.upstream.removeprefix("http://").split(":")
         self._up_addr = (host, int(port))
@@ -170,7 +175,8 @@ class FaultProxy:
         self._rules: list[tuple[str, int]] = []
         self._seen = 0
         self.counts: dict[str, int] = {}
-        self.kinds: dict[str, int] = {}  # requests by kind (``request_kind``)
+        self.kinds: dict[str, int] = {}  # requests by kind (``request_kind``, or ``kind``)
+        self._kind = kind or request_kind  # (method, target) -> kind: another API's (S3's)
         self.active = self.peak = 0
         self._open: set[socket.socket] = set()
         self._stop = threading.Event()
@@ -190,7 +196,7 @@ class FaultProxy:
     def _record(self, head: bytes) -> None:
         """Count the request by kind (``kinds``): what a bucket is asked, for request budgets."""
         method, _, target = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-        kind = request_kind(method, target.rsplit(" ", 1)[0])
+        kind = self._kind(method, target.rsplit(" ", 1)[0])
         with self._lock:
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
@@ -240,13 +246,19 @@ class FaultProxy:
                 conn.shutdown(socket.SHUT_RDWR)
                 return
             length = _content_length(head)
+            # "Expect: 100-continue" (botocore's uploads): the client sends the body only once
+            # told to go on, which the proxy does itself; an error answer needs no body at all
+            expects = _header(head, b"expect").lower() == b"100-continue"
             if fault != PASS:
-                _skip(conn, length - len(rest))
+                if not expects:
+                    _skip(conn, length - len(rest))
                 conn.sendall(_status_answer(int(fault)))
                 return
             up = socket.create_connection(self._up_addr, timeout=60)
             with self._lock:
                 self._open.add(up)
+            if expects:
+                conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
             up.sendall(_close_connection(head) + rest)
             _pipe(conn, up, length - len(rest))
             rhead, rrest = _read_head(up)
@@ -331,8 +343,20 @@ def _content_length(head: bytes) -> int:
     return 0
 
 
+def _header(head: bytes, name: bytes) -> bytes:
+    """The value of header ``name`` (lower case) in an HTTP message head, or b""."""
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip()
+    return b""
+
+
 def _close_connection(head: bytes) -> bytes:
-    lines = [ln for ln in head.split(b"\r\n")[:-2] if not ln.lower().startswith(b"connection:")]
+    """The head to send upstream: one request per connection, and no 100-continue to wait for
+    (the proxy has already told the client to send its body)."""
+    drop = (b"connection:", b"expect:")
+    lines = [ln for ln in head.split(b"\r\n")[:-2] if not ln.lower().startswith(drop)]
     return b"\r\n".join([*lines, b"Connection: close", b"", b""])
 
 
