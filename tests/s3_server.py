@@ -10,14 +10,11 @@ over HTTP, so s3fs (aiobotocore) talks to it exactly as to AWS or MinIO with an
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
-import time
 import urllib.request
 from typing import Any
 
-from tiered_dcp.tools.fakegcs import _die_with_parent, free_port
+from tiered_dcp.tools.fakegcs import LocalServer
 
 # Credentials of no account: moto accepts any, and given, s3fs looks for no real ones. Flat
 # options (no client_kwargs): the CLI's --option KEY=VALUE can pass every one of them.
@@ -32,61 +29,17 @@ def missing() -> str | None:
     return None
 
 
-class MotoServer:
+class MotoServer(LocalServer):
     """One moto S3 server on a free loopback port; ``url`` is its endpoint."""
 
-    def __init__(self, log_path: str | os.PathLike | None = None) -> None:
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
+    name = "moto server"
+    ready_path = "/"  # ListBuckets
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
 
     def start(self, timeout: float = 60) -> MotoServer:
-        last = ""
-        for _ in range(3):  # the free port may be taken between asking and binding
-            port = free_port()
-            self.url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-            out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-            try:
-                self.proc = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    preexec_fn=_die_with_parent,
-                )
-            finally:
-                if out is not subprocess.DEVNULL:
-                    out.close()
-            if self._wait_ready(timeout):
-                return self
-            last = f"exit code {self.proc.poll()}"
-            self.stop()
-        raise RuntimeError(f"moto server did not start ({last}); log: {self.log_path or 'none'}")
-
-    def _wait_ready(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(f"{self.url}/", timeout=2) as r:  # ListBuckets
-                    if r.status == 200:
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.05)
-        return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        return super().start(timeout)
 
     def create_bucket(self, name: str) -> None:
         """CreateBucket in us-east-1 (no location constraint), unsigned: moto accepts it."""
@@ -102,12 +55,6 @@ class MotoServer:
         if config:
             options["config_kwargs"] = config
         return options
-
-    def __enter__(self) -> MotoServer:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def s3_request_kind(method: str, target: str) -> str:

@@ -45,6 +45,16 @@ def state(step: int, mesh) -> dict:
     return {"w": distribute_tensor(full(step), mesh, [Shard(0)]), "meta": {"step": step}}
 
 
+def _lose_rack_a(rank: int, root: str, mesh) -> dict:
+    """Wipe every node of rack-a (nodes 0 and 1) once all ranks saved; an empty load target."""
+    dist.barrier()
+    if rank == 0:
+        for node in (0, 1):
+            shutil.rmtree(f"{root}/ram/{node}")
+    dist.barrier()
+    return {"w": distribute_tensor(torch.zeros(16, 3), mesh, [Shard(0)]), "meta": {"step": -1}}
+
+
 def _save_lose_rack_a_load(rank, world, root, failure_domain):
     """Save steps 1 and 2, wipe every node of rack-a, then load the newest step on every rank."""
     os.environ["RACK"] = RACKS[rank]
@@ -52,12 +62,7 @@ def _save_lose_rack_a_load(rank, world, root, failure_domain):
     mesh = init_device_mesh("cpu", (world,))
     for step in (1, 2):
         dcp.save(state(step, mesh), storage_writer=TieredWriter(cfg, step=step))
-    dist.barrier()
-    if rank == 0:
-        for node in (0, 1):
-            shutil.rmtree(f"{root}/ram/{node}")
-    dist.barrier()
-    target = {"w": distribute_tensor(torch.zeros(16, 3), mesh, [Shard(0)]), "meta": {"step": -1}}
+    target = _lose_rack_a(rank, root, mesh)
     try:
         reader = TieredReader(cfg)
     except NoCheckpointError as e:
@@ -143,12 +148,7 @@ def _async_save_in_a_process_then_lose_rack_a(rank, world, root):
     dcp.async_save(
         state(1, mesh), storage_writer=writer, process_group=group, async_checkpointer_type=kind
     ).result()
-    dist.barrier()
-    if rank == 0:
-        for node in (0, 1):
-            shutil.rmtree(f"{root}/ram/{node}")
-    dist.barrier()
-    target = {"w": distribute_tensor(torch.zeros(16, 3), mesh, [Shard(0)]), "meta": {"step": -1}}
+    target = _lose_rack_a(rank, root, mesh)
     reader = TieredReader(cfg)
     dcp.load(target, storage_reader=reader)
     return reader.step, torch.equal(target["w"].full_tensor(), full(1))

@@ -56,8 +56,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-class Emulator:
-    """One fake-gcs-server (memory backend) on a free loopback port."""
+class LocalServer:
+    """A server run as a subprocess on a free loopback port (``url``), until ``stop`` or the
+    end of the process that started it; its output goes to ``log_path``, or nowhere.
+    Subclasses say how to run it (``command``) and what answers 200 once it is up
+    (``ready_path``)."""
+
+    name = "server"
+    ready_path = "/"
 
     def __init__(self, log_path: str | os.PathLike | None = None) -> None:
         self.log_path = log_path
@@ -65,17 +71,18 @@ class Emulator:
         self.port = 0
         self.url = ""
 
-    def start(self, timeout: float = 30) -> Emulator:
+    def command(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 30) -> Any:
         last = ""
         for _ in range(3):  # the free port may be taken between asking and binding
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
-            cmd = [str(emulator_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port)]
-            cmd += ["-backend", "memory", "-external-url", self.url, "-log-level", "error"]
             out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
             try:
                 self.proc = subprocess.Popen(
-                    cmd,
+                    self.command(self.port),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -88,7 +95,7 @@ class Emulator:
                 return self
             last = f"exit code {self.proc.poll()}"
             self.stop()
-        raise RuntimeError(f"fake-gcs-server did not start ({last}); log: {self.log_path or 'none'}")
+        raise RuntimeError(f"{self.name} did not start ({last}); log: {self.log_path or 'none'}")
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -96,7 +103,7 @@ class Emulator:
             if self.proc is None or self.proc.poll() is not None:
                 return False
             try:
-                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=2) as r:
+                with urllib.request.urlopen(f"{self.url}{self.ready_path}", timeout=2) as r:
                     if r.status == 200:
                         return True
             except OSError:
@@ -114,6 +121,23 @@ class Emulator:
                 self.proc.wait()
         self.proc = None
 
+    def __enter__(self) -> Any:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Emulator(LocalServer):
+    """One fake-gcs-server (memory backend) on a free loopback port."""
+
+    name = "fake-gcs-server"
+    ready_path = "/storage/v1/b"
+
+    def command(self, port: int) -> list[str]:
+        cmd = [str(emulator_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)]
+        return cmd + ["-backend", "memory", "-external-url", self.url, "-log-level", "error"]
+
     def create_bucket(self, name: str) -> None:
         req = urllib.request.Request(
             f"{self.url}/storage/v1/b?project={PROJECT}",
@@ -127,12 +151,6 @@ class Emulator:
     def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
         """What a tier on this server needs (``endpoint``: another address in front of it)."""
         return {"endpoint_url": endpoint or self.url, "token": "anon", "project": PROJECT}
-
-    def __enter__(self) -> Emulator:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 PASS, DROP, STALL = "pass", "drop", "stall"
