@@ -372,3 +372,30 @@ def test_a_stock_checkpoint_in_a_bucket_is_imported(gcs_bucket, tmp_path):
         "import", "-n", "imp", str(tmp_path / "ssd"), "--from", url + "x", *flags, "--step", "6", check=False
     )
     assert r.returncode == 1 and "is no stock DCP checkpoint" in r.stderr, r.stderr
+
+
+class _Payload:
+    """A value whose unpickling runs a command: what a crafted checkpoint's byte item holds."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_an_imported_checkpoint_whose_value_names_code_is_refused_unrun(tmp_path):
+    """torch's load planner unpickles a stock checkpoint's non-tensor values with
+    torch.load(weights_only=False); the import loads each with weights_only=True first, so a
+    crafted value is refused in one line and never run."""
+    import torch
+
+    ran = tmp_path / "ran"
+    stock = tmp_path / "stock"
+    state = {"w": torch.arange(4.0), "evil": _Payload(ran)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(stock)), no_dist=True)
+    assert not ran.exists()
+    r = cli("import", "-n", "imp", str(tmp_path / "ram"), "--from", str(stock), "--step", "1", check=False)
+    assert r.returncode == 1 and "cannot be imported" in r.stderr, r.stderr
+    assert "weights_only=True" in r.stderr and "GLOBAL posix.system" in r.stderr and not ran.exists()
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line, no traceback

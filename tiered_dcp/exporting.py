@@ -256,12 +256,20 @@ def run_export(
 
 def read_whole(reader: Any) -> dict:
     """Every item ``reader`` holds, as the state dict its metadata describes (unsharded, nested
-    as it was saved)."""
+    as it was saved). Non-tensor values reach torch's planner, which unpickles them with
+    ``weights_only=False``, only once they load as plain data (``user_values.checked``): an
+    import reads a checkpoint from elsewhere with torch's own reader, which does not check."""
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    from .user_values import checked
+
+    class Checked(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            super().load_bytes(read_item, checked(value.read()))
+
     state: dict = {}
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(state, storage_reader=reader, planner=Checked(), no_dist=True)
     return state
 
 

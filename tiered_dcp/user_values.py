@@ -21,10 +21,16 @@ def checked(raw: bytes | bytearray) -> io.BytesIO:
     try:
         torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as e:
-        why = next((ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler error" in ln), "")
         raise ChecksumMismatch(
-            f"refused: it does not load with torch.load(weights_only=True) "
-            f"({why or f'{type(e).__name__}: {e}'}); a value of a class of your own loads once you "
-            "allow it with torch.serialization.add_safe_globals([YourClass])"
+            f"refused: it does not load with torch.load(weights_only=True) ({_why(e)}); a value "
+            "of a class of your own loads once you allow it with "
+            "torch.serialization.add_safe_globals([YourClass])"
         ) from e
     return io.BytesIO(raw)
+
+
+def _why(e: Exception) -> str:
+    """The line of torch's many-line refusal that names what was refused (one line for users)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = ("WeightsUnpickler error", "GLOBAL", "global")
+    return next((ln for ln in lines if any(n in ln for n in named)), lines[0] if lines else type(e).__name__)
