@@ -399,3 +399,37 @@ def test_an_imported_checkpoint_whose_value_names_code_is_refused_unrun(tmp_path
     assert r.returncode == 1 and "cannot be imported" in r.stderr, r.stderr
     assert "weights_only=True" in r.stderr and "GLOBAL posix.system" in r.stderr and not ran.exists()
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line, no traceback
+
+
+def test_a_step_exported_file_by_file_stays_leased_while_a_job_saves_beside(tmp_path):
+    """A safetensors export loads one file's tensors at a time; a job saving beside it, with
+    keep=1, must not remove the step between those loads: the export holds its lease until
+    the last file is written."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tiered_dcp import Tier, TieredConfig, TieredWriter
+    from tiered_dcp.exporting import format_named, run_export
+
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ssd"), keep=1)])
+    model = {f"l{i}": torch.full((64, 64), float(i)) for i in range(3)}  # 16 KiB each
+
+    def save(step):
+        state = {"model": {k: v + step for k, v in model.items()}}
+        dcp.save(state, storage_writer=TieredWriter(cfg, step=step), no_dist=True)
+
+    save(1)
+    saved = []
+
+    def a_job_saves_beside(name, size, done, total):
+        saved.append(done + 1)
+        save(done + 1)  # retention keeps one step: without the export's lease, step 1 goes
+
+    fmt = format_named("safetensors", 20_000)  # one tensor per file
+    done = run_export(cfg, 1, tmp_path / "hf", fmt, "model", a_job_saves_beside)
+    assert saved == [2, 3, 4] and len(done.written.files) == 4  # three files and the index
+    for name in done.written.files[:3]:
+        for k, v in load_file(tmp_path / "hf" / name).items():
+            assert torch.equal(v, model[k] + 1), (name, k)
+    save(5)  # the export let go: the next retention removes step 1
+    assert not (tmp_path / "ssd/run/step_000000000001").exists()

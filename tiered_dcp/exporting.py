@@ -238,7 +238,7 @@ def run_export(
 
     def write(reader: Any) -> Written:
         items = Items(reader, only, progress)
-        with _fresh_dir(dest) as out:
+        with reader.held(), _fresh_dir(dest) as out:  # leased until the last file is read
             written = fmt.write(items, out)
             _move_into(out, dest, written.files)
         return written

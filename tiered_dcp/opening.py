@@ -93,6 +93,7 @@ class OpenStep:
         self.cluster: list[ClusterCopy] = []
         self.own: dict[int, StepCopy] = {}
         self.urls: dict[int, dict[int, str]] = {}  # tier -> rank -> its own root
+        self.held = False  # the leases outlive each load's reads (``TieredReader.held``)
 
     @classmethod
     def open(
@@ -245,7 +246,10 @@ class OpenStep:
         self.job_leases.release()
 
     def read_done(self) -> None:
-        """This rank's reads are done: its leases go, a shared tier's once every rank has read."""
+        """This rank's reads are done: its leases go, a shared tier's once every rank has read
+        (unless ``held``: one reader's several loads, given back by ``release``)."""
+        if self.held:
+            return
         self.leases.release()  # the step may go now, at its tiers' next retention
         if self.with_group and self.copies:  # a shared tier's lease: once every rank has read
             all_read(self.group_name, self.job_leases.release)

@@ -10,10 +10,11 @@ read from its next source with a warning naming the bad file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -113,6 +114,19 @@ class TieredReader(StorageReader):
                 self._opened.release()  # the step chosen before is not read after all
                 exclude = self._opened.exclude  # error messages' next choice passes them over still
                 self.__init__(self.config, step, no_dist=not self._dist, exclude=exclude)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[TieredReader]:
+        """Keep the step leased over several ``dcp.load`` calls of this reader (an export
+        reading it file by file, one process): otherwise each load's end gives the leases
+        back, and retention beside may remove the step before the next. They go when the
+        block ends."""
+        self._opened.held = True
+        try:
+            yield self
+        finally:
+            self._opened.held = False
+            self._opened.release()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
