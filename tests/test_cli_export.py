@@ -326,6 +326,45 @@ def test_cli_exports_safetensors_and_refuses_what_it_cannot_do(tmp_path):
     assert not (tmp_path / "z").exists()
 
 
+def test_an_imported_tensor_is_copied_as_it_lies_and_checked_against_its_crc(tmp_path, shm):
+    """The stock tensors lying as plain records are copied by the kernel into the part file
+    and checked there against the CRC-32 of their zip record; a transposed tensor goes
+    through torch's reader. The step loads exactly from a RAM tier (tmpfs) and a disk tier.
+    A byte flipped in a tensor's bytes, which torch's own reader does not notice, is refused
+    naming the item (by the API, and by the CLI in one line), and nothing of the step is left."""
+    import torch
+
+    from tiered_dcp import CheckpointCorruptError, Tier, TieredConfig, TieredReader, import_dcp
+    from tiered_dcp.importing import _plain_records, _stock_reader
+    from tiered_dcp.storage.format import step_dir
+
+    state = {**value_kinds(5), "t": torch.randn(64, 32).t()}
+    stock = tmp_path / "stock"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(stock)))
+    md, _ = _stock_reader(str(stock), {})
+    plain = {index.fqn for index in _plain_records(str(stock), md)}
+    assert {"f32", "nested.big", "nested.bf16", "nested.bool", "list.2"} <= plain and "t" not in plain
+    for name, root in (("ram", shm), ("ssd", tmp_path / "ssd")):
+        cfg = TieredConfig(name, [Tier(str(root), keep=2)])
+        import_dcp(cfg, stock, 1)
+        got = zeros_like_state(state)
+        dcp.load(got, storage_reader=TieredReader(cfg))
+        assert_state_equal(got, state)
+
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "nested.big")
+    with open(stock / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([b[0] ^ 0x5A]))
+    with pytest.raises(CheckpointCorruptError, match=r"item 'nested.big' .* fails its CRC-32"):
+        import_dcp(cfg, stock, 2)
+    assert not (tmp_path / "ssd" / step_dir("ssd", 2)).exists()
+    r = cli("import", "-n", "ram", str(shm), "--from", str(stock), "--step", "2", check=False)
+    assert r.returncode == 1 and "fails its CRC-32" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (shm / step_dir("ram", 2)).exists()
+
+
 def test_an_imported_step_is_deduplicated_against_by_the_next_save(tmp_path):
     """Under dedup=True an imported step is stored as blocks like any save: a job resuming
     from it and saving its unchanged tensors again writes none of their bytes anew."""

@@ -5,24 +5,20 @@ Torch is imported by ``export`` only, so ``tiered-dcp ls`` and a status poll sta
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import sys
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_dcp.storage import blocks, open_storage
-from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import parse_step_dir, step_dir
 
 from . import runtime
 from .catalog import StepState, TierView, copies_marks, loadable_steps, one_save, views
 from .config import Tier, TieredConfig, here, is_namespace
-from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
+from .errors import TieredCheckpointError
 from .hostmem import HostMemory, held
 from .planners.choice import choose, pool_marks
 from .rundir import OutcomeState, RunDir, TierState
@@ -286,9 +282,6 @@ def export(
     return run_export(config, step, dest, format_named(format, max_shard_size), only).dest
 
 
-IMPORT_READ_THREADS = 4  # a stock checkpoint's items read at once (torch's reader: one at a time)
-
-
 def import_dcp(
     config: TieredConfig,
     source: str | os.PathLike,
@@ -301,98 +294,21 @@ def import_dcp(
     of ``config``'s tiers, written, checksummed and committed as a save of this process is
     (``TieredWriter``): ``TieredReader(config)`` then loads it, with any world size or
     sharding. A step number already committed is refused (``ValueError``); a source that is
-    no checkpoint raises ``NoCheckpointError``, one whose files are missing or cut short
-    ``CheckpointCorruptError``, each naming it.
+    no checkpoint raises ``NoCheckpointError``, one whose files are missing, cut short or
+    fail their CRC-32 ``CheckpointCorruptError``, each naming it.
 
-    Runs in one process and holds the whole (unsharded) state in memory while it copies;
-    on node-local tiers the step lands in this node's roots (the slower tiers taking it get
-    it from this node's writer process). One process has no clique peers: with
-    ``replication_factor`` > 1 the step is stored unreplicated (one copy in this node's
-    roots, plus the slower tiers'), which a replicated job loads like any step whose
-    replicas are gone.
+    Runs in one process. From a local directory into a first tier that is a local directory
+    storing raw chunks without dedup, the tensors are copied by the kernel into the step's
+    part file and checked there, never held in this process's memory; anything else (the
+    non-tensor values, any URL source, a first tier that compresses, dedups or is a bucket)
+    is read into memory whole first (see ``importing``). On node-local tiers the step lands
+    in this node's roots (the slower tiers taking it get it from this node's writer
+    process). One process has no clique peers: with ``replication_factor`` > 1 the step is
+    stored unreplicated (one copy in this node's roots, plus the slower tiers'), which a
+    replicated job loads like any step whose replicas are gone.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from .exporting import one_process, read_whole
-    from .resume import failures_of
-    from .writer import TieredWriter
+    from .importing import run_import
 
     if any(step in v.committed() for v in views(config, *here())):
         raise ValueError(f"step {step} of {config.namespace!r} exists: remove it first (tiered-dcp rm)")
-    src = os.fspath(source)
-    reader = _stock_reader(src, storage_options or {})
-    with one_process():
-        try:
-            state = read_whole(reader)
-        except CheckpointException as e:  # DCP's wrapping of a read that failed
-            cause = failures_of(e)[0]
-            why = f"{type(cause).__name__}: {cause}"
-            raise CheckpointCorruptError(f"{src} cannot be imported: {why}") from None
-        alone = dataclasses.replace(config, replication_factor=1, failure_domain=None)
-        dcp.save(state, storage_writer=TieredWriter(alone, step=step), no_dist=True)
-    return step
-
-
-def _stock_reader(src: str, storage_options: dict[str, Any]) -> Any:
-    """A reader of the stock checkpoint ``src`` whose metadata was unpickled admitting only
-    DCP's metadata records (``metadata.loads``): torch's own reader unpickles that file
-    whatever it names, and a checkpoint from elsewhere is not to be trusted that far."""
-    import fsspec
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    from .metadata import loads
-
-    local = "://" not in src or src.startswith("file://")
-    path = src.removeprefix("file://") if local else src
-    try:
-        with fsspec.open(f"{path.rstrip('/')}/.metadata", "rb", **({} if local else storage_options)) as f:
-            blob = f.read()
-    except FileNotFoundError as e:
-        raise NoCheckpointError(f"{src} is no stock DCP checkpoint (no .metadata to read): {e}") from None
-    try:
-        md = loads(blob, stock=True)
-    except ChecksumMismatch as e:
-        raise CheckpointCorruptError(f"{src}/.metadata: {e}") from None
-
-    class Checked(dcp.FileSystemReader if local else FsspecReader):  # type: ignore[misc]
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            md.storage_meta = md.storage_meta or StorageMeta()
-            md.storage_meta.load_id = self.load_id  # as torch's reader does
-            return md
-
-        def read_data(self, plan: Any, planner: Any) -> Any:
-            """torch's read, on ``IMPORT_READ_THREADS`` runs of the plan's items at once: its
-            reader reads one item after another, and unpickling each leaves the disk idle
-            (2.2x faster on 2 cores; each run opens its own streams)."""
-            from torch.futures import Future
-
-            runs = _runs(plan.items, IMPORT_READ_THREADS)
-            read = super().read_data
-            with ThreadPoolExecutor(len(runs) or 1) as pool:
-                for f in [pool.submit(read, dataclasses.replace(plan, items=r), planner) for r in runs]:
-                    f.result().wait()
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
-
-    return Checked(path) if local else Checked(path, **storage_options)
-
-
-def _runs(items: list, n: int) -> list[list]:
-    """``items`` cut into at most ``n`` consecutive runs of about equal bytes (so each thread
-    reads its run of a file in order)."""
-    sizes = [max(1, _read_bytes(it)) for it in items]
-    total, runs, acc = sum(sizes), [[]], 0
-    for it, size in zip(items, sizes, strict=True):
-        if acc >= total * len(runs) / n and len(runs) < n:
-            runs.append([])
-        runs[-1].append(it)
-        acc += size
-    return [r for r in runs if r]
-
-
-def _read_bytes(item: Any) -> int:
-    return math.prod(item.lengths) if item.lengths else 0
+    return run_import(config, os.fspath(source), step, storage_options or {})

@@ -22,6 +22,7 @@ leaves ``dest`` as it was.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -254,17 +255,27 @@ def run_export(
     return Exported(step, dest, fmt.name, written)
 
 
-def read_whole(reader: Any) -> dict:
+def read_whole(reader: Any, keys: set[str] | None = None) -> dict:
     """Every item ``reader`` holds, as the state dict its metadata describes (unsharded, nested
-    as it was saved). Non-tensor values reach torch's planner, which unpickles them with
-    ``weights_only=False``, only once they load as plain data (``user_values.checked``): an
-    import reads a checkpoint from elsewhere with torch's own reader, which does not check."""
+    as it was saved); with ``keys``, only those items are read, the other tensors left
+    unfilled (``torch.empty``, for the caller to replace). Non-tensor values reach torch's
+    planner, which unpickles them with ``weights_only=False``, only once they load as plain
+    data (``user_values.checked``): an import reads a checkpoint from elsewhere with torch's
+    own reader, which does not check."""
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from .user_values import checked
 
     class Checked(_EmptyStateDictLoadPlanner):
+        def create_local_plan(self) -> Any:
+            """torch's plan, of ``keys`` only: its own filter leaves holes in a list whose
+            other items are not read, and a list with holes no longer flattens to its items."""
+            plan = super().create_local_plan()
+            if keys is None:
+                return plan
+            return dataclasses.replace(plan, items=[r for r in plan.items if r.dest_index.fqn in keys])
+
         def load_bytes(self, read_item: Any, value: Any) -> None:
             super().load_bytes(read_item, checked(value.read()))
 

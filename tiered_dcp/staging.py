@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +69,7 @@ def _received(
     arena: torch.Tensor, spans: list[tuple], template: Any, leaves: list[tuple], file: str | None
 ) -> StagedStateDict:
     """A shipped ``StagedStateDict`` again, over the same shared memory (``__reduce__``)."""
-    views = _views(arena.untyped_storage(), spans)
+    views = arena_views(arena.untyped_storage(), spans)
     values = [KINDS[name].rebuild(facts, views[a:b]) for name, facts, a, b in leaves]
     staged = StagedStateDict(_fill(template, values))
     if file is not None:
@@ -83,12 +83,23 @@ def _register(staged: StagedStateDict, file: str, arena: torch.Tensor) -> None:
     weakref.finalize(staged, STAGED_FILES.pop, file, None)
 
 
+@contextlib.contextmanager
+def registered(file: str, arena: torch.Tensor) -> Iterator[None]:
+    """``arena`` as the part file ``file``'s while a save that filled it without staging (an
+    import: ``importing``) writes it."""
+    STAGED_FILES[file] = arena
+    try:
+        yield
+    finally:
+        STAGED_FILES.pop(file, None)
+
+
 def staged_file(file: str) -> torch.Tensor | None:
     """The arena a save staged into its part file ``file`` (its dirty path), in this process."""
     return STAGED_FILES.get(file)
 
 
-def _views(storage: torch.UntypedStorage, spans: list[tuple]) -> list[torch.Tensor]:
+def arena_views(storage: torch.UntypedStorage, spans: list[tuple]) -> list[torch.Tensor]:
     """A tensor over each span (offset, bytes, dtype, shape) of ``storage``.
 
     Each over a storage of its own (offset 0): DTensor mis-reports the data pointer of a
@@ -254,7 +265,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _layout(pieces: list[torch.Tensor]) -> list[tuple]:
+def arena_layout(pieces: list[torch.Tensor]) -> list[tuple]:
     """Per piece, in order: (offset in the arena, bytes, dtype, shape). Largest element
     first, back to back: each piece is aligned to its element size (powers of two) and no
     byte is padding, so a part file staged this way holds only its items' bytes."""
@@ -286,8 +297,8 @@ def _allocate(ex: Examined, target: TierFile | None) -> _Slot:
     on_cuda = any(p.device.type == "cuda" for pieces in ex.pieces for p in pieces)
     if on_cuda:
         _pin(arena.data_ptr(), arena.numel())
-    spans = _layout(ex.flat_pieces)
-    targets = _views(storage, spans)
+    spans = arena_layout(ex.flat_pieces)
+    targets = arena_views(storage, spans)
     staged: list[Any] = []
     first = 0
     for value, kind, pieces in zip(ex.values, ex.kinds, ex.pieces, strict=True):

@@ -68,6 +68,12 @@ def target(config: TieredConfig, tier_index: int, store: Storage, step: int, ran
         return None
     if tier.compression or not isinstance(store, LocalStorage) or not recycles(config, store):
         return None
+    return part_file(config, store, step, rank)
+
+
+def part_file(config: TieredConfig, store: LocalStorage, step: int, rank: int) -> TierFile:
+    """This rank's part file of ``step`` in ``store``, under a dirty name unique to this save
+    (staging fills it on a memory tier, ``importing`` on any local one)."""
     clean = store.path(part_key(config.namespace, step, rank))
     dirty = f"{clean}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return TierFile(
@@ -166,8 +172,8 @@ def settle(base: int, placed: list[tuple[int, int]]) -> list[int]:
 
 
 def finish(tf: TierFile, end: int, tail: list[memoryview]) -> int:
-    """The file cut at ``end``, ``tail`` appended, renamed clean; its size. On a memory file
-    system there is nothing to sync."""
+    """The file cut at ``end``, ``tail`` appended, renamed clean; its size. Synced (then its
+    directory) as ``LocalStorage`` syncs a write: on a memory file system, not at all."""
     fd = os.open(tf.dirty, os.O_RDWR | os.O_NOFOLLOW)
     try:
         os.ftruncate(fd, end)
@@ -177,9 +183,15 @@ def finish(tf: TierFile, end: int, tail: list[memoryview]) -> int:
             while view:
                 n = os.pwrite(fd, view, pos)
                 view, pos = view[n:], pos + n
+        if tf.store.durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tf.dirty, tf.clean)
+    if tf.store.durable:
+        with _opened_dir(os.path.dirname(tf.clean)) as directory:
+            if directory is not None:
+                os.fsync(directory)
     return pos
 
 
