@@ -333,10 +333,10 @@ def test_an_imported_tensor_is_copied_as_it_lies_and_checked_against_its_crc(tmp
     A byte flipped in a tensor's bytes, which torch's own reader does not notice, is refused
     naming the item (by the API, and by the CLI in one line), and nothing of the step is left."""
     import torch
+    from tiered_dcp.storage.format import step_dir
 
     from tiered_dcp import CheckpointCorruptError, Tier, TieredConfig, TieredReader, import_dcp
     from tiered_dcp.importing import _plain_records, _stock_reader
-    from tiered_dcp.storage.format import step_dir
 
     state = {**value_kinds(5), "t": torch.randn(64, 32).t()}
     stock = tmp_path / "stock"
