@@ -214,6 +214,7 @@ def _plain_record(
         and data[0].file_size == meta.untyped_storage().nbytes()
         and order in ([], [sys.byteorder.encode()])
         and isinstance(data_at, int)
+        and 0 <= data_at <= info.length - meta.untyped_storage().nbytes()  # inside the item's bytes
     )
     if not plain:
         return None
