@@ -365,6 +365,18 @@ def test_an_imported_tensor_is_copied_as_it_lies_and_checked_against_its_crc(tmp
     assert not (shm / step_dir("ram", 2)).exists()
 
 
+def test_cli_storage_options_take_json_for_nested_values():
+    """`-o KEY=VALUE`: a VALUE starting with { or [ is JSON (s3fs's config_kwargs is a dict);
+    a bad one is refused in one line naming the key, anything else stays a string."""
+    from tiered_dcp.cli import key_values
+
+    got = key_values(['config_kwargs={"read_timeout": 5, "retries": {"max_attempts": 1}}', "key=a=b"], "-o")
+    assert got == {"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 1}}, "key": "a=b"}
+    r = cli("ls", "-n", "run", "s3://b/x", "-o", "config_kwargs={read_timeout: 5}", check=False)
+    assert r.returncode == 2 and "--option config_kwargs: " in r.stderr and "no JSON object" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_an_imported_step_is_deduplicated_against_by_the_next_save(tmp_path):
     """Under dedup=True an imported step is stored as blocks like any save: a job resuming
     from it and saving its unchanged tensors again writes none of their bytes anew."""
@@ -387,16 +399,16 @@ def test_an_imported_step_is_deduplicated_against_by_the_next_save(tmp_path):
     shutdown()
 
 
-def test_a_stock_checkpoint_in_a_bucket_is_imported(gcs_bucket, tmp_path):
-    """A stock checkpoint that torch's FsspecWriter wrote to a (fake) GCS bucket is imported
-    from its URL with the bucket's storage options, by the API and by the CLI
+def test_a_stock_checkpoint_in_a_bucket_is_imported(bucket, tmp_path):
+    """A stock checkpoint that torch's FsspecWriter wrote to a bucket (fake GCS, moto's S3)
+    is imported from its URL with the bucket's storage options, by the API and by the CLI
     (--from-option), and loads exactly."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from tiered_dcp import Tier, TieredConfig, TieredReader, import_dcp
 
-    url = f"{gcs_bucket.url}/stock"
-    options = gcs_bucket.storage_options
+    url = f"{bucket.url}/stock"
+    options = bucket.storage_options
     dcp.save(value_kinds(4), storage_writer=FsspecWriter(url, **options), no_dist=True)
     cfg = TieredConfig("imp", [Tier(str(tmp_path / "ssd"))])
     import_dcp(cfg, url, 4, storage_options=options)

@@ -387,12 +387,12 @@ def _two_ranks(rank, world, root, url, options):
     return after[:2]
 
 
-def test_two_ranks_commit_shared_steps_and_fall_back_to_the_bucket_after_node_loss(gcs_bucket, tmp_path):
-    url = f"{gcs_bucket.url}/ckpt"
-    options = {**gcs_bucket.storage_options, **SMALL_PIECES}
+def test_two_ranks_commit_shared_steps_and_fall_back_to_the_bucket_after_node_loss(bucket, tmp_path):
+    url = f"{bucket.url}/ckpt"
+    options = {**bucket.storage_options, **PIECES[bucket.kind]}
     results = run_ranks(_two_ranks, 2, str(tmp_path), url, options, env={"LOCAL_WORLD_SIZE": 1})
     assert results == [(4, [1]), (4, [1])]
-    store = store_on(gcs_bucket, root="ckpt")
+    store = store_on(bucket, root="ckpt")
     assert store.list("direct") == ["step_000000000001"]
     assert store.list("job") == ["step_000000000002", "step_000000000004"]
     assert store.list("job/step_000000000004") == [

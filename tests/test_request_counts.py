@@ -133,9 +133,9 @@ def _missing_and_damaged(rank, world, url_a, url_b, options):
     return out
 
 
-def test_load_agrees_falls_back_and_verifies_with_rank_0_finding_the_step(gcs_bucket):
-    options = dict(gcs_bucket.storage_options)
-    url_a, url_b = f"{gcs_bucket.url}/a", f"{gcs_bucket.url}/b"
+def test_load_agrees_falls_back_and_verifies_with_rank_0_finding_the_step(bucket):
+    options = dict(bucket.storage_options)
+    url_a, url_b = f"{bucket.url}/a", f"{bucket.url}/b"
     results = run_ranks(_missing_and_damaged, 2, url_a, url_b, options, env={"LOCAL_WORLD_SIZE": 1})
     steps = [[r[0] for r in rank] for rank in results]
     assert steps == [[2, 1, 1, "failed"]] * 2  # every rank the same step, each time

@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 from itertools import zip_longest
+from typing import Any
 
 from . import __version__
 from .api import (
@@ -74,14 +75,22 @@ def age(created: float | None) -> str:
     return f"{s / 3600:.1f}h" if s < 172800 else f"{s / 86400:.0f}d"
 
 
-def key_values(pairs: list[str] | None, flag: str) -> dict[str, str]:
-    """``KEY=VALUE`` arguments as a dict (fsspec storage options)."""
-    out = {}
+def key_values(pairs: list[str] | None, flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` arguments as a dict (fsspec storage options). A VALUE that starts as a
+    JSON object or array is one (s3fs's ``config_kwargs``, ``client_kwargs``); any other
+    VALUE is a string."""
+    out: dict[str, Any] = {}
     for kv in pairs or []:
         key, sep, value = kv.partition("=")
         if not sep:
             raise ValueError(f"{flag} wants KEY=VALUE, got {kv!r}")
-        out[key] = value
+        if value.lstrip().startswith(("{", "[")):
+            try:
+                out[key] = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag} {key}: {value!r} is no JSON object or array ({e})") from None
+        else:
+            out[key] = value
     return out
 
 
@@ -438,7 +447,7 @@ def _tier_args(p: argparse.ArgumentParser, json_output: bool = False) -> None:
         "--option",
         action="append",
         metavar="KEY=VALUE",
-        help="storage option passed to fsspec for URL tiers (repeatable)",
+        help="storage option for URL tiers (repeatable; a VALUE starting with { or [ is JSON)",
     )
 
 
@@ -492,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         "--from-option",
         action="append",
         metavar="KEY=VALUE",
-        help="storage option passed to fsspec for a --from URL (repeatable)",
+        help="storage option for a --from URL (repeatable; a VALUE starting with { or [ is JSON)",
     )
     p.set_defaults(fn=cmd_import)
     p = sub.add_parser(
