@@ -373,8 +373,8 @@ def test_cli_storage_options_take_json_for_nested_values():
     got = key_values(['config_kwargs={"read_timeout": 5, "retries": {"max_attempts": 1}}', "key=a=b"], "-o")
     assert got == {"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 1}}, "key": "a=b"}
     r = cli("ls", "-n", "run", "s3://b/x", "-o", "config_kwargs={read_timeout: 5}", check=False)
-    assert r.returncode == 2 and "--option config_kwargs: " in r.stderr and "no JSON object" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--option config_kwargs: " in r.stderr, r.stderr
+    assert "no JSON object" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_an_imported_step_is_deduplicated_against_by_the_next_save(tmp_path):

@@ -152,6 +152,30 @@ def test_a_ram_tier_that_keeps_every_step_stages_into_reused_buffers(shm):
     POOL.close()
 
 
+def test_a_mapped_part_file_deleted_behind_a_newer_one_is_let_go(shm, tmp_path):
+    """Retention deletes a spare nobody claimed while its slot is still mapped here; the next
+    save that needs other buffers lets that slot go. Slots were compared field by field,
+    tensors included, so letting go of one behind another of the same layout failed that
+    save ("Boolean value of Tensor ... is ambiguous"; seen on a GPU machine first)."""
+    import shutil
+
+    from tiered_dcp.storage.format import spare_dir
+
+    POOL.close()
+    cfg = TieredConfig("s", [Tier(str(shm), keep=1)])
+    for step in (1, 2):  # two part files mapped, step 1's a spare once step 2 committed
+        dcp.async_save(_state(step), storage_writer=TieredWriter(cfg, step=step)).result()
+    assert POOL.info()["files"] == 2
+    shutil.rmtree(shm / spare_dir("s"))  # the older file deleted under its map
+    other = TieredConfig("d", [Tier(str(tmp_path / "disk"))])  # staged into shared memory
+    dcp.async_save(_state(3), storage_writer=TieredWriter(other, step=3)).result()
+    assert POOL.info()["files"] == 1
+    target = _zeros()
+    dcp.load(target, storage_reader=TieredReader(other, step=3))
+    assert _equal(target, _state(3))
+    POOL.close()
+
+
 def _holes(rank: int, world: int, root: str) -> list[str]:
     """Two ranks; a replicated tensor DCP has only one rank write (a hole in the other's
     file), a tensor of each rank's own, and Python values (byte items, appended)."""

@@ -63,7 +63,7 @@ SENDFILE_MAX = 1 << 30
 SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h  # bytes per sendfile call (the kernel moves at most ~2 GiB per call)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # it holds a tensor: compared by identity
 class StockRecord:
     """One tensor chunk of a local stock file that the kernel can copy as it lies."""
 

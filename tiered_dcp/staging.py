@@ -229,7 +229,7 @@ def _unpin(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-@dataclass
+@dataclass(eq=False)  # one slot is one set of buffers: compared by identity, never by its tensors
 class _Slot:
     """One staged copy's buffers: a single shared-memory arena and the views into it."""
 

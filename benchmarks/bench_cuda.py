@@ -1,0 +1,221 @@
+"""The CUDA paths on a machine with a GPU: exact async snapshots and loads of a CUDA state,
+and the training loop's stall against stock DCP's ``async_save``, in the same run.
+
+    python benchmarks/bench_cuda.py [--mib 1024] [--steps 5] [--disk DIR]
+
+Checks (each a failure exit if wrong), on a RAM tier in /dev/shm over a disk tier (staging
+into the RAM tier's part file, pinned with ``cudaHostRegister``) and on a disk tier alone
+(staging into pinned shared-memory slots):
+
+- ``async_save`` of a CUDA state (fp32, bf16, int64, nested, a Python value), the GPU
+  tensors changed in place the moment it returns (or, with ``background_staging``, the
+  moment staging completes), loads back onto the GPU as it was when saved, step after step
+  (slots and part files reused); also in DCP's PROCESS mode, and for a sync ``dcp.save``.
+
+Then the stall: the seconds ``async_save`` holds the loop for a ``--mib`` MiB CUDA state,
+the median of the last half of ``--steps`` steps (every buffer reused; the first step's,
+which makes and pins them, is printed too), for tiered-dcp (RAM tier keep=1 over disk: two
+part files in turn), stock ``FileSystemWriter`` with DCP's default stager, and stock with
+one pinned stager reused (``DefaultStager(StagingOptions(use_pinned_memory=True))``).
+Prints a table, then JSON. Needs CUDA; a 1-rank gloo group is started for DCP's
+collectives. Run it from outside the repository's root where tiered-dcp is not installed
+(the writer process, ``python -m tiered_dcp.persist``, would import the uninstalled tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown
+
+MiB = 1 << 20
+DEVICE = "cuda"  # --device cpu: a dry run of the script where there is no GPU
+warnings.filterwarnings("ignore")
+
+
+def cuda_state(step: int) -> dict:
+    g = torch.Generator(device=DEVICE).manual_seed(step)
+    return {
+        "w": torch.randn(16 * MiB // 4, device=DEVICE, generator=g),
+        "nested": {
+            "b": torch.randn(1000, 1000, device=DEVICE, generator=g).to(torch.bfloat16),
+            "i": torch.randint(0, 1 << 40, (4096,), device=DEVICE, generator=g),
+            "t": torch.randn(300, 200, device=DEVICE, generator=g).t(),  # not contiguous
+        },
+        "step": step,
+    }
+
+
+def on_cpu(state):
+    if isinstance(state, dict):
+        return {k: on_cpu(v) for k, v in state.items()}
+    return state.detach().cpu().clone() if isinstance(state, torch.Tensor) else state
+
+
+def zeros_on_gpu(state):
+    """A load target shaped as ``state``: zeros on the GPU, -1 for Python values."""
+    if isinstance(state, dict):
+        return {k: zeros_on_gpu(v) for k, v in state.items()}
+    return torch.zeros_like(state, device=DEVICE) if isinstance(state, torch.Tensor) else -1
+
+
+def same(got, want, path="") -> list[str]:
+    if isinstance(want, dict):
+        return [p for k in want for p in same(got[k], want[k], f"{path}.{k}")]
+    if isinstance(want, torch.Tensor):
+        ok = got.device.type == DEVICE and torch.equal(got.cpu(), want)
+        return [] if ok else [path]
+    return [] if got == want else [path]
+
+
+def change_in_place(state: dict) -> None:
+    """What the next training step does to the live state, queued on the current stream."""
+    state["w"].add_(1000.0)
+    state["nested"]["b"].mul_(-1)
+    state["nested"]["i"].add_(7)
+    state["nested"]["t"].zero_()
+
+
+def exact_async(name: str, cfg: TieredConfig, steps: int, **how) -> list[str]:
+    """Save ``steps`` steps asynchronously, changing the GPU state once staged; each loads
+    back as staged. The failures, as 'config/step/path'."""
+    bad = []
+    for step in range(1, steps + 1):
+        state = cuda_state(step)
+        want = on_cpu(state)
+        kind = how.get("mode")
+        extra = {"async_checkpointer_type": kind} if kind is not None else {}
+        writer = TieredWriter(cfg, step=step, background_staging=how.get("background", False))
+        result = dcp.async_save(state, storage_writer=writer, **extra)
+        if how.get("background"):
+            result.staging_completion.result()
+            result = result.upload_completion
+        change_in_place(state)
+        result.result()
+        got = zeros_on_gpu(want)
+        dcp.load(got, storage_reader=TieredReader(cfg, step))
+        bad += [f"{name}/step {step}{p}" for p in same(got, want)]
+    return bad
+
+
+def exact_sync(name: str, cfg: TieredConfig) -> list[str]:
+    state = cuda_state(9)
+    dcp.save(state, storage_writer=TieredWriter(cfg, step=9))
+    got = zeros_on_gpu(state)
+    dcp.load(got, storage_reader=TieredReader(cfg, 9))
+    return [f"{name}/sync{p}" for p in same(got, on_cpu(state))]
+
+
+def big_state(mib: int) -> dict:
+    per = mib * MiB // 32 // 4
+    return {f"layer{i}.weight": torch.randn(per, device=DEVICE) for i in range(32)}
+
+
+def stalls(save, mib: int, steps: int) -> tuple[float, float]:
+    """Seconds ``save(state, step)`` holds the caller: the first step's (buffers made and
+    pinned), and the median of the last half of the steps (every buffer reused)."""
+    state = big_state(mib)
+    took = []
+    for step in range(1, steps + 1):
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fut = save(state, step)
+        took.append(time.perf_counter() - t0)
+        for t in state.values():
+            t.add_(1.0)  # the next step
+        fut.result()
+    return took[0], statistics.median(took[steps // 2 :])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--disk", default=tempfile.gettempdir())
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_cuda needs a CUDA device (--device cpu: a dry run)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    work = tempfile.mkdtemp(prefix="tdcp-cuda-", dir=args.disk)
+    shm = tempfile.mkdtemp(prefix="tdcp-cuda-", dir="/dev/shm")
+    try:
+
+        def cfg(name: str, ram: bool) -> TieredConfig:
+            disk = Tier(f"{work}/{name}-disk", every=2 if ram else 1, keep=2)
+            return TieredConfig(name, [Tier(f"{shm}/{name}", keep=1), disk] if ram else [disk])
+
+        bad: list[str] = []
+        bad += exact_async("ram+disk", cfg("a", True), 4)
+        bad += exact_async("disk", cfg("b", False), 3)
+        bad += exact_async("ram+disk background", cfg("c", True), 3, background=True)
+        bad += exact_async("ram+disk PROCESS", cfg("d", True), 2, mode=AsyncCheckpointerType.PROCESS)
+        bad += exact_sync("ram+disk", cfg("e", True))
+        print("exact:", "every step loads as staged" if not bad else f"WRONG: {bad}", flush=True)
+
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        ours = cfg("t", True)
+        pinned = DefaultStager(StagingOptions(True, False, False, True)) if DEVICE == "cuda" else None
+        ways = {
+            "tiered_ram_tier_stall_s": lambda st, step: dcp.async_save(
+                st, storage_writer=TieredWriter(ours, step=step)
+            ),
+            "stock_default_stall_s": lambda st, step: dcp.async_save(
+                st, storage_writer=dcp.FileSystemWriter(f"{work}/stock/{step}")
+            ),
+            "stock_pinned_stall_s": lambda st, step: dcp.async_save(
+                st,
+                storage_writer=dcp.FileSystemWriter(f"{work}/pinned/{step}"),
+                async_stager=pinned,  # one stager: its pinned buffers are reused
+            ),
+        }
+        if DEVICE == "cpu":  # pinned staging needs an accelerator
+            del ways["stock_pinned_stall_s"]
+        measured = {name: stalls(save, args.mib, args.steps) for name, save in ways.items()}
+        seconds = {name: steady for name, (_, steady) in measured.items()}
+        first = {name.replace("_stall_s", "_first_stall_s"): cold for name, (cold, _) in measured.items()}
+    finally:
+        shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    nbytes = args.mib * MiB
+    ratios = {
+        f"tiered_stall_vs_{k.removesuffix('_stall_s')}": seconds["tiered_ram_tier_stall_s"] / v
+        for k, v in seconds.items()
+        if k.startswith("stock")
+    }
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    print(f"{device}, torch {torch.__version__}; {args.mib} MiB state")
+    for k, v in {**seconds, **first}.items():
+        print(f"{k:<30}{v:>8.3f} s {nbytes / v / 1e9:>7.2f} GB/s")
+    for k, v in ratios.items():
+        print(f"{k:<30}{v:>8.2f}")
+    print(json.dumps({"device": device, "torch": torch.__version__, "wrong": bad,
+                      "seconds": seconds, "first": first, "ratios": ratios}))  # fmt: skip
+    dist.destroy_process_group()
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
