@@ -171,7 +171,8 @@ def _plain_records(source: str, md: Metadata) -> dict[MetadataIndex, StockRecord
             if info.offset + info.length > end:
                 raise CheckpointCorruptError(
                     f"{source} cannot be imported: {info.relative_path} is cut short (it ends at byte {end}; "
-                    f"item {index.fqn!r} lies in bytes {info.offset}..{info.offset + info.length})"
+                    f"item {index.fqn!r} lies in bytes {info.offset}..{info.offset + info.length}); "
+                    "copy it again from its source"
                 )
             chunk = next((c for c in tmd.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
             rec = _plain_record(fd, info, index, tmd, chunk.sizes) if chunk is not None else None
@@ -308,7 +309,8 @@ def _copy(
                 where = f"item {rec.index.fqn!r} (offset {list(rec.index.offset or [])}) in {rec.file}"
                 raise CheckpointCorruptError(
                     f"{source} cannot be imported: {where} fails its CRC-32 "
-                    f"(recorded {rec.crc:08x}, read {got:08x}): the file is damaged"
+                    f"(recorded {rec.crc:08x}, read {got:08x}): the file is damaged; "
+                    "copy it again from its source"
                 )
 
 
