@@ -193,6 +193,8 @@ def _plain_record(
     window = _Window(fd, info.offset, info.length)
     try:
         with zipfile.ZipFile(window) as z:
+            if any(i.compress_type != zipfile.ZIP_STORED for i in z.infolist()):
+                return None  # torch.save stores; nothing here inflates what a crafted file packed
             names = z.namelist()
             data = [z.getinfo(n) for n in names if n.endswith("/data/0")]
             storages = [n for n in names if "/data/" in n and not n.endswith(".pkl")]
@@ -211,7 +213,6 @@ def _plain_record(
         and meta.untyped_storage().nbytes() == meta.numel() * meta.element_size()
         and len(data) == 1
         and storages == [data[0].filename]
-        and data[0].compress_type == zipfile.ZIP_STORED
         and data[0].file_size == meta.untyped_storage().nbytes()
         and order in ([], [sys.byteorder.encode()])
         and isinstance(data_at, int)
