@@ -59,8 +59,8 @@ from .writer import TieredWriter
 
 IMPORT_READ_THREADS = 4  # items torch's reader reads at once (its own reader: one at a time)
 CRC_THREADS = 2  # copied records checked at once, while the next ones are copied
-SENDFILE_MAX = 1 << 30
-SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h  # bytes per sendfile call (the kernel moves at most ~2 GiB per call)
+SENDFILE_MAX = 1 << 30  # bytes per sendfile call (the kernel moves at most ~2 GiB per call)
+SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
 
 
 @dataclass(frozen=True, eq=False)  # it holds a tensor: compared by identity
@@ -95,28 +95,33 @@ def run_import(config: TieredConfig, source: str, step: int, storage_options: di
     rest = set(md.state_dict_metadata) - set(copied)
     with one_process():
         state = _read(source, reader, rest) if rest else {}
-        if not copied:
-            dcp.save(state, storage_writer=writer, no_dist=True)
-            return step
-        assert part is not None
-        with _copied_into(part, source, [r for recs in copied.values() for r in recs]) as shards:
+        records_copied = [r for recs in copied.values() for r in recs]
+        into = _copied_into(part, source, records_copied) if copied else contextlib.nullcontext({})
+        with into as shards:
             for fqn, recs in copied.items():
-                tmd = md.state_dict_metadata[fqn]
-                assert isinstance(tmd, TensorStorageMetadata)
-                items = [
-                    WriteItem(
-                        index=r.index,
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(chunk=c, properties=tmd.properties, size=tmd.size),
-                    )
-                    for r, c in zip(recs, tmd.chunks, strict=True)
-                ]
-                value = [shards[r.index] for r in recs]
-                stock = SnapshotTensor(items, value, tmd.size, tmd.properties.dtype, "stock checkpoint")
+                stock = _stock_tensor(md.state_dict_metadata[fqn], recs, shards)
                 set_element(state, (md.planner_data or {}).get(fqn, (fqn,)), stock)
-            writer.staged_file = part  # the save writes the part file in place, as a staged one
+            if copied:
+                writer.staged_file = part  # the save writes the part file in place, as a staged one
             dcp.save(state, storage_writer=writer, no_dist=True)
     return step
+
+
+def _stock_tensor(
+    tmd: Any, recs: list[StockRecord], shards: dict[MetadataIndex, torch.Tensor]
+) -> SnapshotTensor:
+    """The value DCP saves for a copied tensor: its stock chunks as write items, each over its
+    bytes in the part file (so the step keeps the stock checkpoint's sharding)."""
+    items = [
+        WriteItem(
+            index=r.index,
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=c, properties=tmd.properties, size=tmd.size),
+        )
+        for r, c in zip(recs, tmd.chunks, strict=True)
+    ]
+    values = [shards[r.index] for r in recs]
+    return SnapshotTensor(items, values, tmd.size, tmd.properties.dtype, "stock checkpoint")
 
 
 def _read(source: str, reader: Any, keys: set[str]) -> dict:
