@@ -26,6 +26,7 @@ collectives. Run it from outside the repository's root where tiered-dcp is not i
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import socket
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for
 
 MiB = 1 << 20
 DEVICE = "cuda"  # --device cpu: a dry run of the script where there is no GPU
@@ -141,12 +142,120 @@ def stalls(save, mib: int, steps: int) -> tuple[float, float]:
     return took[0], statistics.median(took[steps // 2 :])
 
 
+def training_state(gib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model of ``gib`` / 3 GiB of fp32 weights and its AdamW state after one step (the
+    weights plus two moments: ``gib`` GiB in all), on ``DEVICE``."""
+    width = 4096 if DEVICE == "cuda" else 1024
+    layers = max(1, round(gib * (1 << 30) / 3 / 4 / (width * width + width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(8, width, device=DEVICE)).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def fresh_target(model: torch.nn.Module) -> dict:
+    """What a restarted job loads into: a new model and AdamW (``get_state_dict``)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        p.data.zero_()
+    opt = torch.optim.AdamW(other.parameters(), lr=1e-4)
+    sd, osd = get_state_dict(other, opt)
+    return {"model": sd, "optim": osd}
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    sd, osd = get_state_dict(model, opt)
+    return {"model": sd, "optim": osd}
+
+
+def tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in tensors(v)]
+    if isinstance(tree, list | tuple):
+        return [t for v in tree for t in tensors(v)]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def timed_load(load, want: list[torch.Tensor], model: torch.nn.Module, runs: int) -> float:
+    """Median seconds of ``load(target)`` onto the device (each checked exact)."""
+    took = []
+    for _ in range(runs):
+        target = fresh_target(model)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        load(target)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        took.append(time.perf_counter() - t0)
+        got = tensors(target)
+        if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+            raise AssertionError("a load was not exact")
+    return statistics.median(took)
+
+
+def load_times(gib: float, runs: int, work: str, shm: str) -> dict:
+    """The load of a model + AdamW state onto the device: from the RAM tier after async
+    saves and after a sync save, from the disk tier, and stock ``FileSystemReader``, beside
+    the raw pinned host-to-device copy of the same bytes."""
+    model, opt = training_state(gib)
+    ram, disk = Tier(f"{shm}/load-ram", every=1, keep=2), Tier(f"{work}/load-disk", every=2, keep=2)
+    ours = TieredConfig("load", [ram, disk])
+    for step in (1, 2, 3, 4):  # as in training: async saves, the state changing between them
+        for p in model.parameters():
+            p.data.add_(1e-3)
+        dcp.async_save(state_of(model, opt), storage_writer=TieredWriter(ours, step=step)).result()
+    wait_for(ours, 4)
+    want = tensors(state_of(model, opt))  # step 4's state: unchanged since
+    nbytes = sum(t.numel() * t.element_size() for t in want)
+    out = {"state_gb": nbytes / 1e9}
+    out["tiered_ram_after_async_s"] = timed_load(
+        lambda t: dcp.load(t, storage_reader=TieredReader(ours, 4)), want, model, runs
+    )
+    out["tiered_disk_s"] = timed_load(
+        lambda t: dcp.load(t, storage_reader=TieredReader(TieredConfig("load", [disk]), 4)), want, model, runs
+    )
+    dcp.save(state_of(model, opt), storage_writer=TieredWriter(ours, step=5))
+    out["tiered_ram_after_sync_s"] = timed_load(
+        lambda t: dcp.load(t, storage_reader=TieredReader(ours, 5)), want, model, runs
+    )
+    dcp.save(state_of(model, opt), storage_writer=dcp.FileSystemWriter(f"{work}/load-stock"))
+    out["stock_filesystem_s"] = timed_load(
+        lambda t: dcp.load(t, storage_reader=dcp.FileSystemReader(f"{work}/load-stock")), want, model, runs
+    )
+    if DEVICE == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        took = []
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            took.append(time.perf_counter() - t0)
+        out["raw_pinned_h2d_s"] = statistics.median(took)
+        del host, dev
+    stock = out["stock_filesystem_s"]
+    for k in ("tiered_ram_after_async_s", "tiered_ram_after_sync_s", "tiered_disk_s"):
+        out[k.removesuffix("_s") + "_vs_stock"] = out[k] / stock
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--disk", default=tempfile.gettempdir())
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--load-gib", type=float, default=3.0, help="model + AdamW state loaded (GiB)")
+    ap.add_argument("--load-runs", type=int, default=3)
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -191,6 +300,8 @@ def main() -> None:
                 async_stager=DefaultStager(StagingOptions(True, False, False, True)),
             ),
         }
+        loads = load_times(args.load_gib, args.load_runs, work, shm)
+        print("load:", json.dumps(loads), flush=True)
         if DEVICE == "cpu":  # pinned staging needs an accelerator
             del ways["stock_pinned_stall_s"]
         measured = {name: stalls(save, args.mib, args.steps) for name, save in ways.items()}
@@ -212,8 +323,10 @@ def main() -> None:
         print(f"{k:<30}{v:>8.3f} s {nbytes / v / 1e9:>7.2f} GB/s")
     for k, v in ratios.items():
         print(f"{k:<30}{v:>8.2f}")
+    for k, v in loads.items():
+        print(f"load {k:<30}{v:>8.3f}")
     print(json.dumps({"device": device, "torch": torch.__version__, "wrong": bad,
-                      "seconds": seconds, "first": first, "ratios": ratios}))  # fmt: skip
+                      "seconds": seconds, "first": first, "ratios": ratios, "load": loads}))  # fmt: skip
     dist.destroy_process_group()
     sys.exit(1 if bad else 0)
 

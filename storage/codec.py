@@ -286,7 +286,9 @@ def iter_raw_chunks(store: Storage, record: Record) -> Iterator[Buffer]:
 
 
 def read_item(store: Storage, record: Record, out: memoryview) -> None:
-    """Read an item's stored bytes from ``store`` and decode them, verified, into ``out``."""
+    """Read an item's stored bytes from ``store`` and decode them, verified, into ``out``.
+
+    Raw chunks are read straight into ``out`` (no temporary, no copy), then checked."""
     out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
     if record.blocks is not None:
         calls, pos = [], 0
@@ -295,10 +297,75 @@ def read_item(store: Storage, record: Record, out: memoryview) -> None:
             pos += n
         _parallel(calls)
         return
-    stored = bytearray(record.length)
-    if stored:
-        store.read_into(record.file, record.offset, memoryview(stored))
+    if record.codec == "raw" and record.codecs is None:
+        if record.length != len(out):
+            raise ChecksumMismatch(f"{record.length} bytes stored where {len(out)} are asked for")
+        if len(out):
+            store.read_into(record.file, record.offset, out)
+        verify_raw(record.info, out)
+        return
+    stored = store.read(record.file, record.offset, record.length) if record.length else b""
+    if len(stored) != record.length:
+        raise ChecksumMismatch(f"short read ({len(stored)} of {record.length} bytes)")
     decode_into(record, memoryview(stored), out)
+
+
+def chunk_spans(record: Record) -> list[tuple[int, int, int]]:
+    """Each chunk's (raw start in the item, raw length, stored offset in ``record.file``)."""
+    spans, at, pos = [], 0, record.offset
+    for s, (n, _) in zip(record.stored, record.info.raw_chunks, strict=True):
+        spans.append((at, n, pos))
+        at, pos = at + n, pos + s
+    return spans
+
+
+def read_chunk_into(store: Storage, record: Record, i: int, out: memoryview) -> None:
+    """Chunk ``i`` of an item read from ``store`` and decoded, verified, into ``out`` (its
+    raw length): the unit a load streams through a bounded buffer (``device_reads``)."""
+    if record.blocks is not None:
+        _block_into(store, record, i, out)
+        return
+    (_, n, pos), s, h = chunk_spans(record)[i], record.stored[i], record.info.raw_chunks[i][1]
+    codec = record.chunk_codec(i)
+    if codec == "raw":
+        if s != n:
+            raise ChecksumMismatch(f"chunk {i}: {s} bytes stored where {n} were written")
+        if n:
+            store.read_into(record.file, pos, out)
+        if checksum(out) != h:
+            raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
+        return
+    stored = store.read(record.file, pos, s) if s else b""
+    if len(stored) != s:
+        raise ChecksumMismatch(f"chunk {i}: short read ({len(stored)} of {s} bytes)")
+    decode_chunk(codec, stored, n, out, i, h)
+
+
+def read_chunks(store: Storage, record: Record, first: int, last: int, out: memoryview) -> None:
+    """Chunks ``first`` to ``last`` (exclusive) of an item read from ``store`` and decoded,
+    verified, into ``out`` (their raw bytes back to back): the part of an item a piece of it
+    needs. Raw chunks in the part file are one read straight into ``out``."""
+    spans = chunk_spans(record)[first:last]
+    if not spans:
+        return
+    base = spans[0][0]
+    raw = record.blocks is None and all(
+        record.chunk_codec(i) == "raw" and record.stored[i] == record.info.raw_chunks[i][0]
+        for i in range(first, last)
+    )
+    if raw:
+        if len(out):
+            store.read_into(record.file, spans[0][2], out)
+        for i, (at, n, _) in enumerate(spans, start=first):
+            if checksum(out[at - base : at - base + n]) != record.info.raw_chunks[i][1]:
+                raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
+        return
+    _parallel(
+        [
+            (read_chunk_into, store, record, i, out[at - base : at - base + n])
+            for i, (at, n, _) in enumerate(spans, start=first)
+        ]
+    )
 
 
 def decode_into(record: Record, stored: memoryview, out: memoryview) -> None:

@@ -16,9 +16,11 @@ failures prove damage.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -29,11 +31,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from tiered_dcp.planners.load import ItemRoute, ReadSource, plan_routes
 from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
 from tiered_dcp.storage import Storage
-from tiered_dcp.storage.codec import ChecksumMismatch, read_item, verify_raw
+from tiered_dcp.storage.codec import ChecksumMismatch, chunk_spans, read_chunks, read_item
 from tiered_dcp.storage.format import BadIndex, ItemInfo, PartIndex, Record, part_key
 
+from . import device_reads, user_values
 from . import metadata as md_blob
-from . import user_values
 from .catalog import StepCopy, TierView
 from .cluster import PeerExchange, PeerRequest, check_raw, read_raw
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
@@ -65,6 +67,34 @@ class Failure:
         return f"{self.where} {self.kind.value}: {self.error}"
 
 
+@dataclass
+class _Attempt:
+    """One item's read from one source: ``finish`` completes and commits it (raising what
+    failed), ``settle`` waits for its work in flight without committing; ``nbytes`` is
+    what it moves ahead of its ``finish`` (a device read's)."""
+
+    finish: Callable[[], None]
+    settle: Callable[[], None] = lambda: None
+    nbytes: int = 0
+    src: ReadSource | None = field(default=None, init=False)
+    rec: Record | None = field(default=None, init=False)
+    store: Storage | None = field(default=None, init=False)
+
+
+def _row_bytes(dtype: torch.dtype, shape: list[int]) -> int:
+    """Bytes of one row (dim 0) of a stored item; a scalar's one element."""
+    n = dtype.itemsize
+    for s in shape[1:]:
+        n *= s
+    return n
+
+
+def cuda_ring(device: torch.device) -> device_reads.Ring | None:
+    """The ring a target on ``device`` is read through: CUDA's; none for the host (or
+    another device, read through the host)."""
+    return device_reads.ring_for(device) if device.type == "cuda" else None
+
+
 class StepReads:
     """The reads of one opened step (``opening.OpenStep``): ``read_all`` executes a load plan.
 
@@ -80,6 +110,9 @@ class StepReads:
         self._held: dict[tuple[str, int, int], PartIndex | None] = {}  # (root, tier, part) -> index
         self.failures: dict[int, list[Failure]] = {}  # id(item) -> its failed reads, this load
         self._unproven: set[int] = set()  # items a failure other than damage kept from a source
+        # the ring a target's device is read through, None: the host path (tests put CPU
+        # targets through a host ring, the device flow without a GPU)
+        self.ring_for: Callable[[torch.device], device_reads.Ring | None] = cuda_ring
 
     def _routes(self, plan: LoadPlan) -> list[ItemRoute]:
         """The load plan (``planners.load``): every item's sources in fallback order."""
@@ -128,14 +161,46 @@ class StepReads:
         rec = None if index is None else index.records.get(md_blob.item_key(req.storage_index))
         return None if rec is None else (rec, store)
 
-    def _read_one(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
+    def _start(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> _Attempt:
+        """Start reading ``req`` from ``rec`` in ``store``: onto a CUDA target through its
+        device's ring (``device_reads``), started now; else read on ``finish``."""
         if req.type == LoadItemType.BYTE_IO:
-            raw = bytearray(rec.info.raw_length)
-            read_item(store, rec, memoryview(raw))
-            planner.load_bytes(req, user_values.checked(raw))
-            return
+            return _Attempt(functools.partial(self._read_bytes, req, planner, rec, store))
         target = planner.resolve_tensor(req).detach()
         dtype, shape = dtype_from_name(rec.info.dtype or ""), list(rec.info.shape or ())
+        ring = self.ring_for(target.device)
+        if ring is None:
+            return _Attempt(
+                functools.partial(self._read_host, req, planner, rec, store, target, dtype, shape)
+            )
+        land = device_reads.landing(req, target, dtype, shape)
+        read = device_reads.DeviceRead(ring, store, rec, land, _row_bytes(dtype, shape))
+
+        def finish() -> None:
+            read.finish()
+            planner.commit_tensor(req, target)
+
+        return _Attempt(finish, read.settle, read.nbytes)
+
+    def _read_bytes(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
+        raw = bytearray(rec.info.raw_length)
+        read_item(store, rec, memoryview(raw))
+        planner.load_bytes(req, user_values.checked(raw))
+
+    def _read_host(
+        self,
+        req: ReadItem,
+        planner: LoadPlanner,
+        rec: Record,
+        store: Storage,
+        target: torch.Tensor,
+        dtype: torch.dtype,
+        shape: list[int],
+    ) -> None:
+        """Read ``req`` into a host (or non-CUDA) target: the stored item straight into the
+        target's bytes when the target is it; else the chunks holding the rows asked for
+        into a scratch tensor (one pass; the checksum reads it while it is warm), whose
+        piece is copied into the target (the second)."""
         if (
             whole_item_request(req, shape)
             and target.dtype == dtype
@@ -143,18 +208,21 @@ class StepReads:
             and target.is_contiguous()
             and list(target.shape) == shape
         ):
-            out = byte_view(target)
-            if rec.codec == "raw" and rec.codecs is None and rec.blocks is None:
-                if len(out):
-                    store.read_into(rec.file, rec.offset, out)
-                verify_raw(rec.info, out)
-            else:  # compressed or in blocks: decoded straight into the target, in parallel
-                read_item(store, rec, out)
+            read_item(store, rec, byte_view(target))
             planner.commit_tensor(req, target)
             return
-        full = torch.empty(shape, dtype=dtype)
-        read_item(store, rec, byte_view(full))
-        self._place(req, planner, full, target)
+        (r0, r1), inner = device_reads.rows_asked(req, shape)
+        row = _row_bytes(dtype, shape)
+        spans = chunk_spans(rec)
+        lo, hi = r0 * row, r1 * row
+        wanted = [i for i, (at, n, _) in enumerate(spans) if at < hi and at + n > lo] or [0]
+        base = spans[wanted[0]][0]
+        end = spans[wanted[-1]][0] + spans[wanted[-1]][1]
+        scratch = torch.empty(end - base, dtype=torch.uint8)
+        read_chunks(store, rec, wanted[0], wanted[-1] + 1, byte_view(scratch))
+        rows = scratch[lo - base : hi - base].view(dtype).reshape([r1 - r0, *shape[1:]])
+        target.copy_(device_reads.narrowed(rows, inner, target))
+        planner.commit_tensor(req, target)
 
     def _place(self, req: ReadItem, planner: LoadPlanner, full: torch.Tensor, target: torch.Tensor) -> None:
         """Copy the requested piece of a whole stored item into the target and commit it."""
@@ -167,37 +235,84 @@ class StepReads:
         target.copy_(piece)
         planner.commit_tensor(req, target)
 
-    def _read_direct(self, req: ReadItem, planner: LoadPlanner, sources: tuple[ReadSource, ...]) -> bool:
-        """Read ``req`` from the first of its route's ``sources`` (none a peer) that is good."""
+    def _next_attempt(
+        self, req: ReadItem, planner: LoadPlanner, sources: Iterator[ReadSource]
+    ) -> _Attempt | None:
+        """The read of ``req`` from the next of ``sources`` that holds it, started."""
         for src in sources:
             located = self._locate(src, req)
-            if located is None:
-                continue
-            rec, store = located
-            try:
-                self._read_one(req, planner, rec, store)
-                return True
-            except (ChecksumMismatch, OSError) as e:
-                where = store.describe(rec.file)
-                view = self._views[src.tier]
-                if isinstance(e, FileNotFoundError) and view.read_marker(store, self.step) is None:
-                    kind = Failed.REMOVED
-                    self._unproven.add(id(req))
-                elif isinstance(e, ChecksumMismatch | FileNotFoundError):  # missing from a committed copy
-                    kind = Failed.DAMAGED
-                else:  # a tier that failed to answer proves nothing about the bytes
-                    kind = Failed.UNREADABLE
-                    self._unproven.add(id(req))
-                self.failures.setdefault(id(req), []).append(Failure(where, kind, str(e)))
-                log.warning(
-                    "step %d: item %r in %s %s (%s); trying another copy",
-                    self.step,
-                    req.storage_index.fqn,
-                    where,
-                    kind.value,
-                    e,
-                )
-        return False
+            if located is not None:
+                attempt = self._start(req, planner, *located)
+                attempt.src, attempt.rec, attempt.store = src, *located
+                return attempt
+        return None
+
+    def _failed(self, req: ReadItem, attempt: _Attempt, e: Exception) -> None:
+        """Note why ``attempt`` failed, in the words the load's error and warnings use."""
+        assert attempt.src is not None and attempt.rec is not None and attempt.store is not None
+        where = attempt.store.describe(attempt.rec.file)
+        view = self._views[attempt.src.tier]
+        if isinstance(e, FileNotFoundError) and view.read_marker(attempt.store, self.step) is None:
+            kind = Failed.REMOVED
+            self._unproven.add(id(req))
+        elif isinstance(e, ChecksumMismatch | FileNotFoundError):  # missing from a committed copy
+            kind = Failed.DAMAGED
+        else:  # a tier that failed to answer proves nothing about the bytes
+            kind = Failed.UNREADABLE
+            self._unproven.add(id(req))
+        self.failures.setdefault(id(req), []).append(Failure(where, kind, str(e)))
+        log.warning(
+            "step %d: item %r in %s %s (%s); trying another copy",
+            self.step,
+            req.storage_index.fqn,
+            where,
+            kind.value,
+            e,
+        )
+
+    def _read_direct(
+        self, reqs: list[ReadItem], planner: LoadPlanner, sources: dict[int, tuple[ReadSource, ...]]
+    ) -> list[ReadItem]:
+        """Read each of ``reqs`` from the first of its ``sources`` (none a peer) that is good;
+        return those left unread, in plan order.
+
+        Reads onto a device are started ahead, up to ``device_reads.LOOKAHEAD_BYTES`` of
+        them, and finished (committed) in plan order; a failed one starts the next source at
+        once. Whatever happens, no read is still running when this returns.
+        """
+        left: list[ReadItem] = []
+        started: deque[tuple[ReadItem, Iterator[ReadSource], _Attempt | None]] = deque()
+        ahead = 0
+
+        def finish_first() -> None:
+            nonlocal ahead
+            req, rest, attempt = started.popleft()
+            ahead -= attempt.nbytes if attempt is not None else 0
+            while attempt is not None:
+                try:
+                    attempt.finish()
+                    return
+                except (ChecksumMismatch, OSError) as e:
+                    self._failed(req, attempt, e)
+                    attempt = self._next_attempt(req, planner, rest)
+            left.append(req)
+
+        try:
+            for req in reqs:
+                rest = iter(sources[id(req)])
+                attempt = self._next_attempt(req, planner, rest)
+                started.append((req, rest, attempt))
+                ahead += attempt.nbytes if attempt is not None else 0
+                while ahead > device_reads.LOOKAHEAD_BYTES:
+                    finish_first()
+            while started:
+                finish_first()
+        finally:
+            for _, _, attempt in started:  # a load failing on its way: nothing lands after it
+                if attempt is not None:
+                    attempt.settle()
+        order = {id(r): i for i, r in enumerate(reqs)}
+        return sorted(left, key=lambda r: order[id(r)])
 
     # -- peers --------------------------------------------------------------------------
 
@@ -315,10 +430,10 @@ class StepReads:
         self._unproven = set()
         routes = {id(req): r for req, r in zip(plan.items, self._routes(plan), strict=True)}
         split = {key: r.split_at_exchange() for key, r in routes.items()}
-        pending = [req for req in plan.items if not self._read_direct(req, planner, split[id(req)][0])]
+        pending = self._read_direct(plan.items, planner, {key: s[0] for key, s in split.items()})
         if self._opened.cluster:
             pending = self._read_from_peers(pending, planner, routes)
-        pending = [req for req in pending if not self._read_direct(req, planner, split[id(req)][1])]
+        pending = self._read_direct(pending, planner, {key: s[1] for key, s in split.items()})
         if pending:
             req = pending[0]
             failures = self.failures.get(id(req), [])
