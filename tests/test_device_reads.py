@@ -231,3 +231,17 @@ def test_a_flipped_byte_with_no_other_copy_fails_the_load(tmp_path):
     err = err[0] if isinstance(err, tuple) else err  # torch >= 2.7: (exception, traceback)
     assert isinstance(err, CheckpointCorruptError) and "no good copy of item 'rows'" in str(err)
     assert ring.held == 0  # every chunk settled before the error
+
+
+def test_a_bucket_tier_streams_through_the_ring(bucket):
+    """A shared tier on a real server (gs:// and s3://), compressed: each chunk a ranged read."""
+    tier = Tier(bucket.url, compression="zstd", shared=True, storage_options=bucket.storage_options)
+    cfg = TieredConfig("run", [tier])
+    want = state(1)
+    dcp.save(want, storage_writer=TieredWriter(cfg, step=1))
+    ring = Ring(HostCopier(), slots=2)
+    got = zeros_like(want)
+    load_through_ring(cfg, got, ring)
+    assert_same(got, want)
+    assert ring.held == 0
+    shutdown()
