@@ -31,7 +31,6 @@ from .planners.choice import StepMarks
 from .transport import Group, PeerTimeout, as_bytes_tensor
 
 _WANTS = 1 << 32  # a rank that wants something adds 1 + _WANTS to a round's counter, others 1
-_OWN_KEYS: list[str] = []  # store keys this process wrote in its previous load, deleted in its next
 
 
 @dataclass
@@ -202,9 +201,7 @@ class PeerExchange:
         self.name, self.rank, self.world, self.timeout = name, rank, world, timeout
         self.rounds = 0
         self.store = transport.raw_store()
-        for key in _OWN_KEYS:
-            self.store.delete_key(key)
-        _OWN_KEYS.clear()
+        transport.forget_earlier()
 
     def round(
         self, wanted: dict[int, list[PeerRequest]], serve: Callable[[PeerRequest], bytearray | None]
@@ -225,14 +222,14 @@ class PeerExchange:
     def _anyone_wants(self, name: str, wanted: dict[int, list[PeerRequest]]) -> bool:
         for holder, reqs in wanted.items():
             key = f"{name}/ask/{holder}"
-            _OWN_KEYS.append(key)
+            transport.forget_later([key])
             line = json.dumps([self.rank, [r.to_json() for r in reqs]], separators=(",", ":"))
             self.store.append(key, line.encode() + b"\n")  # JSON escapes newlines: one line each
         counter, verdict = f"{name}/arrived", f"{name}/wanting"
-        _OWN_KEYS.append(counter)
+        transport.forget_later([counter])
         arrived = self.store.add(counter, 1 + (_WANTS if wanted else 0))
         if arrived % _WANTS == self.world:  # the last to arrive: every wish list is in
-            _OWN_KEYS.append(verdict)
+            transport.forget_later([verdict])
             self.store.set(verdict, str(arrived // _WANTS))
         try:
             self.store.wait([verdict], datetime.timedelta(seconds=self.timeout))
@@ -267,7 +264,7 @@ class PeerExchange:
         try:
             for pair in sorted(tuple(sorted((self.rank, p))) for p in partners):
                 group_name = f"{name}/pair{pair[0]}-{pair[1]}"
-                _OWN_KEYS.extend(transport.group_keys(group_name, pair.index(self.rank)))
+                transport.forget_later(transport.group_keys(group_name, pair.index(self.rank)))
                 peer = pair[1] if pair[0] == self.rank else pair[0]
                 groups[peer] = Group(group_name, pair, self.rank, self.timeout)
             arrived, posted = [], []

@@ -245,14 +245,18 @@ class OpenStep:
         self.leases.release()
         self.job_leases.release()
 
-    def read_done(self) -> None:
+    def read_done(self, wait_for_all: bool = True) -> None:
         """This rank's reads are done: its leases go, a shared tier's once every rank has read
-        (unless ``held``: one reader's several loads, given back by ``release``)."""
+        (unless ``held``: one reader's several loads, given back by ``release``); at once
+        without ``wait_for_all`` (a rank was lost: the load fails, and it would never read)."""
         if self.held:
             return
         self.leases.release()  # the step may go now, at its tiers' next retention
         if self.with_group and self.copies:  # a shared tier's lease: once every rank has read
-            all_read(self.group_name, self.job_leases.release)
+            if wait_for_all:
+                all_read(self.group_name, self.job_leases.release)
+            else:
+                self.job_leases.release()
 
     # -- choosing the step -------------------------------------------------------------
 

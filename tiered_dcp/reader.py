@@ -11,6 +11,7 @@ read from its next source with a warning naming the bad file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -23,6 +24,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tiered_dcp.storage.format import ItemKey
+
+from . import metadata as md_blob
 from . import transport
 from .checkpoint_id import new_id, step_id, step_of
 from .config import TieredConfig, node_of
@@ -30,6 +34,7 @@ from .errors import PeerLostError
 from .opening import OpenStep
 from .reading import Failure, StepReads
 from .records import Kind, record
+from .spread import RankFacts, SpreadPlan, plan_spread
 
 log = logging.getLogger("tiered_dcp")
 
@@ -67,12 +72,14 @@ class TieredReader(StorageReader):
         *,
         no_dist: bool = False,
         exclude: Iterable[int] | Mapping[int, str] = (),
+        spread: bool = True,
     ) -> None:
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredReader: config must be a TieredConfig, got {type(config).__name__}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"TieredReader: step must be None or an integer >= 0, got {step!r}")
         self.config = config
+        self.spread = spread
         self._started = time.perf_counter()  # a load's duration is recorded (``records``)
         self.load_id = new_id()  # DCP's StorageMeta.load_id of the metadata it reads
         rank, up = _dist_rank()
@@ -113,7 +120,9 @@ class TieredReader(StorageReader):
             if step != self.step:
                 self._opened.release()  # the step chosen before is not read after all
                 exclude = self._opened.exclude  # error messages' next choice passes them over still
-                self.__init__(self.config, step, no_dist=not self._dist, exclude=exclude)  # type: ignore[misc]
+                self.__init__(  # type: ignore[misc]
+                    self.config, step, no_dist=not self._dist, exclude=exclude, spread=self.spread
+                )
 
     @contextlib.contextmanager
     def held(self) -> Iterator[TieredReader]:
@@ -148,27 +157,57 @@ class TieredReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.is_coordinator = is_coordinator
+        self._metadata = metadata
+
+    def _spreads(self) -> bool:
+        """Whether this load is spread over the job (``spread.py``): a step read from a
+        shared tier alone (no node-local copy pooled), by more than one rank."""
+        opened = self._opened
+        return (
+            self.spread
+            and self._dist
+            and dist.get_world_size() > 1
+            and not opened.cluster
+            and bool(opened.copies)
+        )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """Tell the coordinator this rank's node, where the load is spread."""
+        return dataclasses.replace(plan, storage_data=RankFacts(self.node)) if self._spreads() else plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Give each stored item that several ranks ask for one reader (``spread.plan_spread``),
+        each rank its part in its plan; unchanged unless every rank spreads."""
+        facts = [p.storage_data for p in plans]
+        if len(plans) < 2 or not all(isinstance(f, RankFacts) for f in facts):
+            return plans
+
+        def nbytes(key: ItemKey) -> int | None:
+            info = md_blob.item_info(self._metadata, md_blob.index_of(key))
+            return None if info is None else info.raw_length
+
+        nodes = [f.node for f in facts]  # type: ignore[union-attr]
+        spreads = plan_spread(plans, nbytes, nodes)
+        return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, spreads, strict=True)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Execute the load plan (``reading.StepReads.read_all``: each item from its route's
         sources, in order; collective with a process group) and record the load; the
-        step's leases go whatever happened (a shared tier's once every rank has read)."""
+        step's leases go whatever happened (a shared tier's once every rank has read, or at
+        once when a rank was lost: it will not read)."""
+        everyone = True
         try:
             with transport.watching_peers(self.step, "the load's reads"):
-                self._reads.read_all(plan, planner)
+                spread = plan.storage_data if isinstance(plan.storage_data, SpreadPlan) else None
+                self._reads.read_all(plan, planner, spread)
             seconds = round(time.perf_counter() - self._started, 6)
             record(self.config, Kind.LOAD, self.rank, self.step, tiers=self.tiers, seconds=seconds)
         except PeerLostError as e:  # DCP's next collective fails on the same rank with torch's error
             log.error("%s", e)
+            everyone = False
             raise
         finally:
-            self._opened.read_done()
+            self._opened.read_done(wait_for_all=everyone)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -16,7 +16,9 @@ failures prove damage.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import io
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -32,14 +34,15 @@ from tiered_dcp.planners.load import ItemRoute, ReadSource, plan_routes
 from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import ChecksumMismatch, chunk_spans, read_chunks, read_item
-from tiered_dcp.storage.format import BadIndex, ItemInfo, PartIndex, Record, part_key
+from tiered_dcp.storage.format import BadIndex, ItemInfo, ItemKey, PartIndex, Record, part_key
 
-from . import device_reads, user_values
+from . import device_reads, transport, user_values
 from . import metadata as md_blob
 from .catalog import StepCopy, TierView
 from .cluster import PeerExchange, PeerRequest, check_raw, read_raw
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .opening import OpenStep
+from .spread import SpreadPlan, Transfer, exchange
 from .tensors import byte_view, dtype_from_name
 from .transport import PeerTimeout
 
@@ -93,6 +96,76 @@ def cuda_ring(device: torch.device) -> device_reads.Ring | None:
     """The ring a target on ``device`` is read through: CUDA's; none for the host (or
     another device, read through the host)."""
     return device_reads.ring_for(device) if device.type == "cuda" else None
+
+
+class _KeepRaw:
+    """The load's planner as seen by the reads of items this rank reads for others: each
+    such item is read whole (``whole``), into its target where the target is the stored
+    item's raw bytes, else into host memory; its raw bytes are kept (``raw``) to be sent,
+    and every request of this rank for the item is served from them."""
+
+    def __init__(
+        self,
+        planner: LoadPlanner,
+        asks: dict[ItemKey, list[ReadItem]],
+        info: Callable[[ItemKey], ItemInfo],
+        place: Callable[[ReadItem, LoadPlanner, torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        self.planner, self.asks, self.info, self.place = planner, asks, info, place
+        self.raw: dict[ItemKey, torch.Tensor] = {}
+
+    def whole(self, key: ItemKey) -> ReadItem:
+        """A request for all of stored item ``key`` (this rank's own request when it is)."""
+        req = self.asks[key][0]
+        if req.type == LoadItemType.BYTE_IO:
+            return req
+        shape = list(self.info(key).shape or ())
+        zeros = torch.Size([0] * len(shape))
+        return dataclasses.replace(req, dest_offsets=zeros, storage_offsets=zeros, lengths=torch.Size(shape))
+
+    def _exact(self, key: ItemKey) -> torch.Tensor | None:
+        """This rank's target of ``key`` when it alone asks for it, whole, as stored."""
+        info = self.info(key)
+        if len(self.asks[key]) != 1:
+            return None
+        req = self.asks[key][0]
+        target = self.planner.resolve_tensor(req).detach()
+        exact = (
+            whole_item_request(req, list(info.shape or ()))
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.dtype == dtype_from_name(info.dtype or "")
+        )
+        return target if exact else None
+
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        key = md_blob.item_key(req.storage_index)
+        info = self.info(key)
+        target = self._exact(key)
+        return (
+            target
+            if target is not None
+            else torch.empty(list(info.shape or ()), dtype=dtype_from_name(info.dtype or ""))
+        )
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        key = md_blob.item_key(req.storage_index)
+        self.raw[key] = tensor.reshape(-1).view(torch.uint8)
+        for ask in self.asks[key]:
+            target = self.planner.resolve_tensor(ask).detach()
+            if target.data_ptr() == tensor.data_ptr() and target.shape == tensor.shape:  # read in place
+                self.planner.commit_tensor(ask, target)
+            else:
+                self.place(ask, self.planner, tensor, target)
+
+    def load_bytes(self, req: ReadItem, value: io.BytesIO) -> None:
+        key = md_blob.item_key(req.storage_index)
+        raw = value.getvalue()
+        self.raw[key] = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
+        for ask in self.asks[key]:
+            self.planner.load_bytes(ask, io.BytesIO(raw))
 
 
 class StepReads:
@@ -416,12 +489,76 @@ class StepReads:
         full = buf.view(dtype_from_name(info.dtype or "")).reshape(info.shape or ())
         self._place(req, planner, full, target)
 
-    def read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read_spread(
+        self,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        spread: SpreadPlan,
+        split: dict[int, tuple[tuple[ReadSource, ...], tuple[ReadSource, ...]]],
+    ) -> list[ReadItem]:
+        """A load spread over the job (``spread.py``): this rank's own items and the items it
+        reads for others (each read whole, once, its raw bytes kept until sent), then the
+        exchange, then a read of its own of any item that arrived damaged. Returns the
+        items left with no good copy."""
+        sources = {key: s[0] + s[1] for key, s in split.items()}
+        receiving, reading = spread.receives(self.rank), spread.reads_for_others(self.rank)
+        asks: dict[ItemKey, list[ReadItem]] = {}
+        for req in plan.items:
+            asks.setdefault(md_blob.item_key(req.storage_index), []).append(req)
+        keep = _KeepRaw(planner, asks, self._item_info, self._place)
+        wholes = [keep.whole(key) for key in sorted(reading, key=lambda k: (k.fqn, k.offset or ()))]
+        for whole in wholes:
+            sources[id(whole)] = sources[id(asks[md_blob.item_key(whole.storage_index)][0])]
+        own = [r for r in plan.items if md_blob.item_key(r.storage_index) not in receiving | reading]
+        pending = self._read_direct(own, planner, sources) + self._read_direct(wholes, keep, sources)
+        damaged: list[ReadItem] = []
+
+        def outgoing(t: Transfer) -> torch.Tensor:
+            raw = keep.raw.get(t.key)
+            return (
+                raw
+                if raw is not None and raw.numel() == t.nbytes
+                else torch.zeros(t.nbytes, dtype=torch.uint8)
+            )
+
+        def landed(t: Transfer, buf: torch.Tensor) -> None:
+            info = self._item_info(t.key)
+            try:
+                check_raw(info, buf)
+                for req in asks[t.key]:
+                    self._deliver(req, planner, info, buf)
+            except ChecksumMismatch as e:
+                log.warning(
+                    "step %d: item %r from rank %d arrived damaged or unread (%s); reading it here",
+                    self.step,
+                    t.key.fqn,
+                    t.reader,
+                    e,
+                )
+                damaged.extend(asks[t.key])
+
+        try:
+            exchange(self._opened.group_name, self.rank, spread, self.config.peer_timeout, outgoing, landed)
+        except PeerTimeout as e:  # every rank's load fails: name the rank that stopped answering
+            raise transport.lost(self.step, "the spread of the load's items", e) from e
+        return pending + self._read_direct(damaged, planner, sources)
+
+    def _item_info(self, key: ItemKey) -> ItemInfo:
+        """What the metadata says of a stored item (one the plan asks for: it knows it)."""
+        md = self._metadata.first(self._opened.copies, self._opened.quarantine)
+        info = md_blob.item_info(md, md_blob.index_of(key))
+        assert info is not None
+        return info
+
+    def read_all(self, plan: LoadPlan, planner: LoadPlanner, spread: SpreadPlan | None = None) -> None:
         """Execute the load plan: each item from its route's sources, in order.
 
         Its own roots first; then every rank takes part in the peer exchange (collective, so
         once for all items, whenever a node-local tier is pooled; it picks each item's
         holders in the route's order itself) with what is still missing; then the rest.
+        With a ``spread`` (``spread.py``: a step on a shared tier, several ranks asking for
+        the same items), this rank reads only the items no other rank reads for it, sends
+        those it reads for others, and takes the rest from their readers.
         An item left with no good copy raises ``NoCheckpointError`` when every failure was a
         removal, else ``CheckpointCorruptError``, and quarantines the step unless a tier or
         peer failed to answer or a copy was removed (no proof of damage).
@@ -430,10 +567,13 @@ class StepReads:
         self._unproven = set()
         routes = {id(req): r for req, r in zip(plan.items, self._routes(plan), strict=True)}
         split = {key: r.split_at_exchange() for key, r in routes.items()}
-        pending = self._read_direct(plan.items, planner, {key: s[0] for key, s in split.items()})
-        if self._opened.cluster:
-            pending = self._read_from_peers(pending, planner, routes)
-        pending = self._read_direct(pending, planner, {key: s[1] for key, s in split.items()})
+        if spread is not None:
+            pending = self._read_spread(plan, planner, spread, split)
+        else:
+            pending = self._read_direct(plan.items, planner, {key: s[0] for key, s in split.items()})
+            if self._opened.cluster:
+                pending = self._read_from_peers(pending, planner, routes)
+            pending = self._read_direct(pending, planner, {key: s[1] for key, s in split.items()})
         if pending:
             req = pending[0]
             failures = self.failures.get(id(req), [])

@@ -125,6 +125,23 @@ def next_name(namespace: str, purpose: str) -> str:
     return f"tiered_dcp/{key}/{_SEQ[key]}"
 
 
+_LOAD_KEYS: list[str] = []  # store keys this process wrote in its previous load's exchange
+
+
+def forget_later(keys: Sequence[str]) -> None:
+    """Keys this load's exchange wrote in the job's store: deleted at the next load's."""
+    _LOAD_KEYS.extend(keys)
+
+
+def forget_earlier() -> None:
+    """Delete the keys the previous load's exchange wrote (the reader's constructor is a
+    collective, so by now every rank has left that load): a job keeps one load's keys."""
+    under = raw_store()
+    for key in _LOAD_KEYS:
+        under.delete_key(key)
+    _LOAD_KEYS.clear()
+
+
 def store() -> dist.Store:
     return distributed_c10d._get_default_store()
 
@@ -189,7 +206,11 @@ class Group:
                 prefix, self.me, len(self.members), datetime.timedelta(seconds=timeout)
             )
         except Exception as e:  # the store's wait timed out: a member never arrived
-            raise PeerTimeout(f"ranks {self.members} did not all join within {timeout:.0f} s: {e}") from e
+            others = tuple(m for m in self.members if m != rank)
+            raise PeerTimeout(
+                f"ranks {self.members} did not all join within {timeout:.0f} s: {e}",
+                ranks=others if len(others) == 1 else (),  # of two, the other is the one missing
+            ) from e
 
     def _wait(self, works: list[tuple[int | None, Any]], what: str) -> None:
         """Wait for ``works`` (each with the peer it is with; None: every member) until the

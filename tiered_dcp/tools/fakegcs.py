@@ -174,7 +174,8 @@ class FaultProxy:
     held until the proxy stops): ``inject(("stall", 1))`` is a bucket that accepts
     connections and never answers. ``counts`` says what was done and ``peak`` the most
     requests in flight at once, so a test can check that the faults (or the parallelism)
-    really happened; ``kinds`` counts requests by kind (``request_kind`` for the GCS JSON API,
+    really happened; ``served`` the bytes of the answers' bodies it passed back; ``kinds``
+    counts requests by kind (``request_kind`` for the GCS JSON API,
     or the ``kind`` function given: S3's in tests/s3_server.py). The upstream's address in
     ``Location`` headers (resumable uploads) is rewritten to the proxy's. The proxy stops by
     itself after ``lifetime`` seconds.
@@ -196,6 +197,7 @@ class FaultProxy:
         self.kinds: dict[str, int] = {}  # requests by kind (``request_kind``, or ``kind``)
         self._kind = kind or request_kind  # (method, target) -> kind: another API's (S3's)
         self.active = self.peak = 0
+        self.served = 0  # bytes of the answers' bodies passed back (what a load costs the bucket)
         self._open: set[socket.socket] = set()
         self._stop = threading.Event()
         self._deadline = time.monotonic() + lifetime
@@ -283,8 +285,12 @@ class FaultProxy:
             if rhead is None:
                 return
             conn.sendall(rhead.replace(self.upstream.encode(), self.url.encode()) + rrest)
+            served = len(rrest)
             while data := up.recv(1 << 20):
                 conn.sendall(data)
+                served += len(data)
+            with self._lock:
+                self.served += served
         except OSError:
             pass  # a client or upstream that went away: nothing to report
         finally:

@@ -1,0 +1,171 @@
+"""Restore at scale: a step on a bucket read once and spread over the job (``spread.py``).
+
+A job saves to a bucket tier on the GCS emulator; a restarted job (new processes, no
+node-local tier: as after a preemption onto new nodes) loads it through a FaultProxy that
+counts the bytes the bucket served. Real ranks on gloo, 2 per simulated node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import GCSBucket
+from dist_utils import free_port
+from tiered_dcp.storage import open_storage
+from tiered_dcp.storage.format import step_dir
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from tiered_dcp.spread import plan_spread
+
+HERE = Path(__file__).parent
+
+
+def job(world: int, args: dict, timeout: float = 120) -> list[dict | None]:
+    """tests/spread_worker.py on ``world`` ranks, 2 per node: each rank's report (None for
+    a rank that died)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            LOCAL_WORLD_SIZE="2",
+        )
+        cmd = [sys.executable, str(HERE / "spread_worker.py"), json.dumps(args)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    out: list[dict | None] = []
+    for rank, p in enumerate(procs):
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank {rank} hung") from None
+        lines = stdout.decode().strip().splitlines()
+        out.append({**json.loads(lines[-1]), "stderr": stderr.decode()} if lines else None)
+        assert lines or args.get("die") == rank, f"rank {rank} reported nothing: {stderr.decode()[-3000:]}"
+    return out
+
+
+def stored_bytes(bucket) -> int:
+    with open_storage(bucket.url, bucket.storage_options) as store:
+        return sum(store.list_sizes(step_dir("spread", 1)).values())
+
+
+def saved(bucket, layout: str, world: int = 4, **extra) -> dict:
+    args = {"mode": "save", "layout": layout, "url": bucket.url, "options": bucket.storage_options, **extra}
+    assert all(r is not None and r["saved"] for r in job(world, args))
+    return {**args, "mode": "load"}
+
+
+def load(bucket, proxy, args: dict, world: int = 4, **extra) -> tuple[list, float]:
+    """Each rank's report, and the bytes the bucket served as a ratio of the step's size."""
+    proxy.served = 0
+    reports = job(world, {**args, "options": bucket.via(proxy.url), **extra})
+    return reports, proxy.served / stored_bytes(bucket)
+
+
+@pytest.fixture(scope="module")
+def ddp_step(gcs_emulator, tmp_path_factory):
+    """One DDP-style step saved by 4 ranks on 2 nodes to a bucket, and to a shared directory
+    beside it (a second copy to fall back to), for this module's loads."""
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    gcs_emulator.create_bucket(name)
+    bucket = GCSBucket(f"gs://{name}", gcs_emulator.storage_options(), gcs_emulator)
+    args = saved(bucket, "ddp", second=str(tmp_path_factory.mktemp("nfs")))
+    return bucket, args
+
+
+def test_a_restart_reads_each_stored_byte_once_and_every_rank_loads_exactly(ddp_step):
+    bucket, args = ddp_step
+    with bucket.proxy() as proxy:
+        spread, spread_ratio = load(bucket, proxy, args)
+        each, each_ratio = load(bucket, proxy, args, spread=False)
+    for r in spread + each:
+        assert r["error"] is None and r["exact"], r
+    assert spread_ratio <= 1.15, spread_ratio  # the bucket served the step about once
+    assert each_ratio >= 2.5, each_ratio  # every replica read it (today's way): the test can fail
+
+
+def test_hsdp_replicas_read_each_shard_once(gcs_bucket):
+    args = saved(gcs_bucket, "hsdp")  # a (2 replicas, 2 shards) mesh: each shard stored once
+    with gcs_bucket.proxy() as proxy:
+        reports, ratio = load(gcs_bucket, proxy, args)
+    for r in reports:
+        assert r["error"] is None and r["exact"], r
+    assert ratio <= 1.15, ratio
+
+
+def test_resharded_to_another_world_size_the_pieces_are_still_read_once(gcs_bucket):
+    args = saved(gcs_bucket, "fsdp")  # 4 shards, one per rank
+    with gcs_bucket.proxy() as proxy:
+        reports, ratio = load(gcs_bucket, proxy, {**args, "load_layout": "hsdp"}, world=2)
+    for r in reports:  # 2 ranks, each the whole tensor (a replicated mesh): every shard twice
+        assert r["error"] is None and r["exact"], r
+    assert ratio <= 1.15, ratio
+
+
+def test_a_damaged_item_is_read_from_the_next_tier_by_its_reader_before_it_is_sent(ddp_step):
+    bucket, args = ddp_step
+    key = f"{step_dir('spread', 1)}/rank_00000.part"  # rank 0's part holds the replicated tensor
+    with open_storage(bucket.url, bucket.storage_options) as store:
+        good = store.read(key)
+        data = bytearray(good)
+        data[len(data) // 2] ^= 0xFF
+        store.write(key, [bytes(data)])
+        try:
+            with bucket.proxy() as proxy:
+                reports, _ = load(bucket, proxy, args)
+        finally:
+            store.write(key, [good])
+    for r in reports:
+        assert r["error"] is None and r["exact"], r
+    readers = [r for r in reports if r["failures"]]
+    assert len(readers) == 1 and readers[0]["failures"] == ["DAMAGED"]  # one read, one fall-back
+
+
+def test_a_rank_dying_mid_load_fails_it_on_every_rank_naming_it(ddp_step):
+    bucket, args = ddp_step
+    with bucket.proxy() as proxy:
+        reports, _ = load(bucket, proxy, {**args, "peer_timeout": 5}, die=3)
+    assert reports[3] is None
+    for r in reports[:3]:  # within the peer timeout, not DCP's 30 minutes
+        assert r is not None and r["error"] is not None, r
+    # the ranks that waited on rank 3 say so; DCP's collective after the reads then raises
+    # torch's own error on every survivor (as for a rank lost mid-save)
+    assert any("rank(s) [3] stopped answering" in r["stderr"] for r in reports[:3])
+
+
+def _plan(*keys: tuple[str, int]) -> LoadPlan:
+    return LoadPlan(
+        [
+            ReadItem(LoadItemType.TENSOR, MetadataIndex(k, [0]), [0], MetadataIndex(k, [0]), [0], [n])
+            for k, n in keys
+        ]
+    )
+
+
+def test_readers_go_one_per_node_before_two_on_a_node_and_balance_bytes():
+    sizes = {"a": 800, "b": 400, "c": 400, "d": 100, "own": 50}
+    plans = [_plan(*[(k, n) for k, n in sizes.items() if k != "own"], ("own", 50)) for _ in range(4)]
+    spreads = plan_spread(plans, lambda key: sizes[key.fqn], nodes=[0, 0, 1, 1])
+    readers = {t.key.fqn: t.reader for t in spreads[0].transfers}
+    assert readers["a"] == 0 and readers["b"] == 2  # node 1 before a second read on node 0
+    assert readers["c"] == 3  # node 1 has less (400 < 800): its rank with nothing yet
+    assert readers["d"] == 1  # the nodes even (800 each): the least loaded rank, rank 1
+    assert "own" in readers  # every rank asked for "own" here: it is spread too
+    for rank, s in enumerate(spreads):  # each rank's plan holds exactly the transfers it is in
+        assert all(rank == t.reader or rank in t.receivers for t in s.transfers)
+        assert [t.key.fqn for t in s.transfers] == [t.key.fqn for t in spreads[0].transfers]
+    alone = [_plan(("x", 10)), _plan(("y", 10))]
+    assert [s.transfers for s in plan_spread(alone, lambda k: 10, nodes=[0, 1])] == [(), ()]

@@ -1,0 +1,149 @@
+"""Reading a step once from a shared tier and spreading it over the job.
+
+With data parallelism (DDP, HSDP's replicate dimension, a replicated plain tensor) every
+replica asks for the same stored items; read by each, a bucket serves the step once per
+replica. Instead, when a step is loaded from a shared tier by several ranks, DCP's global
+plan (``TieredReader.prepare_global_plan``, on the coordinator, which sees every rank's
+plan) gives each stored item that two or more ranks ask for one reader (``plan_spread``):
+the asking rank whose node, then itself, has been given the fewest bytes so far (largest
+items first), so reads spread over nodes before they double up on one. Every rank learns
+its part of it in its own plan's ``storage_data`` (a ``SpreadPlan``), so no collective is
+added. The reader reads the item as any read (checked, its next source tried on damage),
+and sends its raw bytes to the others over gloo groups of two (``transport.Group``, with
+``peer_timeout`` as deadline: a dead rank fails the load naming it, never a hang); a rank
+that could not read it sends zeros. Each receiver checks what arrived against the
+metadata's checksums and reads the item itself when it does not match.
+
+Transfers go in windows of ``WINDOW_BYTES`` in the job's order, so what a receiver holds
+beyond its targets is one window; a reader holds the items it read for others until they
+are sent (where its own target is not the stored item's raw bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from tiered_dcp.storage.format import ItemKey
+
+from . import transport
+from .metadata import item_key
+
+WINDOW_BYTES = 256 << 20  # raw bytes in flight per window of transfers
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One stored item read by ``reader`` and sent to ``receivers`` (``nbytes`` raw)."""
+
+    key: ItemKey
+    reader: int
+    receivers: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SpreadPlan:
+    """A rank's part in a load's spread: the transfers it reads for or receives, in the
+    job's order (every rank lists the transfers it shares in the same order)."""
+
+    transfers: tuple[Transfer, ...]
+
+    def reads_for_others(self, rank: int) -> set[ItemKey]:
+        return {t.key for t in self.transfers if t.reader == rank}
+
+    def receives(self, rank: int) -> set[ItemKey]:
+        return {t.key for t in self.transfers if t.reader != rank}
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What a rank's local plan tells the coordinator beside its items: its node."""
+
+    node: int
+
+
+def plan_spread(
+    plans: list[LoadPlan], nbytes: Callable[[ItemKey], int | None], nodes: list[int]
+) -> list[SpreadPlan]:
+    """Each rank's ``SpreadPlan``: every stored item that two or more ranks' ``plans`` ask for
+    gets one reader among them, the one whose node and then itself hold the fewest bytes
+    given so far (largest items first; ties to the lowest rank). A pure function of the
+    plans: the coordinator's choice, handed to each rank in its plan."""
+    askers: dict[ItemKey, set[int]] = {}
+    for rank, plan in enumerate(plans):
+        for req in plan.items:
+            askers.setdefault(item_key(req.storage_index), set()).add(rank)
+    shared = [(k, sorted(r)) for k, r in askers.items() if len(r) > 1 and nbytes(k) is not None]
+    shared.sort(key=lambda kr: (-(nbytes(kr[0]) or 0), kr[0].fqn, kr[0].offset or ()))
+    per_node: dict[int, int] = {}
+    per_rank: dict[int, int] = {}
+    transfers = []
+    for key, ranks in shared:
+        n = nbytes(key) or 0
+        reader = min(ranks, key=lambda r: (per_node.get(nodes[r], 0), per_rank.get(r, 0), r))
+        per_node[nodes[reader]] = per_node.get(nodes[reader], 0) + n
+        per_rank[reader] = per_rank.get(reader, 0) + n
+        transfers.append(Transfer(key, reader, tuple(r for r in ranks if r != reader), n))
+    return [
+        SpreadPlan(tuple(t for t in transfers if rank == t.reader or rank in t.receivers))
+        for rank in range(len(plans))
+    ]
+
+
+def windows(transfers: Iterable[Transfer]) -> list[list[Transfer]]:
+    """``transfers`` in order, cut into windows of about ``WINDOW_BYTES`` (one at least)."""
+    out: list[list[Transfer]] = [[]]
+    held = 0
+    for t in transfers:
+        if out[-1] and held + t.nbytes > WINDOW_BYTES:
+            out.append([])
+            held = 0
+        out[-1].append(t)
+        held += t.nbytes
+    return [w for w in out if w]
+
+
+def exchange(
+    name: str,
+    rank: int,
+    spread: SpreadPlan,
+    timeout: float,
+    outgoing: Callable[[Transfer], torch.Tensor],
+    landed: Callable[[Transfer, torch.Tensor], None],
+) -> None:
+    """Move this rank's transfers, window by window: ``outgoing(t)`` gives the raw bytes of
+    an item it read (zeros where it could not), ``landed(t, buf)`` takes what arrived
+    (unchecked). Raises ``transport.PeerTimeout`` naming a rank that did not answer."""
+    transport.forget_earlier()
+    peers = sorted({r for t in spread.transfers for r in (t.reader, *t.receivers) if r != rank})
+    if not peers:
+        return
+    groups: dict[int, transport.Group] = {}
+    try:
+        for peer in peers:  # in one global order of pairs: no two ranks wait on each other
+            pair = (min(rank, peer), max(rank, peer))
+            group_name = f"{name}/spread/pair{pair[0]}-{pair[1]}"
+            transport.forget_later(transport.group_keys(group_name, pair.index(rank)))
+            groups[peer] = transport.Group(group_name, pair, rank, timeout)
+        for window in windows(spread.transfers):
+            posted, arrived = [], []
+            for t in window:
+                if t.reader == rank:
+                    data = outgoing(t)
+                    for r in t.receivers:
+                        posted.append((groups[r], groups[r].post([(r, data)], [])))
+                else:
+                    buf = torch.empty(t.nbytes, dtype=torch.uint8)
+                    posted.append((groups[t.reader], groups[t.reader].post([], [(t.reader, buf)])))
+                    arrived.append((t, buf))
+            for group, works in posted:
+                group.wait(works)
+            for t, buf in arrived:
+                landed(t, buf)
+    finally:
+        for group in groups.values():
+            group.close()
