@@ -63,6 +63,10 @@ class TieredReader(StorageReader):
     newer steps were, and why. A load that finds an item with no good copy left quarantines
     the step where this rank reaches it, and its error names the step the next reader
     will choose.
+
+    ``spread`` (default True): a step read from a shared tier alone by several ranks is read
+    once and spread over the job (``spread.py``): each stored item two or more ranks ask for
+    is read by one of them and sent to the others. False: every rank reads all it needs.
     """
 
     def __init__(
@@ -78,6 +82,8 @@ class TieredReader(StorageReader):
             raise ValueError(f"TieredReader: config must be a TieredConfig, got {type(config).__name__}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"TieredReader: step must be None or an integer >= 0, got {step!r}")
+        if not isinstance(spread, bool):
+            raise ValueError(f"TieredReader: spread must be True or False, got {spread!r}")
         self.config = config
         self.spread = spread
         self._started = time.perf_counter()  # a load's duration is recorded (``records``)
