@@ -1,7 +1,7 @@
 """A whole job restarting from a bucket: each stored byte read once and spread, or read by
 every replica (today's way before the spread), in the same run.
 
-    .venv/bin/python benchmarks/bench_restore.py [--jobs 4x2 8x4] [--mib 64] [--loads 3]
+    .venv/bin/python benchmarks/bench_restore.py [--jobs 4x2 8x4] [--mib 256] [--loads 3]
 
 For each job ``WxD`` (W ranks, 2 per simulated node, D data-parallel replicas): W real
 processes on gloo save a model of ``--mib`` MiB as HSDP DTensors on a (D replicas, W/D
@@ -148,7 +148,7 @@ def run_job(world: int, replicas: int, em: Emulator, args: argparse.Namespace) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", nargs="+", default=["4x2", "8x4"], help="WORLDxREPLICAS (default 4x2 8x4)")
-    ap.add_argument("--mib", type=int, default=64, help="model size in MiB (default 64)")
+    ap.add_argument("--mib", type=int, default=256, help="model size in MiB (default 256)")
     ap.add_argument("--loads", type=int, default=3, help="loads of each way (default 3)")
     args = ap.parse_args()
     rows = {}

@@ -84,6 +84,11 @@ class _Attempt:
     store: Storage | None = field(default=None, init=False)
 
 
+def byte_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor over the same memory."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _row_bytes(dtype: torch.dtype, shape: list[int]) -> int:
     """Bytes of one row (dim 0) of a stored item; a scalar's one element."""
     n = dtype.itemsize
@@ -123,10 +128,11 @@ class _KeepRaw:
         zeros = torch.Size([0] * len(shape))
         return dataclasses.replace(req, dest_offsets=zeros, storage_offsets=zeros, lengths=torch.Size(shape))
 
-    def _exact(self, key: ItemKey) -> torch.Tensor | None:
-        """This rank's target of ``key`` when it alone asks for it, whole, as stored."""
+    def exact(self, key: ItemKey) -> torch.Tensor | None:
+        """This rank's target of ``key`` when it alone asks for it, whole, as stored (its
+        bytes are the stored item's raw bytes)."""
         info = self.info(key)
-        if len(self.asks[key]) != 1:
+        if len(self.asks[key]) != 1 or self.asks[key][0].type != LoadItemType.TENSOR:
             return None
         req = self.asks[key][0]
         target = self.planner.resolve_tensor(req).detach()
@@ -141,7 +147,7 @@ class _KeepRaw:
     def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
         key = md_blob.item_key(req.storage_index)
         info = self.info(key)
-        target = self._exact(key)
+        target = self.exact(key)
         return (
             target
             if target is not None
@@ -150,7 +156,7 @@ class _KeepRaw:
 
     def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
         key = md_blob.item_key(req.storage_index)
-        self.raw[key] = tensor.reshape(-1).view(torch.uint8)
+        self.raw[key] = byte_tensor(tensor)
         for ask in self.asks[key]:
             target = self.planner.resolve_tensor(ask).detach()
             if target.data_ptr() == tensor.data_ptr() and target.shape == tensor.shape:  # read in place
@@ -521,12 +527,20 @@ class StepReads:
                 else torch.zeros(t.nbytes, dtype=torch.uint8)
             )
 
+        def landing(t: Transfer) -> torch.Tensor:
+            target = keep.exact(t.key)
+            return torch.empty(t.nbytes, dtype=torch.uint8) if target is None else byte_tensor(target)
+
         def landed(t: Transfer, buf: torch.Tensor) -> None:
             info = self._item_info(t.key)
             try:
                 check_raw(info, buf)
                 for req in asks[t.key]:
-                    self._deliver(req, planner, info, buf)
+                    target = planner.resolve_tensor(req).detach() if req.type == LoadItemType.TENSOR else None
+                    if target is not None and target.data_ptr() == buf.data_ptr():  # it landed there
+                        planner.commit_tensor(req, target)
+                    else:
+                        self._deliver(req, planner, info, buf)
             except ChecksumMismatch as e:
                 log.warning(
                     "step %d: item %r from rank %d arrived damaged or unread (%s); reading it here",
@@ -538,7 +552,15 @@ class StepReads:
                 damaged.extend(asks[t.key])
 
         try:
-            exchange(self._opened.group_name, self.rank, spread, self.config.peer_timeout, outgoing, landed)
+            exchange(
+                self._opened.group_name,
+                self.rank,
+                spread,
+                self.config.peer_timeout,
+                outgoing,
+                landing,
+                landed,
+            )
         except PeerTimeout as e:  # every rank's load fails: name the rank that stopped answering
             raise transport.lost(self.step, "the spread of the load's items", e) from e
         return pending + self._read_direct(damaged, planner, sources)

@@ -113,11 +113,14 @@ def exchange(
     spread: SpreadPlan,
     timeout: float,
     outgoing: Callable[[Transfer], torch.Tensor],
+    landing: Callable[[Transfer], torch.Tensor],
     landed: Callable[[Transfer, torch.Tensor], None],
 ) -> None:
     """Move this rank's transfers, window by window: ``outgoing(t)`` gives the raw bytes of
-    an item it read (zeros where it could not), ``landed(t, buf)`` takes what arrived
-    (unchecked). Raises ``transport.PeerTimeout`` naming a rank that did not answer."""
+    an item it read (zeros where it could not), ``landing(t)`` the bytes an arriving item
+    lands in (its target's own, where they are the stored raw bytes), ``landed(t, buf)``
+    takes what arrived (unchecked). Raises ``transport.PeerTimeout`` naming a rank that did
+    not answer."""
     transport.forget_earlier()
     peers = sorted({r for t in spread.transfers for r in (t.reader, *t.receivers) if r != rank})
     if not peers:
@@ -137,7 +140,7 @@ def exchange(
                     for r in t.receivers:
                         posted.append((groups[r], groups[r].post([(r, data)], [])))
                 else:
-                    buf = torch.empty(t.nbytes, dtype=torch.uint8)
+                    buf = landing(t)
                     posted.append((groups[t.reader], groups[t.reader].post([], [(t.reader, buf)])))
                     arrived.append((t, buf))
             for group, works in posted:
