@@ -167,5 +167,9 @@ def test_readers_go_one_per_node_before_two_on_a_node_and_balance_bytes():
     for rank, s in enumerate(spreads):  # each rank's plan holds exactly the transfers it is in
         assert all(rank == t.reader or rank in t.receivers for t in s.transfers)
         assert [t.key.fqn for t in s.transfers] == [t.key.fqn for t in spreads[0].transfers]
+    many = plan_spread([_plan(("w", 10))] * 20, lambda k: 10, nodes=[r // 2 for r in range(20)])
+    transfers = {t for s in many for t in s.transfers}  # 20 ranks ask: read 3 times, 8 + 8 + 4
+    assert sorted(len(t.receivers) + 1 for t in transfers) == [4, 8, 8]
+    assert sorted(r for t in transfers for r in (t.reader, *t.receivers)) == list(range(20))
     alone = [_plan(("x", 10)), _plan(("y", 10))]
     assert [s.transfers for s in plan_spread(alone, lambda k: 10, nodes=[0, 1])] == [(), ()]

@@ -6,7 +6,9 @@ replica. Instead, when a step is loaded from a shared tier by several ranks, DCP
 plan (``TieredReader.prepare_global_plan``, on the coordinator, which sees every rank's
 plan) gives each stored item that two or more ranks ask for one reader (``plan_spread``):
 the asking rank whose node, then itself, has been given the fewest bytes so far (largest
-items first), so reads spread over nodes before they double up on one. Every rank learns
+items first), so reads spread over nodes before they double up on one. An item that more
+than ``FANOUT`` ranks ask for is read once per group of ``FANOUT`` neighbouring ranks, so
+no reader sends to more than ``FANOUT - 1`` ranks and no rank's plan grows with the job. Every rank learns
 its part of it in its own plan's ``storage_data`` (a ``SpreadPlan``), so no collective is
 added. The reader reads the item as any read (checked, its next source tried on damage),
 and sends its raw bytes to the others over gloo groups of two (``transport.Group``, with
@@ -33,6 +35,7 @@ from . import transport
 from .metadata import item_key
 
 WINDOW_BYTES = 256 << 20  # raw bytes in flight per window of transfers
+FANOUT = 8  # ranks that share one read of an item: a reader sends to FANOUT - 1 at most
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,12 @@ def plan_spread(
     for rank, plan in enumerate(plans):
         for req in plan.items:
             askers.setdefault(item_key(req.storage_index), set()).add(rank)
-    shared = [(k, sorted(r)) for k, r in askers.items() if len(r) > 1 and nbytes(k) is not None]
+    shared = [
+        (k, group)
+        for k, r in askers.items()
+        if len(r) > 1 and nbytes(k) is not None
+        for group in _groups(sorted(r))
+    ]
     shared.sort(key=lambda kr: (-(nbytes(kr[0]) or 0), kr[0].fqn, kr[0].offset or ()))
     per_node: dict[int, int] = {}
     per_rank: dict[int, int] = {}
@@ -92,6 +100,15 @@ def plan_spread(
         SpreadPlan(tuple(t for t in transfers if rank == t.reader or rank in t.receivers))
         for rank in range(len(plans))
     ]
+
+
+def _groups(ranks: list[int]) -> list[list[int]]:
+    """``ranks`` in groups of at most ``FANOUT`` neighbours (a rank alone joins the one before):
+    a reader sends to a few ranks, whatever the number of replicas."""
+    groups = [ranks[i : i + FANOUT] for i in range(0, len(ranks), FANOUT)]
+    if len(groups) > 1 and len(groups[-1]) == 1:
+        groups[-2] += groups.pop()
+    return groups
 
 
 def windows(transfers: Iterable[Transfer]) -> list[list[Transfer]]:
