@@ -113,10 +113,23 @@ def test_a_target_of_another_dtype_or_layout_is_converted_after_the_ring(tmp_pat
     got = {
         "rows": torch.zeros(1024, 3000).t(),  # not contiguous
         "bf16": torch.zeros(1000, 513),  # float32 target of a bf16 item
+        "scalar": torch.tensor(0.0, dtype=torch.float64),  # a scalar, converted
     }
     load_through_ring(cfg, got, Ring(HostCopier(), slots=2))
     assert torch.equal(got["rows"], want["rows"])
     assert torch.equal(got["bf16"], want["bf16"].float())
+    assert got["scalar"].dtype == torch.float64 and got["scalar"].item() == want["scalar"].item()
+    shutdown()
+
+
+def test_a_converted_target_on_the_host_path_is_exact(tmp_path):
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ram/{node}"))])
+    want = state(1)
+    dcp.save(want, storage_writer=TieredWriter(cfg, step=1))
+    got = {"rows": torch.zeros(1024, 3000).t(), "scalar": torch.tensor(0.0, dtype=torch.float64)}
+    dcp.load(got, storage_reader=TieredReader(cfg))
+    assert torch.equal(got["rows"], want["rows"])
+    assert got["scalar"].item() == want["scalar"].item()
     shutdown()
 
 

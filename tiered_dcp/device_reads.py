@@ -158,6 +158,11 @@ def rows_asked(req: ReadItem, shape: list[int]) -> tuple[tuple[int, int], list[t
     return (offsets[0], offsets[0] + lengths[0]), list(zip(offsets[1:], lengths[1:], strict=True))
 
 
+def rows_shape(rows: tuple[int, int], shape: list[int]) -> list[int]:
+    """The shape of the rows ``rows`` of a stored item of ``shape`` (a scalar's own)."""
+    return [rows[1] - rows[0], *shape[1:]] if shape else []
+
+
 def narrowed(rows: torch.Tensor, inner: list[tuple[int, int]], target: torch.Tensor) -> torch.Tensor:
     """The piece of ``rows`` (the rows asked, as a tensor) that ``inner`` asks for, checked
     to fit ``target``."""
@@ -184,7 +189,7 @@ def landing(req: ReadItem, target: torch.Tensor, dtype: torch.dtype, shape: list
         and target.numel() == ((rows[1] - rows[0]) * _numel(shape[1:]))
     ):
         return Landing(rows, target.reshape(-1).view(torch.uint8), None)
-    scratch = torch.empty([rows[1] - rows[0], *shape[1:]], dtype=dtype, device=target.device)
+    scratch = torch.empty(rows_shape(rows, shape), dtype=dtype, device=target.device)
     piece = narrowed(scratch, inner, target)
     return Landing(rows, scratch.reshape(-1).view(torch.uint8), functools.partial(target.copy_, piece))
 

@@ -299,7 +299,7 @@ class StepReads:
         end = spans[wanted[-1]][0] + spans[wanted[-1]][1]
         scratch = torch.empty(end - base, dtype=torch.uint8)
         read_chunks(store, rec, wanted[0], wanted[-1] + 1, byte_view(scratch))
-        rows = scratch[lo - base : hi - base].view(dtype).reshape([r1 - r0, *shape[1:]])
+        rows = scratch[lo - base : hi - base].view(dtype).reshape(device_reads.rows_shape((r0, r1), shape))
         target.copy_(device_reads.narrowed(rows, inner, target))
         planner.commit_tensor(req, target)
 
