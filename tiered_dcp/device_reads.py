@@ -32,7 +32,7 @@ from tiered_dcp.storage.codec import CHUNK_BYTES, chunk_spans, read_chunk_into
 from tiered_dcp.storage.format import Record
 
 from .errors import TieredCheckpointError
-from .tensors import byte_view
+from .tensors import byte_tensor, byte_view
 
 SLOT_BYTES = CHUNK_BYTES  # one chunk as the writer cuts them
 RING_SLOTS = 8  # 64 MiB of pinned host memory per device, whatever the state
@@ -188,10 +188,10 @@ def landing(req: ReadItem, target: torch.Tensor, dtype: torch.dtype, shape: list
         and target.is_contiguous()
         and target.numel() == ((rows[1] - rows[0]) * _numel(shape[1:]))
     ):
-        return Landing(rows, target.reshape(-1).view(torch.uint8), None)
+        return Landing(rows, byte_tensor(target), None)
     scratch = torch.empty(rows_shape(rows, shape), dtype=dtype, device=target.device)
     piece = narrowed(scratch, inner, target)
-    return Landing(rows, scratch.reshape(-1).view(torch.uint8), functools.partial(target.copy_, piece))
+    return Landing(rows, byte_tensor(scratch), functools.partial(target.copy_, piece))
 
 
 def _numel(shape: list[int]) -> int:

@@ -16,9 +16,7 @@ failures prove damage.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import io
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -42,8 +40,8 @@ from .catalog import StepCopy, TierView
 from .cluster import PeerExchange, PeerRequest, check_raw, read_raw
 from .errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from .opening import OpenStep
-from .spread import SpreadPlan, Transfer, exchange
-from .tensors import byte_view, dtype_from_name
+from .spread import KeepRaw, SpreadPlan, Transfer, exchange
+from .tensors import byte_tensor, byte_view, dtype_from_name
 from .transport import PeerTimeout
 
 log = logging.getLogger("tiered_dcp")
@@ -84,11 +82,6 @@ class _Attempt:
     store: Storage | None = field(default=None, init=False)
 
 
-def byte_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat uint8 tensor over the same memory."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _row_bytes(dtype: torch.dtype, shape: list[int]) -> int:
     """Bytes of one row (dim 0) of a stored item; a scalar's one element."""
     n = dtype.itemsize
@@ -101,77 +94,6 @@ def cuda_ring(device: torch.device) -> device_reads.Ring | None:
     """The ring a target on ``device`` is read through: CUDA's; none for the host (or
     another device, read through the host)."""
     return device_reads.ring_for(device) if device.type == "cuda" else None
-
-
-class _KeepRaw:
-    """The load's planner as seen by the reads of items this rank reads for others: each
-    such item is read whole (``whole``), into its target where the target is the stored
-    item's raw bytes, else into host memory; its raw bytes are kept (``raw``) to be sent,
-    and every request of this rank for the item is served from them."""
-
-    def __init__(
-        self,
-        planner: LoadPlanner,
-        asks: dict[ItemKey, list[ReadItem]],
-        info: Callable[[ItemKey], ItemInfo],
-        place: Callable[[ReadItem, LoadPlanner, torch.Tensor, torch.Tensor], None],
-    ) -> None:
-        self.planner, self.asks, self.info, self.place = planner, asks, info, place
-        self.raw: dict[ItemKey, torch.Tensor] = {}
-
-    def whole(self, key: ItemKey) -> ReadItem:
-        """A request for all of stored item ``key`` (this rank's own request when it is)."""
-        req = self.asks[key][0]
-        if req.type == LoadItemType.BYTE_IO:
-            return req
-        shape = list(self.info(key).shape or ())
-        zeros = torch.Size([0] * len(shape))
-        return dataclasses.replace(req, dest_offsets=zeros, storage_offsets=zeros, lengths=torch.Size(shape))
-
-    def exact(self, key: ItemKey) -> torch.Tensor | None:
-        """This rank's target of ``key`` when it alone asks for it, whole, as stored (its
-        bytes are the stored item's raw bytes)."""
-        info = self.info(key)
-        if len(self.asks[key]) != 1 or self.asks[key][0].type != LoadItemType.TENSOR:
-            return None
-        req = self.asks[key][0]
-        target = self.planner.resolve_tensor(req).detach()
-        exact = (
-            whole_item_request(req, list(info.shape or ()))
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and target.dtype == dtype_from_name(info.dtype or "")
-        )
-        return target if exact else None
-
-    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
-        key = md_blob.item_key(req.storage_index)
-        info = self.info(key)
-        target = self.exact(key)
-        return (
-            target
-            if target is not None
-            else torch.empty(list(info.shape or ()), dtype=dtype_from_name(info.dtype or ""))
-        )
-
-    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
-        key = md_blob.item_key(req.storage_index)
-        self.raw[key] = byte_tensor(tensor)
-        for ask in self.asks[key]:
-            target = self.planner.resolve_tensor(ask).detach()
-            if target.data_ptr() == tensor.data_ptr() and target.shape == tensor.shape:  # read in place
-                self.planner.commit_tensor(ask, target)
-            else:
-                self.place(ask, self.planner, tensor, target)
-
-    def load_bytes(self, req: ReadItem, value: io.BytesIO) -> None:
-        key = md_blob.item_key(req.storage_index)
-        raw = value.getvalue()
-        self.raw[key] = (
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        )
-        for ask in self.asks[key]:
-            self.planner.load_bytes(ask, io.BytesIO(raw))
 
 
 class StepReads:
@@ -511,7 +433,7 @@ class StepReads:
         asks: dict[ItemKey, list[ReadItem]] = {}
         for req in plan.items:
             asks.setdefault(md_blob.item_key(req.storage_index), []).append(req)
-        keep = _KeepRaw(planner, asks, self._item_info, self._place)
+        keep = KeepRaw(planner, asks, self._item_info, self._place)
         wholes = [keep.whole(key) for key in sorted(reading, key=lambda k: (k.fqn, k.offset or ()))]
         for whole in wholes:
             sources[id(whole)] = sources[id(asks[md_blob.item_key(whole.storage_index)][0])]

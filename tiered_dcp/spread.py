@@ -23,16 +23,20 @@ are sent (where its own target is not the stored item's raw bytes).
 
 from __future__ import annotations
 
+import dataclasses
+import io
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from tiered_dcp.storage.format import ItemKey
+from tiered_dcp.planners.routing import whole_item_request
+from tiered_dcp.storage.format import ItemInfo, ItemKey
 
 from . import transport
 from .metadata import item_key
+from .tensors import byte_tensor, dtype_from_name
 
 WINDOW_BYTES = 256 << 20  # raw bytes in flight per window of transfers
 FANOUT = 8  # ranks that share one read of an item: a reader sends to FANOUT - 1 at most
@@ -167,3 +171,72 @@ def exchange(
     finally:
         for group in groups.values():
             group.close()
+
+
+class KeepRaw:
+    """The load's planner as seen by the reads of items this rank reads for others: each
+    such item is read whole (``whole``), into its target where the target is the stored
+    item's raw bytes, else into host memory; its raw bytes are kept (``raw``) to be sent,
+    and every request of this rank for the item is served from them."""
+
+    def __init__(
+        self,
+        planner: LoadPlanner,
+        asks: dict[ItemKey, list[ReadItem]],
+        info: Callable[[ItemKey], ItemInfo],
+        place: Callable[[ReadItem, LoadPlanner, torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        self.planner, self.asks, self.info, self.place = planner, asks, info, place
+        self.raw: dict[ItemKey, torch.Tensor] = {}
+
+    def whole(self, key: ItemKey) -> ReadItem:
+        """A request for all of stored item ``key`` (this rank's own request when it is)."""
+        req = self.asks[key][0]
+        if req.type == LoadItemType.BYTE_IO:
+            return req
+        shape = list(self.info(key).shape or ())
+        zeros = torch.Size([0] * len(shape))
+        return dataclasses.replace(req, dest_offsets=zeros, storage_offsets=zeros, lengths=torch.Size(shape))
+
+    def exact(self, key: ItemKey) -> torch.Tensor | None:
+        """This rank's target of ``key`` when it alone asks for it, whole, as stored (its
+        bytes are the stored item's raw bytes)."""
+        info = self.info(key)
+        if len(self.asks[key]) != 1 or self.asks[key][0].type != LoadItemType.TENSOR:
+            return None
+        req = self.asks[key][0]
+        target = self.planner.resolve_tensor(req).detach()
+        exact = (
+            whole_item_request(req, list(info.shape or ()))
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.dtype == dtype_from_name(info.dtype or "")
+        )
+        return target if exact else None
+
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        key = item_key(req.storage_index)
+        info = self.info(key)
+        target = self.exact(key)
+        return (
+            target
+            if target is not None
+            else torch.empty(list(info.shape or ()), dtype=dtype_from_name(info.dtype or ""))
+        )
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        key = item_key(req.storage_index)
+        self.raw[key] = byte_tensor(tensor)
+        for ask in self.asks[key]:
+            target = self.planner.resolve_tensor(ask).detach()
+            if target.data_ptr() == tensor.data_ptr() and target.shape == tensor.shape:  # read in place
+                self.planner.commit_tensor(ask, target)
+            else:
+                self.place(ask, self.planner, tensor, target)
+
+    def load_bytes(self, req: ReadItem, value: io.BytesIO) -> None:
+        key = item_key(req.storage_index)
+        raw = value.getvalue()
+        self.raw[key] = transport.as_bytes_tensor(raw)
+        for ask in self.asks[key]:
+            self.planner.load_bytes(ask, io.BytesIO(raw))

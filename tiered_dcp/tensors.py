@@ -12,7 +12,12 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (writable)."""
     if t.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(byte_tensor(t).numpy()).cast("B")
+
+
+def byte_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor (any device) as a flat uint8 tensor, no copy."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def as_cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
