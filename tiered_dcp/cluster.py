@@ -28,7 +28,7 @@ from . import transport
 from .catalog import TierView
 from .metadata import index_of, item_key
 from .planners.choice import StepMarks
-from .transport import Group, PeerTimeout, as_bytes_tensor
+from .transport import Group, PeerTimeout
 
 _WANTS = 1 << 32  # a rank that wants something adds 1 + _WANTS to a round's counter, others 1
 _OWN_KEYS: list[str] = []  # store keys this process wrote in its previous load, deleted in its next
@@ -174,10 +174,23 @@ class PeerRequest:
         return cls(int(tier_index), int(part), index_of(ItemKey.from_json(key)), int(length))
 
 
-def read_raw(store: Storage, rec: Record) -> bytearray:
-    """An item's raw bytes from this rank's own root, verified (for a peer that asked)."""
-    out = bytearray(rec.info.raw_length)
-    read_item(store, rec, memoryview(out))
+def read_raw(store: Storage, rec: Record) -> torch.Tensor:
+    """An item's raw bytes from this rank's own root, verified (for a peer that asked), in
+    a uint8 tensor that is sent as it is.
+
+    A raw item is read straight into it and its chunks checked there, as a rank's own reads
+    are (``reading.StepReads._read_one``): no zero-filled buffer, no second copy (``read_item``
+    reads into a scratch buffer and copies it out; serving a lost node's items, these two
+    passes over every byte took as long as the read itself). Other codecs decode into it.
+    """
+    out = torch.empty(rec.info.raw_length, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    if rec.codec == "raw" and rec.codecs is None and rec.blocks is None:
+        if len(view):
+            store.read_into(rec.file, rec.offset, view)
+        verify_raw(rec.info, view)
+    else:
+        read_item(store, rec, view)
     return out
 
 
@@ -207,7 +220,7 @@ class PeerExchange:
         _OWN_KEYS.clear()
 
     def round(
-        self, wanted: dict[int, list[PeerRequest]], serve: Callable[[PeerRequest], bytearray | None]
+        self, wanted: dict[int, list[PeerRequest]], serve: Callable[[PeerRequest], torch.Tensor | None]
     ) -> list[tuple[int, PeerRequest, torch.Tensor]] | None:
         """Ask for ``wanted`` (holder -> requests), serve what others ask of this rank.
 
@@ -258,8 +271,11 @@ class PeerExchange:
         name: str,
         wanted: dict[int, list[PeerRequest]],
         asked: list[tuple[int, list[PeerRequest]]],
-        serve: Callable[[PeerRequest], bytearray | None],
+        serve: Callable[[PeerRequest], torch.Tensor | None],
     ) -> list[tuple[int, PeerRequest, torch.Tensor]]:
+        """Open the groups, post every receive, then read and send each item asked of this
+        rank, each sent as soon as it is read (its transfer overlaps the next read); wait for
+        all of it."""
         partners = set(wanted) | {requester for requester, _ in asked}
         if not partners:
             return []
@@ -276,13 +292,12 @@ class PeerExchange:
                 arrived += [(holder, req, buf) for req, buf in zip(reqs, bufs, strict=True)]
                 posted.append((groups[holder], groups[holder].post([], [(holder, b) for b in bufs])))
             for requester, reqs in asked:
-                sends = []
+                group = groups[requester]
                 for req in reqs:
                     data = serve(req)
-                    if data is None or len(data) != req.length:
-                        data = bytearray(req.length)
-                    sends.append((requester, as_bytes_tensor(data)))
-                posted.append((groups[requester], groups[requester].post(sends, [])))
+                    if data is None or data.numel() != req.length:
+                        data = torch.zeros(req.length, dtype=torch.uint8)
+                    posted.append((group, group.post([(requester, data)], [])))
             for group, works in posted:
                 group.wait(works)
             return arrived

@@ -210,7 +210,7 @@ class StepReads:
             return None
         return src.holder, PeerRequest(src.tier, info.rank, req.storage_index, info.raw_length)
 
-    def _serve(self, req: PeerRequest) -> bytearray | None:
+    def _serve(self, req: PeerRequest) -> torch.Tensor | None:
         view = self._views[req.tier_index]
         try:
             own = self._opened.own[req.tier_index]  # asked only of ranks whose own root holds the part

@@ -182,6 +182,7 @@ class Group:
         self.members = list(members)
         self.me = self.members.index(rank)
         self.timeout = timeout
+        self._tags: dict[tuple[str, int], int] = {}  # (send|recv, peer) -> ops posted so far
         OPENED.append(self.members)
         prefix = dist.PrefixStore(name, rendezvous_store(timeout))
         try:
@@ -224,10 +225,11 @@ class Group:
         """Start every send and receive (each with its peer); they run in gloo's threads until
         ``wait``.
 
-        The k-th send from A to B meets the k-th receive at B from A: both sides list
-        their buffers in the same order.
+        The k-th send from A to B meets the k-th receive at B from A, counted over all of
+        this group's ``post`` calls: both sides list their buffers in the same order, one
+        call or many (a sender may post each buffer as soon as it has it).
         """
-        works, tags = [], {}
+        works, tags = [], self._tags
         for kind, ops in (("send", sends), ("recv", recvs)):
             for peer, t in ops:
                 if t.numel() == 0:
