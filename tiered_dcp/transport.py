@@ -227,7 +227,8 @@ class Group:
 
         The k-th send from A to B meets the k-th receive at B from A, counted over all of
         this group's ``post`` calls: both sides list their buffers in the same order, one
-        call or many (a sender may post each buffer as soon as it has it).
+        call or many (a sender may post each buffer as soon as it has it). A peer that
+        closed its end raises PeerTimeout, as ``wait`` does.
         """
         works, tags = [], self._tags
         for kind, ops in (("send", sends), ("recv", recvs)):
@@ -238,7 +239,10 @@ class Group:
                 tags[(kind, peer)] = tag + 1
                 other = self.members.index(peer)
                 op = self.pg.send if kind == "send" else self.pg.recv
-                works.append((peer, op([t], other, tag)))
+                try:
+                    works.append((peer, op([t], other, tag)))
+                except Exception as e:  # the peer closed its end (it gave up on this rank): as in wait
+                    raise PeerTimeout(f"{kind} with rank {peer} failed: {e}", ranks=(peer,)) from e
         return works
 
     def wait(self, works: list[tuple[int, Any]]) -> None:
