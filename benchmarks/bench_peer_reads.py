@@ -1,17 +1,30 @@
-"""What the peer phase of a load costs: intact, and after a node loss.
+"""What a load costs, and its peer phase: intact, and after a node loss.
 
     .venv/bin/python benchmarks/bench_peer_reads.py [--loads 20] [--mib 4]
+    .venv/bin/python benchmarks/bench_peer_reads.py --mib 64 --loads 10 --baseline-tree PATH [--rounds 3]
 
 Four real processes on gloo (torch.multiprocessing spawn) play two nodes
 (LOCAL_WORLD_SIZE=2: ranks 0-1 on node 0, ranks 2-3 on node 1), replication 2/2 on one
 node-local RAM tier under /dev/shm, each rank saving its own ``--mib`` MiB. One step is
 saved, then loaded ``--loads`` times with every root intact and ``--loads`` times after
-node 1's root is deleted. Timed is ``reading.StepReads._read_from_peers`` alone (the peer
-phase: agreeing on the wish lists and moving the items), the slowest rank's time per load
-(all_reduce MAX); printed is the median, the minimum and the maximum over the loads, after
-one discarded warm-up load of each kind, and the groups this phase opened per load. Also
-printed: the job store's key count after each kind of load (it must not grow from load
-to load). Never fails on timing.
+node 1's root is deleted. Timed per load, the slowest rank's time (all_reduce MAX):
+
+- ``load``: the whole load, ``TieredReader(config)`` (choosing, agreeing on and leasing
+  the step) and ``dcp.load`` with it;
+- ``peer phase``: ``reading.StepReads._read_from_peers`` alone (agreeing on the wish lists
+  and moving the items).
+
+Printed is the median, the minimum and the maximum over the loads, after one discarded
+warm-up load of each kind, and the groups the peer phase opened per load. Also printed:
+the job store's key count after each kind of load (it must not grow from load to load).
+
+``--baseline-tree PATH`` compares another checkout's code (e.g. ``git worktree add
+/tmp/baseline <commit>``) with this one's: ``--rounds`` rounds, each running the bench once
+on either tree in a process of its own (``bench_tree``: the ranks import tiered_dcp,
+tiered_dcp.storage and tiered_dcp.planners from that tree, and the bench checks they did),
+the trees taking turns going first. Printed are both trees' medians per round and the
+ratio baseline/this tree of each round's median load (above 1: this tree is faster), and
+the median of those ratios. Never fails on timing.
 """
 
 from __future__ import annotations
@@ -22,12 +35,15 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 import warnings
 from typing import Any
 
+import bench_tree  # first: TIERED_DCP_BENCH_TREE decides which tree's tiered_dcp is imported
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -40,6 +56,8 @@ from tiered_dcp.reading import StepReads
 
 WORLD = 4
 RANKS_PER_NODE = 2
+KINDS = ("intact", "node_lost")
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
 
 
 class TimedReads(StepReads):
@@ -74,22 +92,31 @@ def slowest(seconds: float) -> float:
 
 
 def loads(config: TieredConfig, state: dict, n: int) -> dict:
-    """``n`` timed loads (after one warm-up); the peer phase's seconds and the groups opened."""
+    """``n`` timed loads (after one warm-up): the whole load's and the peer phase's seconds
+    (slowest rank), and the groups opened."""
     target = {k: torch.empty_like(v) for k, v in state.items()}
-    times, groups = [], []
+    whole, peer, groups = [], [], []
     for i in range(n + 1):
         transport.OPENED.clear()
         dist.barrier()
+        t0 = time.perf_counter()
         reader = TimedReader(config)
         dcp.load(target, storage_reader=reader)
+        seconds = time.perf_counter() - t0
         if i:
-            times.append(slowest(reader.peer_s))
+            whole.append(slowest(seconds))
+            peer.append(slowest(reader.peer_s))
             groups.append(list(transport.OPENED))
         bad = [k for k in state if not torch.equal(target[k], state[k])]
         if bad:
             raise AssertionError(f"loaded wrong: {bad[0]}")
     dist.barrier()
-    return {"peer_phase_s": times, "groups": groups, "store_keys": transport.store().num_keys()}
+    return {
+        "load_s": whole,
+        "peer_phase_s": peer,
+        "groups": groups,
+        "store_keys": transport.store().num_keys(),
+    }
 
 
 def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None:
@@ -113,12 +140,13 @@ def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None
             replication_jump=2,
         )
         dcp.save(state, storage_writer=TieredWriter(config, step=1))
-        out = {"intact": loads(config, state, args["loads"])}
+        out: dict[str, Any] = {"intact": loads(config, state, args["loads"])}
         dist.barrier()
         if rank == 0:
             shutil.rmtree(f"{root}/ram/1")
         dist.barrier()
         out["node_lost"] = loads(config, state, args["loads"])
+        out["modules"] = bench_tree.loaded_from()
         dist.barrier()
         dist.destroy_process_group()
         results.put((rank, "ok", out))
@@ -127,23 +155,21 @@ def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None
         raise
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loads", type=int, default=20, help="timed loads of each kind (default 20)")
-    ap.add_argument("--mib", type=int, default=4, help="state size per rank in MiB (default 4)")
-    args = ap.parse_args()
+def run_once(args: argparse.Namespace) -> dict:
+    """The bench on this process's tree: every rank's results."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="tdcp-bench-peers-", dir=base)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, root, vars(args), results)) for r in range(WORLD)]
+    params = {"mib": args.mib, "loads": args.loads}
+    procs = [ctx.Process(target=rank_main, args=(r, port, root, params, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
     try:
         for _ in range(WORLD):
-            rank, kind, value = results.get(timeout=600)
+            rank, kind, value = results.get(timeout=280)
             if kind != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
@@ -154,24 +180,97 @@ def main() -> None:
                 p.kill()
                 p.join()
         shutil.rmtree(root, ignore_errors=True)
-    summary = {}
-    print(f"peer phase of a load, {WORLD} ranks on 2 nodes, slowest rank, {args.loads} loads (+1 warm-up)")
-    print(f"{'load':<12}{'median ms':>10}{'min ms':>8}{'max ms':>8}  store keys  groups opened")
-    for kind in ("intact", "node_lost"):
-        times = out[0][kind]["peer_phase_s"]
+    return out
+
+
+def ms(seconds: list[float]) -> str:
+    return f"{statistics.median(seconds) * 1e3:>10.1f}{min(seconds) * 1e3:>8.1f}{max(seconds) * 1e3:>8.1f}"
+
+
+def summarize(out: dict[int, Any], n: int) -> dict:
+    """Print the table of one run; its figures as a dict (the JSON line)."""
+    summary: dict[str, Any] = {"tree": bench_tree.TREE or HERE}
+    print(f"a load, {WORLD} ranks on 2 nodes, slowest rank, {n} loads (+1 warm-up) of each kind")
+    print(f"{'load':<12}{'what':<12}{'median ms':>10}{'min ms':>8}{'max ms':>8}  store keys  groups opened")
+    for kind in KINDS:
+        got = out[0][kind]
         groups = {r: out[r][kind]["groups"][-1] for r in range(WORLD)}
         shown = {r: g for r, g in groups.items() if g}
-        print(
-            f"{kind:<12}{statistics.median(times) * 1e3:>10.1f}{min(times) * 1e3:>8.1f}"
-            f"{max(times) * 1e3:>8.1f}  {out[0][kind]['store_keys']:>10}  {shown}"
-        )
+        print(f"{kind:<12}{'whole load':<12}{ms(got['load_s'])}")
+        print(f"{'':<12}{'peer phase':<12}{ms(got['peer_phase_s'])}  {got['store_keys']:>10}  {shown}")
         summary[kind] = {
-            "median_s": statistics.median(times),
-            "min_s": min(times),
-            "max_s": max(times),
-            "store_keys_after": out[0][kind]["store_keys"],
+            "load_median_s": statistics.median(got["load_s"]),
+            "load_min_s": min(got["load_s"]),
+            "load_max_s": max(got["load_s"]),
+            "median_s": statistics.median(got["peer_phase_s"]),
+            "min_s": min(got["peer_phase_s"]),
+            "max_s": max(got["peer_phase_s"]),
+            "store_keys_after": got["store_keys"],
             "groups_last_load": groups,
         }
+    summary["modules"] = out[0]["modules"]
+    return summary
+
+
+def run_tree(tree: str, args: argparse.Namespace) -> dict:
+    """The bench once, in a process of its own importing tiered_dcp from ``tree``; checked
+    that every tiered_dcp module the ranks used came from there."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--loads", str(args.loads), "--mib", str(args.mib)]
+    env = {**os.environ, "TIERED_DCP_BENCH_TREE": tree}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=290)
+    if done.returncode:
+        raise RuntimeError(f"bench on {tree} failed:\n{done.stdout}\n{done.stderr}")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    prefixes = tuple(os.path.join(tree, d) + os.sep for d in bench_tree.PACKAGES.values())
+    strays = {m: f for m, f in summary["modules"].items() if not f.startswith(prefixes)}
+    if strays or "tiered_dcp.storage.local" not in summary["modules"]:
+        raise RuntimeError(f"bench on {tree} imported tiered_dcp from elsewhere: {strays}")
+    return summary
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Alternate this tree and ``--baseline-tree`` for ``--rounds`` rounds; print ratios."""
+    trees = {"baseline": os.path.abspath(args.baseline_tree), "this": HERE}
+    rows: list[dict[str, dict]] = []
+    for i in range(args.rounds):
+        order = ["baseline", "this"] if i % 2 == 0 else ["this", "baseline"]
+        row = {name: run_tree(trees[name], args) for name in order}
+        rows.append(row)
+        line = "  ".join(
+            f"{name} {kind} {row[name][kind]['load_median_s'] * 1e3:.1f} ms"
+            for name in order
+            for kind in KINDS
+        )
+        print(f"round {i + 1}: {line}", flush=True)
+    print(f"\nbaseline {trees['baseline']} vs this tree {trees['this']}")
+    print(f"{WORLD} ranks, {args.mib} MiB per rank, median of {args.loads} loads per round, slowest rank")
+    print("ratio = baseline / this (above 1: this tree is faster)")
+    result: dict[str, Any] = {"bench": "peer_reads_compare", "mib": args.mib, "loads": args.loads, **trees}
+    for kind in KINDS:
+        for what, key in (("whole load", "load_median_s"), ("peer phase", "median_s")):
+            base = [r["baseline"][kind][key] for r in rows]
+            this = [r["this"][kind][key] for r in rows]
+            ratios = [b / t for b, t in zip(base, this, strict=True)]
+            print(
+                f"{kind:<10} {what:<11} baseline {statistics.median(base) * 1e3:7.1f} ms  "
+                f"this {statistics.median(this) * 1e3:7.1f} ms  ratio per round "
+                f"{' '.join(f'{r:.2f}' for r in ratios)}  median {statistics.median(ratios):.2f}"
+            )
+            result[f"{kind}_{key}"] = {"baseline": base, "this": this, "ratios": ratios}
+    print(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loads", type=int, default=20, help="timed loads of each kind (default 20)")
+    ap.add_argument("--mib", type=int, default=4, help="state size per rank in MiB (default 4)")
+    ap.add_argument("--baseline-tree", help="another checkout of this repository to compare with")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline-tree: runs per tree (default 3)")
+    args = ap.parse_args()
+    if args.baseline_tree:
+        compare(args)
+        return
+    summary = summarize(run_once(args), args.loads)
     print(json.dumps({"bench": "peer_reads", "ranks": WORLD, "loads": args.loads, **summary}))
 
 

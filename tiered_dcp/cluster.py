@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +28,7 @@ from . import transport
 from .catalog import TierView
 from .metadata import index_of, item_key
 from .planners.choice import StepMarks
-from .transport import Group, PeerTimeout, as_bytes_tensor
+from .transport import Group, PeerTimeout
 
 _WANTS = 1 << 32  # a rank that wants something adds 1 + _WANTS to a round's counter, others 1
 
@@ -173,10 +173,23 @@ class PeerRequest:
         return cls(int(tier_index), int(part), index_of(ItemKey.from_json(key)), int(length))
 
 
-def read_raw(store: Storage, rec: Record) -> bytearray:
-    """An item's raw bytes from this rank's own root, verified (for a peer that asked)."""
-    out = bytearray(rec.info.raw_length)
-    read_item(store, rec, memoryview(out))
+def read_raw(store: Storage, rec: Record) -> torch.Tensor:
+    """An item's raw bytes from this rank's own root, verified (for a peer that asked), in
+    a uint8 tensor that is sent as it is.
+
+    A raw item is read straight into it and its chunks checked there, as a rank's own reads
+    are (``reading.StepReads._read_one``): no zero-filled buffer, no second copy (``read_item``
+    reads into a scratch buffer and copies it out; serving a lost node's items, these two
+    passes over every byte took as long as the read itself). Other codecs decode into it.
+    """
+    out = torch.empty(rec.info.raw_length, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    if rec.codec == "raw" and rec.codecs is None and rec.blocks is None:
+        if len(view):
+            store.read_into(rec.file, rec.offset, view)
+        verify_raw(rec.info, view)
+    else:
+        read_item(store, rec, view)
     return out
 
 
@@ -204,14 +217,15 @@ class PeerExchange:
         transport.forget_earlier()
 
     def round(
-        self, wanted: dict[int, list[PeerRequest]], serve: Callable[[PeerRequest], bytearray | None]
-    ) -> list[tuple[int, PeerRequest, torch.Tensor]] | None:
+        self, wanted: dict[int, list[PeerRequest]], serve: Callable[[PeerRequest], torch.Tensor | None]
+    ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]] | None:
         """Ask for ``wanted`` (holder -> requests), serve what others ask of this rank.
 
-        Returns what arrived for ``wanted``, unverified, in its order (holder, request,
-        bytes), or None when no rank wants anything: the exchange is over on every rank.
-        An item a holder cannot read arrives as zeros, so that it fails the check.
-        Raises PeerTimeout.
+        Returns what arrives for ``wanted``, unverified, in its order (holder, request,
+        bytes), each as soon as it is in, or None when no rank wants anything: the exchange
+        is over on every rank. Iterate it to its end (a rank that only serves too): its sends
+        are waited for and its groups closed there. An item a holder cannot read arrives as
+        zeros, so that it fails the check. Raises PeerTimeout (iterating, too).
         """
         name = f"{self.name}/round{self.rounds}"
         self.rounds += 1
@@ -255,11 +269,14 @@ class PeerExchange:
         name: str,
         wanted: dict[int, list[PeerRequest]],
         asked: list[tuple[int, list[PeerRequest]]],
-        serve: Callable[[PeerRequest], bytearray | None],
-    ) -> list[tuple[int, PeerRequest, torch.Tensor]]:
+        serve: Callable[[PeerRequest], torch.Tensor | None],
+    ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]]:
+        """Open the groups, post every receive, then read and send each item asked of this
+        rank, each sent as soon as it is read (its transfer overlaps the next read); the
+        arrivals follow (``_arrivals``)."""
         partners = set(wanted) | {requester for requester, _ in asked}
         if not partners:
-            return []
+            return iter(())
         groups: dict[int, Group] = {}
         try:
             for pair in sorted(tuple(sorted((self.rank, p))) for p in partners):
@@ -267,22 +284,41 @@ class PeerExchange:
                 transport.forget_later(transport.group_keys(group_name, pair.index(self.rank)))
                 peer = pair[1] if pair[0] == self.rank else pair[0]
                 groups[peer] = Group(group_name, pair, self.rank, self.timeout)
-            arrived, posted = [], []
+            receives = []
             for holder, reqs in wanted.items():
-                bufs = [torch.empty(req.length, dtype=torch.uint8) for req in reqs]
-                arrived += [(holder, req, buf) for req, buf in zip(reqs, bufs, strict=True)]
-                posted.append((groups[holder], groups[holder].post([], [(holder, b) for b in bufs])))
+                group = groups[holder]
+                for req in reqs:
+                    buf = torch.empty(req.length, dtype=torch.uint8)
+                    receives.append((group, group.post([], [(holder, buf)]), (holder, req, buf)))
+            sends = []
             for requester, reqs in asked:
-                sends = []
+                group = groups[requester]
                 for req in reqs:
                     data = serve(req)
-                    if data is None or len(data) != req.length:
-                        data = bytearray(req.length)
-                    sends.append((requester, as_bytes_tensor(data)))
-                posted.append((groups[requester], groups[requester].post(sends, [])))
-            for group, works in posted:
+                    if data is None or data.numel() != req.length:
+                        data = torch.zeros(req.length, dtype=torch.uint8)
+                    sends.append((group, group.post([(requester, data)], [])))
+        except BaseException:
+            for group in groups.values():
+                group.close()
+            raise
+        return self._arrivals(groups, receives, sends)
+
+    @staticmethod
+    def _arrivals(
+        groups: dict[int, Group],
+        receives: list[tuple[Group, list, tuple[int, PeerRequest, torch.Tensor]]],
+        sends: list[tuple[Group, list]],
+    ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]]:
+        """Each received item as soon as it is in (the caller checks and places it while the
+        next one arrives, where it waited for the last one before), then this rank's sends
+        waited for; the groups are closed at the end, or when the caller stops early."""
+        try:
+            for group, works, arrived in receives:
                 group.wait(works)
-            return arrived
+                yield arrived
+            for group, works in sends:
+                group.wait(works)
         finally:
             for group in groups.values():
                 group.close()

@@ -326,7 +326,7 @@ class StepReads:
             return None
         return src.holder, PeerRequest(src.tier, info.rank, req.storage_index, info.raw_length)
 
-    def _serve(self, req: PeerRequest) -> bytearray | None:
+    def _serve(self, req: PeerRequest) -> torch.Tensor | None:
         view = self._views[req.tier_index]
         try:
             own = self._opened.own[req.tier_index]  # asked only of ranks whose own root holds the part
@@ -376,26 +376,28 @@ class StepReads:
                     return pending
                 reqs = [r for holder in wanted for r in order[holder]]
                 done = set()
-                for (holder, _, buf), req in zip(arrived, reqs, strict=True):
-                    info = md_blob.item_info(self._metadata.cluster, req.storage_index)
-                    assert info is not None  # asked for only when the metadata knows it
-                    try:
-                        check_raw(info, buf)
-                        self._deliver(req, planner, info, buf)
-                    except ChecksumMismatch as e:
-                        self.failures.setdefault(id(req), []).append(
-                            Failure(f"rank {holder}", Failed.DAMAGED_IN_TRANSIT, str(e))
-                        )
-                        log.warning(
-                            "step %d: item %r from rank %d arrived damaged (%s)",
-                            self.step,
-                            req.storage_index.fqn,
-                            holder,
-                            e,
-                        )
-                        continue
-                    done.add(id(req))
-                pending = [r for r in pending if id(r) not in done]
+                try:  # each item checked and placed as it arrives
+                    for (holder, _, buf), req in zip(arrived, reqs, strict=True):
+                        info = md_blob.item_info(self._metadata.cluster, req.storage_index)
+                        assert info is not None  # asked for only when the metadata knows it
+                        try:
+                            check_raw(info, buf)
+                            self._deliver(req, planner, info, buf)
+                        except ChecksumMismatch as e:
+                            self.failures.setdefault(id(req), []).append(
+                                Failure(f"rank {holder}", Failed.DAMAGED_IN_TRANSIT, str(e))
+                            )
+                            log.warning(
+                                "step %d: item %r from rank %d arrived damaged (%s)",
+                                self.step,
+                                req.storage_index.fqn,
+                                holder,
+                                e,
+                            )
+                            continue
+                        done.add(id(req))
+                finally:  # a peer that stops answering mid-round: what arrived stays read
+                    pending = [r for r in pending if id(r) not in done]
         except PeerTimeout as e:
             self._unproven.update(id(r) for r in pending)  # a peer that did not answer may hold them
             if pending:

@@ -199,6 +199,7 @@ class Group:
         self.members = list(members)
         self.me = self.members.index(rank)
         self.timeout = timeout
+        self._tags: dict[tuple[str, int], int] = {}  # (send|recv, peer) -> ops posted so far
         OPENED.append(self.members)
         prefix = dist.PrefixStore(name, rendezvous_store(timeout))
         try:
@@ -245,10 +246,12 @@ class Group:
         """Start every send and receive (each with its peer); they run in gloo's threads until
         ``wait``.
 
-        The k-th send from A to B meets the k-th receive at B from A: both sides list
-        their buffers in the same order.
+        The k-th send from A to B meets the k-th receive at B from A, counted over all of
+        this group's ``post`` calls: both sides list their buffers in the same order, one
+        call or many (a sender may post each buffer as soon as it has it). A peer that
+        closed its end raises PeerTimeout, as ``wait`` does.
         """
-        works, tags = [], {}
+        works, tags = [], self._tags
         for kind, ops in (("send", sends), ("recv", recvs)):
             for peer, t in ops:
                 if t.numel() == 0:
@@ -257,7 +260,10 @@ class Group:
                 tags[(kind, peer)] = tag + 1
                 other = self.members.index(peer)
                 op = self.pg.send if kind == "send" else self.pg.recv
-                works.append((peer, op([t], other, tag)))
+                try:
+                    works.append((peer, op([t], other, tag)))
+                except Exception as e:  # the peer closed its end (it gave up on this rank): as in wait
+                    raise PeerTimeout(f"{kind} with rank {peer} failed: {e}", ranks=(peer,)) from e
         return works
 
     def wait(self, works: list[tuple[int, Any]]) -> None:

@@ -1,0 +1,161 @@
+"""Serving a peer's items after a node loss: read straight into the buffer that is sent,
+each item sent as soon as it is read (real files, real gloo groups)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+from tiered_dcp.storage import open_storage
+from tiered_dcp.storage.codec import ChecksumMismatch
+from tiered_dcp.storage.format import IndexCache, part_key
+
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, cluster, wait_for
+from tiered_dcp.reading import StepReads
+
+
+def _saved(root: str, compression: str | None = None) -> tuple[dict, object, dict]:
+    """A step saved by one process: its state, its root and rank 0's index records."""
+    state = {f"w{i}": torch.arange(1000 * (i + 1), dtype=torch.float32) for i in range(3)}
+    config = TieredConfig("serve", [Tier(f"{root}/ram", every=1, keep=1, compression=compression)])
+    dcp.save(state, storage_writer=TieredWriter(config, step=1), no_dist=True)
+    store = open_storage(f"{root}/ram")
+    index = IndexCache().get(store, "serve", 1, 0)
+    assert index is not None
+    return state, store, {k.fqn: r for k, r in index.records.items()}
+
+
+def test_a_raw_item_is_served_from_the_buffer_it_is_read_into(tmp_path, monkeypatch):
+    state, store, records = _saved(str(tmp_path))
+
+    def no_scratch_read(*args, **kwargs):
+        raise AssertionError("a raw item is read through read_item's scratch buffer")
+
+    monkeypatch.setattr(cluster, "read_item", no_scratch_read)
+    for fqn, rec in records.items():
+        sent = cluster.read_raw(store, rec)
+        assert sent.dtype == torch.uint8 and sent.numel() == rec.info.raw_length
+        assert torch.equal(sent.view(torch.float32), state[fqn])
+
+
+def test_a_damaged_raw_item_is_not_served(tmp_path):
+    _, store, records = _saved(str(tmp_path))
+    rec = records["w1"]
+    path = store.path(rec.file)
+    with open(path, "r+b") as f:
+        f.seek(rec.offset + 8)
+        byte = f.read(1)
+        f.seek(rec.offset + 8)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ChecksumMismatch):
+        cluster.read_raw(store, rec)
+    assert torch.equal(cluster.read_raw(store, records["w0"]).view(torch.float32), torch.arange(1000.0))
+
+
+def test_a_compressed_item_is_served_decoded(tmp_path):
+    state, store, records = _saved(str(tmp_path), compression="zstd")
+    assert any(r.codec != "raw" or r.codecs is not None for r in records.values())
+    for fqn, rec in records.items():
+        assert torch.equal(cluster.read_raw(store, rec).view(torch.float32), state[fqn])
+    assert os.path.getsize(store.path(part_key("serve", 1, 0))) > 0
+
+
+def _posted_one_by_one(rank: int, world: int) -> list[list[float]]:
+    from tiered_dcp.transport import Group
+
+    group = Group("test/posted-one-by-one", [0, 1], rank, timeout=20)
+    try:
+        if rank == 0:  # each buffer posted on its own, as a server posts each item once read
+            sends = [torch.full((n,), float(n)) for n in (3, 5, 7)]
+            works = [w for t in sends for w in group.post([(1, t)], [])]
+            group.wait(works)
+            return []
+        got = [torch.empty(n) for n in (3, 5, 7)]  # posted together, in the same order
+        group.wait(group.post([], [(0, t) for t in got]))
+        return [t.tolist() for t in got]
+    finally:
+        group.close()
+
+
+def test_buffers_posted_in_several_calls_meet_their_receives_in_order():
+    results = run_ranks(_posted_one_by_one, 2, timeout=120)
+    assert results[1] == [[3.0] * 3, [5.0] * 5, [7.0] * 7]
+
+
+ITEMS = 4  # items of its own per rank
+
+
+def _streaming_config(root: str) -> TieredConfig:
+    return TieredConfig(
+        "stream",
+        [Tier(f"{root}/ram/{{node}}", every=1, keep=1), Tier(f"{root}/bucket", every=1, shared=True)],
+        replication_factor=2,
+        replication_jump=2,
+        peer_timeout=3.0,
+    )
+
+
+def _own_state(rank: int) -> dict:
+    return {f"r{rank}.{i}": torch.full((1000,), float(100 * rank + i)) for i in range(ITEMS)}
+
+
+def _save_for_streaming(rank: int, world: int, root: str) -> None:
+    config = _streaming_config(root)
+    dcp.save(_own_state(rank), storage_writer=TieredWriter(config, step=1))
+    wait_for(config, 1, timeout=60)
+
+
+def _load_with_a_stalling_server(rank: int, world: int, root: str) -> tuple[int, list[str]]:
+    """Ranks 0 and 1 (node 0) serve node 1's ranks their first item, then stall for twice
+    the peer timeout before serving the next."""
+    lines: list[str] = []
+
+    class Captured(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("tiered_dcp").addHandler(Captured(logging.WARNING))
+
+    class StallingReads(StepReads):
+        served = 0
+
+        def _serve(self, req):
+            self.served += 1
+            if self.served == 2:
+                time.sleep(6.0)
+            return super()._serve(req)
+
+    class StallingReader(TieredReader):
+        def __init__(self, config: TieredConfig) -> None:
+            super().__init__(config)
+            self._reads = StallingReads(self._opened)
+
+    config = _streaming_config(root)
+    target = {k: torch.zeros_like(v) for k, v in _own_state(rank).items()}
+    reader = StallingReader(config) if rank < 2 else TieredReader(config)
+    dcp.load(target, storage_reader=reader)
+    for k, v in _own_state(rank).items():
+        assert torch.equal(target[k], v), k
+    return reader.step, lines
+
+
+def test_items_that_arrived_before_a_peer_stalled_are_not_read_again(tmp_path):
+    """Each item a peer sent is checked and placed as it arrives: when the peer then stops
+    answering, only the items still missing are read from the shared tier (all of them were,
+    when a rank waited for every item of the round before placing any)."""
+    run_ranks(_save_for_streaming, 4, str(tmp_path), env={"LOCAL_WORLD_SIZE": 2})
+    shutil.rmtree(tmp_path / "ram" / "1")  # node 1 lost: ranks 2 and 3 ask node 0's ranks
+    results = run_ranks(_load_with_a_stalling_server, 4, str(tmp_path), env={"LOCAL_WORLD_SIZE": 2})
+    assert [step for step, _ in results] == [1] * 4
+    for rank in (2, 3):
+        fell_back = [line for line in results[rank][1] if "still missing from a shared tier" in line]
+        assert len(fell_back) == 1, results[rank][1]
+        missing = int(re.search(r"reading the (\d+) item\(s\)", fell_back[0]).group(1))
+        assert 0 < missing < ITEMS, fell_back[0]
