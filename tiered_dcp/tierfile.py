@@ -152,7 +152,12 @@ def gone(fd: int) -> bool:
 
 def size_to(fd: int, size: int) -> None:
     """Exactly ``size`` bytes, every block claimed now: a full tmpfs fails here with ENOSPC,
-    not with SIGBUS when the map is written."""
+    not with SIGBUS when the map is written. A file already that size with every block
+    claimed (a spare of the same layout) is left as it is: ``posix_fallocate`` walks every
+    page of it, a cost on the training thread for nothing."""
+    st = os.fstat(fd)
+    if st.st_size == size and st.st_blocks * 512 >= size:
+        return
     os.ftruncate(fd, size)
     if size:
         os.posix_fallocate(fd, 0, size)
