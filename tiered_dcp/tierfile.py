@@ -136,6 +136,35 @@ def reclaim(fd: int, was: TierFile, tf: TierFile, size: int) -> bool:
     return False
 
 
+def prepare(tf: TierFile, size: int) -> int:
+    """An open file of ``size`` bytes, all claimed, with no name yet (``O_TMPFILE`` in the
+    spare directory, so on the tier's file system): a part file made ahead of the saves that
+    will stage into it (``adopt`` names it). Retention never sees it, and it is gone with
+    the process that holds it. The caller owns the descriptor."""
+    spares = tf.store.make_dir(os.path.relpath(tf.spares, tf.store.root))
+    try:
+        fd = os.open(".", os.O_TMPFILE | os.O_RDWR, 0o644, dir_fd=spares)
+    finally:
+        os.close(spares)
+    try:
+        size_to(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def adopt(fd: int, tf: TierFile, size: int) -> None:
+    """Name the prepared file open as ``fd`` (``prepare``) ``tf.dirty``: a save stages into it."""
+    directory = tf.store.make_dir(tf.directory)  # no link on the way
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(tf.dirty), dst_dir_fd=directory, follow_symlinks=True)
+    finally:
+        os.close(directory)
+    if os.fstat(fd).st_size != size:
+        size_to(fd, size)
+
+
 def delete_unused(fd: int, was: TierFile) -> None:
     """Delete the file open as ``fd`` where no step holds it: a spare, or never written."""
     ino = os.fstat(fd).st_ino

@@ -49,7 +49,7 @@ from .records import Kind, record
 from .replicate import SavedPart, Swap, commit_everywhere, write_index
 from .rundir import Job
 from .runtime import MAX_PENDING, writer_handle
-from .staging import POOL, examine, staged_file
+from .staging import POOL, Examined, examine, staged_file
 from .tensors import as_cpu_contiguous, byte_view, finite_screen
 from .tierfile import TierFile
 from .transport import PeerTimeout
@@ -389,10 +389,40 @@ class TieredWriter(StorageWriter, AsyncStager):
             staged = POOL.stage(examined, target=self.staged_file)
             self.stage_seconds = time.perf_counter() - started
             self.staging_bytes = POOL.info()["bytes"]
+            self._prepare_next(examined)
             return staged
-        future = _staging_thread().submit(POOL.stage, examined, POOL.reserve(), self.staged_file)
+        future = _staging_thread().submit(self._stage_then_prepare, examined, POOL.reserve())
         self.stage_seconds = time.perf_counter() - started
         return future
+
+    def _stage_then_prepare(self, examined: Examined, reserved: bool) -> STATE_DICT_TYPE:
+        """Background staging: the copy, then the next saves' files (``_prepare_next``)."""
+        staged = POOL.stage(examined, reserved, self.staged_file)
+        self._prepare_next(examined)
+        return staged
+
+    def _prepare_next(self, examined: Examined) -> None:
+        """After a save staged into the RAM tier: its next ``keep`` saves' part files are made
+        in the background (``StagingPool.prepare``), so none faults a page in."""
+        if self.staged_file is not None:
+            keep = self.config.tiers[self.tier_indexes[0]].keep or 0
+            POOL.prepare_soon(examined, self.staged_file, keep + 1)
+
+    def prepare(self, state_dict: STATE_DICT_TYPE) -> None:
+        """Make ready, before the first save, what saves of ``state_dict`` stage into: the
+        RAM tier's part files for its ``keep + 1`` steps (or a staging buffer when the first
+        tier is not in memory), sized, every page touched and, on CUDA, registered. Checked
+        against the host's memory first (``hostmem.guard``). Optional: without it the first
+        save claims its own, and later saves find theirs made in the background."""
+        rank = _current_rank()
+        POOL.slots = self.staging_slots
+        examined = examine(state_dict)
+        first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
+        where = tierfile.target(self.config, first.index, first.own, self.step, rank)
+        copies = 0 if where is not None else self.staging_slots
+        hostmem.guard(self.config, examined.nbytes, copies, first.index, POOL.info()["bytes"])
+        keep = self.config.tiers[first.index].keep or 0
+        POOL.prepare(examined, where, keep + 1)
 
     def synchronize_staging(self) -> None:
         """Nothing to do: ``stage`` returns a finished copy or a future for it."""
@@ -625,7 +655,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         }
         if self.stage_seconds is not None:
             fields["stage_s"] = round(self.stage_seconds, 6)
-        staging = POOL.info()["bytes"] if self.owner_pid in (None, os.getpid()) else self.staging_bytes
+        here = self.owner_pid in (None, os.getpid())  # prepared files: in memory, in no listing
+        staging = POOL.info()["bytes"] + POOL.prepared_bytes() if here else self.staging_bytes
         if staging is not None:  # not known in DCP's background process after background staging
             fields["staged"] = staging
         record(self.config, Kind.SAVE, self.rank, self.step, **fields)
