@@ -61,6 +61,14 @@ def recycles(config: TieredConfig, store: Storage) -> bool:
     return isinstance(store, LocalStorage) and not config.dedup and in_memory(store.root)
 
 
+def drops_pinned(config: TieredConfig, store: Storage) -> bool:
+    """Whether retention drops a step leaving this tier's keep window even while a writer
+    process copies it (``on_lagging_tier="skip"`` on a tier saves stage into): host memory
+    stays at keep + 1 steps; the copy fails its checksums or finds the step gone, and is
+    recorded as skipped."""
+    return config.on_lagging_tier == "skip" and recycles(config, store)
+
+
 def target(config: TieredConfig, tier_index: int, store: Storage, step: int, rank: int) -> TierFile | None:
     """Where this rank's save of ``step`` stages, when its first tier takes staging (else None)."""
     tier = config.tiers[tier_index]

@@ -494,10 +494,28 @@ class TieredWriter(StorageWriter, AsyncStager):
             handle = writer_handle(self.config, rank)
             handle.ensure(self.owner_pid or os.getpid())  # started early, ready by the hand-off
             handle.report_failures()
-            if slower:
+            if slower and not self._skips_lagging():
                 owner = self.owner_pid or os.getpid()
-                self.handoff_wait += handle.wait_for_room(self.step, slower, owner, self.max_pending)
+                before = self._leaving_window()
+                self.handoff_wait += handle.wait_for_room(self.step, slower, owner, self.max_pending, before)
         self._waited = True
+
+    def _skips_lagging(self) -> bool:
+        """Whether no save waits for the slower tiers (``on_lagging_tier="skip"`` on a RAM
+        first tier): the steps they lag behind on leave it all the same."""
+        first = self._first()
+        return tierfile.drops_pinned(self.config, first.own)
+
+    def _leaving_window(self) -> int | None:
+        """With ``on_lagging_tier="wait"`` on a RAM first tier: the oldest step it keeps once
+        this save is committed (older ones, still queued for a slower tier, are waited for
+        before this save stages, so that no step is held beyond ``keep + 1``)."""
+        first = self._first()
+        keep = first.tier.keep
+        if keep is None or not tierfile.recycles(self.config, first.own):
+            return None
+        stays = sorted(s for s in first.committed() if s < self.step)[-(keep - 1) :] if keep > 1 else []
+        return stays[0] if stays else self.step
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._waited:  # a sync save: nothing was staged
