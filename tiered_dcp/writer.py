@@ -342,6 +342,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         # DCP's PROCESS async mode, set on the copy of the writer that process saves with)
         self.sent_bytes = 0
         self._waited = False
+        self._handoff_later = False  # ``stage`` left the writer's start and checks to write_data
         self.staged_file: TierFile | None = None  # the RAM tier's part file ``stage`` filled
         self.rank = 0
         self.node = node_of(0)
@@ -376,12 +377,15 @@ class TieredWriter(StorageWriter, AsyncStager):
         if self.handle_sigterm:
             preemption.install()
         rank = _current_rank()
-        self._wait_for_writer(rank)
+        first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
+        if tierfile.drops_pinned(self.config, first.own):  # no wait: the hand-off's checks
+            self._handoff_later = True  # run in write_data, off the training thread
+        else:
+            self._wait_for_writer(rank)
         started = time.perf_counter()
         POOL.slots = self.staging_slots
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
         staged_now = POOL.info()["bytes"]
-        first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
         self.staged_file = tierfile.target(self.config, first.index, first.own, self.step, rank)
         copies = 0 if self.staged_file is not None else self.staging_slots  # the tier's step is the copy
         hostmem.guard(self.config, examined.nbytes, copies, self.tier_indexes[0], staged_now)
@@ -518,7 +522,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         return stays[0] if stays else self.step
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if not self._waited:  # a sync save: nothing was staged
+        if self._handoff_later:  # an async save that waits for no writer (``stage``)
+            self._handoff_later = False
+            self._wait_for_writer(self.rank)
+        elif not self._waited:  # a sync save: nothing was staged
             hostmem.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
             self._wait_for_writer(self.rank)
         started = time.perf_counter()
