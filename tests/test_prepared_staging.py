@@ -207,3 +207,26 @@ def test_part_key_of_a_prepared_file_is_its_step(shm):
     dcp.async_save(_state(3, 1), storage_writer=TieredWriter(cfg, step=3)).result()
     assert [p.relative_to(shm).as_posix() for p in _part_files(cfg)] == [part_key(cfg.namespace, 3, 0)]
     assert _exact(cfg, 3, 1)
+
+
+def test_a_resumed_job_prepares_no_more_than_the_tier_lacks(shm):
+    """Steps a former process left on the RAM tier count among its keep + 1 files: a job
+    resumed beside them prepares only the rest, and host memory stays at keep + 1 steps."""
+    mib = 4
+    cfg = TieredConfig("resume", [Tier(str(shm), keep=2)])
+    for step in (1, 2):
+        dcp.async_save(_state(step, mib), storage_writer=TieredWriter(cfg, step=step)).result()
+    POOL.close()  # the former process is gone: its kept steps stay, nothing of it is mapped
+    before = os.statvfs(shm)
+    held = 2 * mib * MiB
+    used = lambda: held + (before.f_bfree - os.statvfs(shm).f_bfree) * before.f_frsize  # noqa: E731
+    TieredWriter(cfg, step=3).prepare(_state(0, mib))
+    assert POOL.prepared_bytes() <= mib * MiB + 1024  # one file: the two kept steps' are the others
+    peak = used()
+    for step in range(3, 8):
+        dcp.async_save(_state(step, mib), storage_writer=TieredWriter(cfg, step=step)).result()
+        _wait_prepared()
+        peak = max(peak, used())
+    assert peak <= 3.1 * mib * MiB, peak / MiB
+    for step in (6, 7):
+        assert _exact(cfg, step, mib)

@@ -438,8 +438,10 @@ class StagingPool:
                 have = sum(s.fd is None and s.signature == signature for s in self._slots)
                 need = 0 if have or not ex.nbytes else 1
             else:
-                have = sum(s.fd is not None and s.signature == signature for s in self._slots)
-                need = max(0, min(files, MAPPED_FILES) - have - self._preparing)
+                mine = [s for s in self._slots if s.fd is not None]
+                have = sum(s.signature == signature for s in mine)
+                others = tierfile.unmapped(where, {os.fstat(s.fd).st_ino for s in mine})  # type: ignore[arg-type]
+                need = max(0, min(files, MAPPED_FILES) - have - others - self._preparing)
             self._preparing += need
         made = 0
         try:

@@ -162,6 +162,29 @@ def prepare(tf: TierFile, size: int) -> int:
     return fd
 
 
+def unmapped(tf: TierFile, mapped: set[int]) -> int:
+    """The part files in ``tf``'s namespace a save of this rank may take that are not among
+    ``mapped`` (inodes): its parts of the steps the tier holds (a former process's, at a
+    resume) and the spares. ``StagingPool.prepare`` makes fewer by as many, so that the
+    tier's files and the prepared ones stay at ``keep + 1`` steps."""
+    ns_dir, spare_name = os.path.split(tf.spares)
+    part = os.path.basename(tf.clean)
+    paths = []
+    with _opened_dir(ns_dir) as ns:
+        for entry in _listed(ns):
+            if entry == spare_name:
+                with _opened_dir(tf.spares) as spares:
+                    paths += [os.path.join(tf.spares, n) for n in _listed(spares)]
+            else:
+                paths.append(os.path.join(ns_dir, entry, part))
+    count = 0
+    for path in paths:
+        with contextlib.suppress(OSError):  # not there, or not a directory on the way
+            st = os.lstat(path)
+            count += stat.S_ISREG(st.st_mode) and st.st_ino not in mapped
+    return count
+
+
 def adopt(fd: int, tf: TierFile, size: int) -> None:
     """Name the prepared file open as ``fd`` (``prepare``) ``tf.dirty``: a save stages into it."""
     directory = tf.store.make_dir(tf.directory)  # no link on the way
