@@ -136,7 +136,9 @@ def test_prepared_files_hold_at_most_keep_plus_one_steps(shm):
     assert used() <= 2.1 * mib * MiB  # the two kept steps
 
 
-def _slow_tier_saves(shm: Path, tmp_path: Path, policy: str, monkeypatch) -> tuple[TieredConfig, float, int]:
+def _slow_tier_saves(
+    shm: Path, tmp_path: Path, policy: str, monkeypatch, max_pending: int = 2
+) -> tuple[TieredConfig, float, int]:
     """Six async saves back to back to a RAM tier keep=2 and a disk tier taking every step
     at 4 MB/s (2 s per 8 MiB step); returns the config, the longest stall and the most part
     files the RAM tier held at once."""
@@ -154,7 +156,7 @@ def _slow_tier_saves(shm: Path, tmp_path: Path, policy: str, monkeypatch) -> tup
         if fut is not None:
             fut.result()
         t0 = time.perf_counter()
-        fut = dcp.async_save(state, storage_writer=TieredWriter(cfg, step=step))
+        fut = dcp.async_save(state, storage_writer=TieredWriter(cfg, step=step, max_pending=max_pending))
         longest = max(longest, time.perf_counter() - t0)
         state["w"].add_(1.0)  # changed right after async_save returned
         state["step"] = -1
@@ -184,7 +186,8 @@ def test_a_lagging_tier_is_skipped_not_waited_for(shm, tmp_path, monkeypatch):
 
 
 def test_wait_policy_waits_and_every_step_reaches_the_slow_tier(shm, tmp_path, monkeypatch):
-    cfg, longest, most = _slow_tier_saves(shm, tmp_path, "wait", monkeypatch)
+    # max_pending=5: the writer's queue alone would let a fourth step be held
+    cfg, longest, most = _slow_tier_saves(shm, tmp_path, "wait", monkeypatch, max_pending=5)
     assert longest > 0.5, "no save waited for the slow tier"
     assert most <= 3, f"the RAM tier held {most} part files (keep=2: at most 3)"
     settle(cfg, timeout=120)

@@ -511,15 +511,16 @@ class TieredWriter(StorageWriter, AsyncStager):
         return tierfile.drops_pinned(self.config, first.own)
 
     def _leaving_window(self) -> int | None:
-        """With ``on_lagging_tier="wait"`` on a RAM first tier: the oldest step it keeps once
-        this save is committed (older ones, still queued for a slower tier, are waited for
-        before this save stages, so that no step is held beyond ``keep + 1``)."""
+        """With ``on_lagging_tier="wait"`` on a RAM first tier: the oldest step it keeps now.
+        An older one a slower tier still has queued is waited for before this save stages:
+        its file is the one this save needs, with the kept steps' and this one's making
+        ``keep + 1``."""
         first = self._first()
         keep = first.tier.keep
         if keep is None or not tierfile.recycles(self.config, first.own):
             return None
-        stays = sorted(s for s in first.committed() if s < self.step)[-(keep - 1) :] if keep > 1 else []
-        return stays[0] if stays else self.step
+        kept = sorted(s for s in first.committed() if s < self.step)[-keep:]
+        return kept[0] if kept else None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._handoff_later:  # an async save that waits for no writer (``stage``)
