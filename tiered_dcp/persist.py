@@ -364,7 +364,10 @@ class Persister:
         try:
             src.own.delete(pin_key(self.config.namespace, job.step, job.rank, job.target))
             newest = max(src.committed(), default=job.step)
-            if newest > job.step:  # the source tier's retention skipped this step while pinned
+            # the source tier's retention skipped this step while pinned; with
+            # on_lagging_tier="skip" it skipped nothing for a pin, and a retention here would
+            # delete the spare part files the trainer's next save is about to stage into
+            if newest > job.step and not tierfile.drops_pinned(self.config, src.own):
                 src.apply_retention(newest)
         except OSError as e:
             log.warning("could not unpin step %d on %s: %s", job.step, src.tier.path, e)
