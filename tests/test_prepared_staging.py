@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -198,6 +200,10 @@ def test_a_lagging_tier_is_skipped_not_waited_for(shm, tmp_path, monkeypatch):
     assert skipped, "no step was recorded as skipped"
     assert all("keep window" in why for _, _, why in w.skipped)
     assert not w.failed
+    tiers = [t.path for t in cfg.tiers]
+    cmd = [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", cfg.namespace, *tiers]
+    ls = subprocess.run(cmd, capture_output=True, text=True)
+    assert f"SKIPPED step {skipped[0]} -> tier 1" in ls.stdout and "keep window" in ls.stdout, ls.stdout
     on_disk = sorted(r.step for r in status(cfg) if r.tier_index == 1 and r.state == "committed")
     assert 6 in on_disk and not set(skipped) & set(on_disk)
     for step in on_disk:  # what the slow tier committed is exact, though its source was reused
