@@ -192,6 +192,17 @@ class Examined:
     flat_pieces: list[torch.Tensor] = field(default_factory=list)  # every leaf's, in order
     layouts: list[tuple] = field(default_factory=list)
     refresh: list[int] = field(default_factory=list)  # the leaves with a per-save part
+    written: dict[Any, Any] = field(default_factory=dict)  # CUDA device -> event (``mark_written``)
+
+    def mark_written(self) -> None:
+        """Record, per CUDA device of the state, an event on the caller's current stream:
+        the state's last writes, which the copies wait for. Called on the training thread,
+        so that a copy made later on another (``background_staging``) waits for its
+        stream, not for that thread's own."""
+        for device in {p.device for p in self.flat_pieces if p.device.type == "cuda"}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.written[device] = event
 
     @property
     def nbytes(self) -> int:
@@ -415,15 +426,16 @@ class StagingPool:
 
     def _side_stream(self, ex: Examined) -> Any:
         """The stream the device-to-host copies run on, one per device and kept: ordered
-        after the state's last writes on the current stream by an event, so that stream
-        (the next step's kernels) is never queued behind the copies."""
+        after the state's last writes by their events (``Examined.mark_written``), so the
+        training stream (the next step's kernels) is never queued behind the copies."""
         device = next(p.device for p in ex.flat_pieces if p.device.type == "cuda")
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
-        written = torch.cuda.Event()
-        written.record(torch.cuda.current_stream(device))
-        stream.wait_event(written)
+        if not ex.written:
+            ex.mark_written()
+        for event in ex.written.values():
+            stream.wait_event(event)
         return stream
 
     def prepare(self, ex: Examined, where: TierFile | None, files: int) -> int:

@@ -385,6 +385,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         started = time.perf_counter()
         POOL.slots = self.staging_slots
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
+        examined.mark_written()  # on CUDA: the copies wait for this thread's stream, wherever they run
         staged_now = POOL.info()["bytes"]
         self.staged_file = tierfile.target(self.config, first.index, first.own, self.step, rank)
         copies = 0 if self.staged_file is not None else self.staging_slots  # the tier's step is the copy
