@@ -502,7 +502,8 @@ class TierView:
         recycles = tierfile.recycles(self.config, store)
         if recycles and doomed:  # the spares the last retention left went unclaimed for a save
             tierfile.clear_spares(store, ns)
-        deleted = sum(self.drop(step) for step in sorted(doomed))
+        pins_hold = not tierfile.drops_pinned(self.config, store)  # on_lagging_tier
+        deleted = sum(self.drop(step, pins_hold) for step in sorted(doomed))
         for step in listed:
             if step < newest and step not in committed and self.abandoned(store, step):
                 store.delete(step_dir(ns, step))
@@ -510,20 +511,20 @@ class TierView:
         if deleted:
             blocks.collect(store, ns)  # blocks no remaining step references (dedup)
 
-    def drop(self, step: int) -> bool:
+    def drop(self, step: int, pins_hold: bool = True) -> bool:
         """Remove ``step`` from this view's own root; False (nothing removed) while a writer
-        process (a pin) or a reader (a lease) still needs it. The marker goes first, so a
-        half-removed step is never trusted; a memory tier keeps its part files as spares
-        (``tierfile``). The caller collects the blocks no step uses any more (dedup)."""
+        process (a pin, unless not ``pins_hold``) or a reader (a lease) still needs it. The
+        marker goes first, so a half-removed step is never trusted; a memory tier keeps its
+        part files as spares (``tierfile``). The caller collects the blocks no step uses any more (dedup)."""
         store, ns = self.own, self.config.namespace
-        if self.held(store, step):
+        if self.held(store, step, pins_hold):
             return False
         try:
             raw = store.read(marker_key(ns, step))
         except FileNotFoundError:
             raw = None
         store.delete(marker_key(ns, step))
-        if raw is not None and self.held(store, step):  # leased in the meantime: its reader saw
+        if raw is not None and self.held(store, step, pins_hold):  # leased in the meantime: its reader saw
             store.write(marker_key(ns, step), [raw])  # the marker, so the step stays for it
             return False
         if tierfile.recycles(self.config, store):
@@ -539,10 +540,11 @@ class TierView:
                 with contextlib.suppress(FileNotFoundError):
                     store.delete(f"{self.config.namespace}/{name}")
 
-    def held(self, store: Storage, step: int) -> bool:
-        """Whether a writer process (a pin) or a reader (a live lease) still needs the step."""
+    def held(self, store: Storage, step: int, pins: bool = True) -> bool:
+        """Whether a writer process (a pin; counted when ``pins``) or a reader (a live lease)
+        still needs the step."""
         names = store.list(step_dir(self.config.namespace, step))
-        return any(_is_pin(n) for n in names) or leased(store, self.config.namespace, step, names)
+        return (pins and any(_is_pin(n) for n in names)) or leased(store, self.config.namespace, step, names)
 
     def abandoned(self, store: Storage, step: int) -> bool:
         """Whether an uncommitted step will never be committed: its save recorded a failure,

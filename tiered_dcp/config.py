@@ -135,6 +135,7 @@ class Tier:
 
 
 NONFINITE_POLICIES = ("mark", "raise", "ignore")  # TieredConfig.on_nonfinite; the first is the default
+LAGGING_POLICIES = ("skip", "wait")  # TieredConfig.on_lagging_tier; the first is the default
 
 
 def is_namespace(name: str) -> bool:
@@ -163,7 +164,15 @@ class TieredConfig:
     sits among the groups that fail together (a rack, a power domain, a node pool): the name
     of an environment variable each rank reads, or a callable ``rank -> str`` (a module-level
     function, for DCP's PROCESS async mode). Given, cliques are laid out across domains
-    (``cliques.by_domain``) instead of by ``replication_jump``.
+    (``cliques.by_domain``) instead of by ``replication_jump``. ``on_lagging_tier``: what
+    happens, when the first tier of a save is in memory (a RAM tier that saves stage into),
+    to a step leaving its ``keep`` window while a slower tier still copies it
+    (``LAGGING_POLICIES``): ``"skip"`` drops it all the same, so that host memory stays at
+    ``keep + 1`` steps and no save waits; the slower tier's copy is abandoned and recorded
+    as skipped (``tiered-dcp ls``, the writer's log), and it takes the newest step next.
+    ``"wait"`` makes the save that would push it out wait, before it stages, until the copy
+    is done: every step reaches the slower tier, host memory stays at ``keep + 1`` steps,
+    and training waits for the slower tier.
     """
 
     namespace: str
@@ -176,6 +185,7 @@ class TieredConfig:
     writer_drain_timeout: float = 600.0
     on_nonfinite: str = "mark"
     failure_domain: str | Callable[[int], str] | None = None
+    on_lagging_tier: str = "skip"
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -215,6 +225,11 @@ class TieredConfig:
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"TieredConfig: on_nonfinite={self.on_nonfinite!r} must be one of {list(NONFINITE_POLICIES)}"
+            )
+        if self.on_lagging_tier not in LAGGING_POLICIES:
+            raise ValueError(
+                f"TieredConfig: on_lagging_tier={self.on_lagging_tier!r} "
+                f"must be one of {list(LAGGING_POLICIES)}"
             )
 
     def to_dict(self) -> dict[str, Any]:

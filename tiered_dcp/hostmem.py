@@ -12,6 +12,11 @@ assumed to hold as much as this one (the ranks of a sharded model do, to a few p
 Dedup makes the kept steps share their unchanged blocks, so with ``dedup=True`` only one
 step is counted (the least a tier holds). A tier with ``keep=None`` grows by a step per
 save and is counted as one; a warning says so.
+
+A RAM tier that saves stage into holds no more than that even when a slower tier lags
+(``TieredConfig.on_lagging_tier``: its retention passes over the copy's pin, or the save
+waits for it), and the part files prepared ahead of the saves (``staging``) make up, with
+the tier's own, those ``keep + 1`` steps.
 """
 
 from __future__ import annotations

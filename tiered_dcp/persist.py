@@ -15,6 +15,12 @@ is merely slow; for one that is not, they go on, and the queue for it keeps only
 step (the others are recorded as skipped), so that step is the next to reach it once it
 answers again.
 
+A step that leaves the keep window of a RAM tier it is copied from, while its copy is under
+way or still queued, is dropped there all the same (``on_lagging_tier="skip"``,
+``tierfile.drops_pinned``): its copy fails (the file is gone, or a chunk read from the
+file a newer save reuses fails its checksum, so nothing torn is ever written) and is
+recorded as skipped; the tier takes the next step queued, the newest.
+
 It outlives its trainer: once the trainer is gone it goes on with what it was handed for
 ``writer_drain_timeout`` seconds at most, then records what it could not write and exits.
 Run as ``python -m tiered_dcp.persist RUNDIR``; what it reads and writes there is ``rundir``'s.
@@ -37,7 +43,7 @@ from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
 from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
 
-from . import dedup
+from . import dedup, tierfile
 from .catalog import StepCopy, TierView, read_metadata_blob
 from .cliques import Layout
 from .commit import copied_marker
@@ -58,6 +64,11 @@ IDLE_EXIT = float(os.environ.get("TIERED_DCP_WRITER_IDLE_EXIT", "3600"))
 
 class Abandoned(Exception):
     """The step will never be committed on its source tier, so it is not copied further."""
+
+
+class Skipped(Exception):
+    """The step left its source tier's keep window before its copy was done
+    (``on_lagging_tier="skip"``): the copy is abandoned, a newer step goes in its place."""
 
 
 def _throttle() -> float | None:
@@ -279,7 +290,13 @@ class Persister:
             except Abandoned as e:
                 state, error = OutcomeState.FAILED, f"abandoned: {e}"
                 break
+            except Skipped as e:
+                state, error = OutcomeState.SKIPPED, f"skipped: {e}"
+                break
             except Exception as e:
+                if self.left_window(src, job):
+                    state, error = OutcomeState.SKIPPED, f"skipped: {self.why_skipped(src, job)}"
+                    break
                 log.warning("step %d to tier %s, attempt %d: %r", job.step, dst.tier.path, attempt, e)
                 state, error = OutcomeState.FAILED, f"{type(e).__name__}: {e}"
                 self.judge(job.target, TierState.FAILING, error)
@@ -347,7 +364,10 @@ class Persister:
         try:
             src.own.delete(pin_key(self.config.namespace, job.step, job.rank, job.target))
             newest = max(src.committed(), default=job.step)
-            if newest > job.step:  # the source tier's retention skipped this step while pinned
+            # the source tier's retention skipped this step while pinned; with
+            # on_lagging_tier="skip" it skipped nothing for a pin, and a retention here would
+            # delete the spare part files the trainer's next save is about to stage into
+            if newest > job.step and not tierfile.drops_pinned(self.config, src.own):
                 src.apply_retention(newest)
         except OSError as e:
             log.warning("could not unpin step %d on %s: %s", job.step, src.tier.path, e)
@@ -359,6 +379,8 @@ class Persister:
             marker = src.read_marker(src.own, job.step)
             if marker is not None:
                 return StepCopy(src.index, job.step, marker, src.own)
+            if self.left_window(src, job):
+                raise Skipped(self.why_skipped(src, job))
             if not src.own.list(step_dir(self.config.namespace, job.step)):
                 raise Abandoned(f"step {job.step} is gone from tier {src.tier.path} (its save failed)")
             if any(s > job.step for s in src.committed()):
@@ -373,6 +395,21 @@ class Persister:
                     f"step {job.step} was not committed on {src.tier.path} within {MARKER_TIMEOUT:.0f} s"
                 )
             time.sleep(POLL)
+
+    def left_window(self, src: TierView, job: Job) -> bool:
+        """Whether the source's retention dropped the step while it was queued or copied
+        (``tierfile.drops_pinned``): no marker, a newer step committed there."""
+        if not tierfile.drops_pinned(self.config, src.own):
+            return False
+        if src.read_marker(src.own, job.step) is not None:
+            return False
+        return any(s > job.step for s in src.committed())
+
+    def why_skipped(self, src: TierView, job: Job) -> str:
+        return (
+            f"step {job.step} left the keep window of tier {src.tier.path} (keep={src.tier.keep}) "
+            "before its copy was done (on_lagging_tier='skip'); the newest step is copied instead"
+        )
 
     def persist(
         self, src: TierView, dst: TierView, job: Job, timing: dict[str, float] | None = None

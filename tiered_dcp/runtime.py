@@ -82,8 +82,11 @@ class WriterHandle:
         _LAUNCHED[self.rd] = proc
         threading.Thread(target=proc.wait, daemon=True, name="tiered-dcp-reaper").start()
 
-    def wait_for_room(self, step: int, targets: list[int], owner_pid: int, max_pending: int) -> float:
-        """Wait while the writer has ``max_pending`` steps queued for a healthy one of ``targets``.
+    def wait_for_room(
+        self, step: int, targets: list[int], owner_pid: int, max_pending: int, before: int | None = None
+    ) -> float:
+        """Wait while the writer has ``max_pending`` steps queued for a healthy one of ``targets``,
+        or, given ``before``, any step older than that (``on_lagging_tier="wait"``).
 
         Called before ``step`` is staged or written, so a writer that fell behind makes the
         next save wait and never delays the commit of a step already written. A tier its
@@ -95,7 +98,7 @@ class WriterHandle:
         started = time.monotonic()
         warn_at = max(started + WAIT_WARNING, self._next_warning)
         for target in targets:
-            while len(self.rd.queued(target)) >= max_pending and self.healthy(target):
+            while self._behind(target, max_pending, before) and self.healthy(target):
                 if time.monotonic() > warn_at:
                     warn_at = self._next_warning = time.monotonic() + 60
                     log.warning(
@@ -113,6 +116,10 @@ class WriterHandle:
                 if not self.rd.writer_running():
                     self.ensure(owner_pid)
         return time.monotonic() - started
+
+    def _behind(self, target: int, max_pending: int, before: int | None) -> bool:
+        queued = self.rd.queued(target)
+        return len(queued) >= max_pending or (before is not None and any(j.step < before for j in queued))
 
     def healthy(self, target: int) -> bool:
         """Whether the writer judges ``target`` healthy; a change is logged once."""

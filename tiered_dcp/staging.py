@@ -16,6 +16,14 @@ save, its file a kept step, and is staged into again once retention has made tha
 spare (or the save that staged it failed before writing it); one whose file was deleted
 is let go. Pieces are laid out largest element first, back to back, so each is aligned to
 its element and no byte of the arena is padding.
+
+No page is faulted, allocated or registered on the training thread once saves run: after
+a save has staged, the pool prepares in the background (``prepare_soon``) the part files
+the next saves will stage into, up to ``keep + 1`` per layout (what the RAM tier holds at
+most: its kept steps and the one being written): each made ahead with no name
+(``tierfile.prepare``), mapped, every page touched and, on CUDA, registered; a save names
+one (``tierfile.adopt``) when no spare of its own is there to take. ``prepare`` does the
+same before the first save (``TieredWriter.prepare``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +192,17 @@ class Examined:
     flat_pieces: list[torch.Tensor] = field(default_factory=list)  # every leaf's, in order
     layouts: list[tuple] = field(default_factory=list)
     refresh: list[int] = field(default_factory=list)  # the leaves with a per-save part
+    written: dict[Any, Any] = field(default_factory=dict)  # CUDA device -> event (``mark_written``)
+
+    def mark_written(self) -> None:
+        """Record, per CUDA device of the state, an event on the caller's current stream:
+        the state's last writes, which the copies wait for. Called on the training thread,
+        so that a copy made later on another (``background_staging``) waits for its
+        stream, not for that thread's own."""
+        for device in {p.device for p in self.flat_pieces if p.device.type == "cuda"}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.written[device] = event
 
     @property
     def nbytes(self) -> int:
@@ -244,6 +264,7 @@ class _Slot:
     fd: int | None = None  # a part file's (``tierfile``); None: shared memory of its own
     file: TierFile | None = None  # where the part file was put last
     busy: bool = False
+    prepared: bool = False  # a part file made ahead, with no name yet (``tierfile.prepare``)
     generation: int = 0
     nbytes: int = field(init=False)
 
@@ -278,22 +299,27 @@ def arena_layout(pieces: list[torch.Tensor]) -> list[tuple]:
     return spans
 
 
-def _allocate(ex: Examined, target: TierFile | None) -> _Slot:
+def _allocate(ex: Examined, target: TierFile | None, prepared: int | None = None) -> _Slot:
+    """A slot for ``ex``: shared memory of its own, the part file ``target`` (claimed now),
+    or the prepared file open as ``prepared`` (``tierfile.prepare``, which it then owns)."""
     total = ex.nbytes
-    fd = None
-    if target is None:
+    fd = prepared
+    if target is None and fd is None:
         storage = torch.UntypedStorage._new_shared(max(total, 1), device="cpu")
     else:
-        fd = tierfile.create(target, total)
+        if fd is None:
+            assert target is not None
+            fd = tierfile.create(target, total)
         try:
             storage = torch.UntypedStorage._new_shared_fd_cpu(fd, total)  # maps it (a dup of fd)
         except BaseException:
             os.close(fd)
-            tierfile.discard(target)
+            if target is not None:
+                tierfile.discard(target)
             raise
     arena = torch.empty(0, dtype=torch.uint8).set_(storage)
     if target is None:
-        arena.fill_(0)  # touch every page now, not during the first save's copy
+        arena.fill_(0)  # touch every page now, not during a save's copy
     on_cuda = any(p.device.type == "cuda" for pieces in ex.pieces for p in pieces)
     if on_cuda:
         _pin(arena.data_ptr(), arena.numel())
@@ -308,6 +334,7 @@ def _allocate(ex: Examined, target: TierFile | None) -> _Slot:
     slot = _Slot(ex.signature, arena, targets, spans, staged, list(ex.kinds), counts, on_cuda, fd)
     slot.nbytes = total
     slot.file = target
+    slot.prepared = prepared is not None
     return slot
 
 
@@ -337,6 +364,9 @@ class StagingPool:
         self.slots = 2
         self._closing = False
         self._reserved = 0  # saves counted in flight whose background staging has no slot yet
+        self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
+        self._preparer: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, Any] = {}  # device -> the side stream its copies run on
 
     def reserve(self) -> bool:
         """Count a save as in flight before its background staging has taken a slot."""
@@ -374,10 +404,7 @@ class StagingPool:
     @torch.no_grad()
     def _copy_into(self, slot: _Slot, ex: Examined) -> list[Any]:
         """Copy every piece into its arena view; then the per-save part of each leaf."""
-        stream = None
-        if slot.pinned:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
+        stream = self._side_stream(ex) if slot.pinned else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         nb = stream is not None
         i = 0
@@ -397,6 +424,69 @@ class StagingPool:
                 raise ex.refused(i, e) from e
         return values
 
+    def _side_stream(self, ex: Examined) -> Any:
+        """The stream the device-to-host copies run on, one per device and kept: ordered
+        after the state's last writes by their events (``Examined.mark_written``), so the
+        training stream (the next step's kernels) is never queued behind the copies."""
+        device = next(p.device for p in ex.flat_pieces if p.device.type == "cuda")
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        if not ex.written:
+            ex.mark_written()
+        for event in ex.written.values():
+            stream.wait_event(event)
+        return stream
+
+    def prepare(self, ex: Examined, where: TierFile | None, files: int) -> int:
+        """Make ready what the next saves of ``ex``'s layout stage into, so that none faults,
+        allocates or registers a page: part files in ``where``'s tier (with no name yet,
+        ``tierfile.prepare``) until ``files`` of this layout are mapped (``MAPPED_FILES`` at
+        most), or, without ``where``, one shared-memory buffer. Each page is touched (and
+        registered on CUDA) here. Returns the bytes made."""
+        signature = ex.signature
+        with self._cond:
+            if where is None:
+                have = sum(s.fd is None and s.signature == signature for s in self._slots)
+                need = 0 if have or not ex.nbytes else 1
+            else:
+                mine = [s for s in self._slots if s.fd is not None]
+                have = sum(s.signature == signature for s in mine)
+                others = tierfile.unmapped(where, {os.fstat(s.fd).st_ino for s in mine})  # type: ignore[arg-type]
+                need = max(0, min(files, MAPPED_FILES) - have - others - self._preparing)
+            self._preparing += need
+        made = 0
+        try:
+            for _ in range(need):
+                fd = tierfile.prepare(where, ex.nbytes) if where is not None else None
+                slot = _allocate(ex, None, fd)
+                with self._cond:
+                    self._preparing -= 1
+                    need -= 1
+                    self._slots.append(slot)  # behind the mapped kept steps: their spares go first
+                    self._cond.notify_all()
+                made += slot.nbytes
+        finally:
+            with self._cond:
+                self._preparing -= need
+                self._cond.notify_all()
+        return made
+
+    def prepare_soon(self, ex: Examined, where: TierFile | None, files: int) -> Future[int]:
+        """``prepare`` on the pool's own thread, off the training thread; a failure (a full
+        tier) is logged, and the save that finds nothing prepared claims its file itself."""
+        if self._preparer is None:
+            self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-prepare")
+
+        def run() -> int:
+            try:
+                return self.prepare(ex, where, files)
+            except Exception as e:  # noqa: BLE001 - the next save claims its file itself
+                log.warning("preparing the next saves' part files failed (they make their own): %s", e)
+                return 0
+
+        return self._preparer.submit(run)
+
     def _acquire(self, ex: Examined, target: TierFile | None) -> _Slot:
         signature = ex.signature
         started = time.monotonic()
@@ -407,7 +497,10 @@ class StagingPool:
                 slot = self._reusable(signature, target)
                 if slot is not None:
                     return self._take(slot)
-                self._let_go_of_files()
+                if target is not None and self._preparing:  # one is on its way: no page faulted here
+                    self._cond.wait(timeout=0.05)
+                    continue
+                self._let_go_of_files(signature)
                 counted = [s for s in self._slots if s.busy or s.fd is None]
                 idle = [s for s in counted if not s.busy]
                 if idle:  # the state changed shape, or saves go to part files now
@@ -429,22 +522,35 @@ class StagingPool:
 
     def _reusable(self, signature: tuple, target: TierFile | None) -> _Slot | None:
         """An idle slot of this layout: shared memory for a save without ``target``, else a
-        part file that ``tierfile.reclaim`` could move to ``target`` (still mapped here)."""
-        for slot in self._slots:
-            if slot.busy or slot.signature != signature or (slot.fd is None) != (target is None):
-                continue
-            if target is None:
-                return slot
+        part file that ``tierfile.reclaim`` could move to ``target`` (still mapped here), else
+        a prepared one (``tierfile.adopt``)."""
+        idle = [
+            s
+            for s in self._slots
+            if not s.busy and s.signature == signature and (s.fd is None) == (target is None)
+        ]
+        if target is None:
+            return idle[0] if idle else None
+        for slot in idle:
             assert slot.fd is not None
             if slot.file is not None and tierfile.reclaim(slot.fd, slot.file, target, slot.nbytes):
                 slot.file = target
                 return slot
+        for slot in idle:
+            if slot.prepared:
+                assert slot.fd is not None
+                tierfile.adopt(slot.fd, target, slot.nbytes)
+                slot.prepared, slot.file = False, target
+                return slot
         return None
 
-    def _let_go_of_files(self) -> None:
+    def _let_go_of_files(self, signature: tuple) -> None:
         """Unmap idle part-file slots whose file was deleted, and the oldest beyond
-        ``MAPPED_FILES`` (their files are kept steps, held by the tier, not by the map)."""
-        files = [s for s in self._slots if s.fd is not None and not s.busy]
+        ``MAPPED_FILES`` (their files are kept steps, held by the tier, not by the map);
+        prepared ones of another layout go (the state changed shape)."""
+        for slot in [s for s in self._slots if s.prepared and not s.busy and s.signature != signature]:
+            self._drop(slot)
+        files = [s for s in self._slots if s.fd is not None and not s.busy and not s.prepared]
         for i, slot in enumerate(files):
             if i >= MAPPED_FILES or tierfile.gone(slot.fd):  # type: ignore[arg-type]
                 self._drop(slot)
@@ -491,6 +597,12 @@ class StagingPool:
                 "files": sum(s.fd is not None for s in self._slots),
                 "max_slots": self.slots,
             }
+
+    def prepared_bytes(self) -> int:
+        """The bytes of part files prepared for coming saves (in the RAM tier's memory, but
+        named by no step yet: no listing of the tier shows them)."""
+        with self._cond:
+            return sum(s.nbytes for s in self._slots if s.prepared)
 
     def close(self) -> None:
         """Free the idle slots now and the busy ones as their uploads end; part files that

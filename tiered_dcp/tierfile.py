@@ -61,6 +61,14 @@ def recycles(config: TieredConfig, store: Storage) -> bool:
     return isinstance(store, LocalStorage) and not config.dedup and in_memory(store.root)
 
 
+def drops_pinned(config: TieredConfig, store: Storage) -> bool:
+    """Whether retention drops a step leaving this tier's keep window even while a writer
+    process copies it (``on_lagging_tier="skip"`` on a tier saves stage into): host memory
+    stays at keep + 1 steps; the copy fails its checksums or finds the step gone, and is
+    recorded as skipped."""
+    return config.on_lagging_tier == "skip" and recycles(config, store)
+
+
 def target(config: TieredConfig, tier_index: int, store: Storage, step: int, rank: int) -> TierFile | None:
     """Where this rank's save of ``step`` stages, when its first tier takes staging (else None)."""
     tier = config.tiers[tier_index]
@@ -136,6 +144,58 @@ def reclaim(fd: int, was: TierFile, tf: TierFile, size: int) -> bool:
     return False
 
 
+def prepare(tf: TierFile, size: int) -> int:
+    """An open file of ``size`` bytes, all claimed, with no name yet (``O_TMPFILE`` in the
+    spare directory, so on the tier's file system): a part file made ahead of the saves that
+    will stage into it (``adopt`` names it). Retention never sees it, and it is gone with
+    the process that holds it. The caller owns the descriptor."""
+    spares = tf.store.make_dir(os.path.relpath(tf.spares, tf.store.root))
+    try:
+        fd = os.open(".", os.O_TMPFILE | os.O_RDWR, 0o644, dir_fd=spares)
+    finally:
+        os.close(spares)
+    try:
+        size_to(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def unmapped(tf: TierFile, mapped: set[int]) -> int:
+    """The part files in ``tf``'s namespace a save of this rank may take that are not among
+    ``mapped`` (inodes): its parts of the steps the tier holds (a former process's, at a
+    resume) and the spares. ``StagingPool.prepare`` makes fewer by as many, so that the
+    tier's files and the prepared ones stay at ``keep + 1`` steps."""
+    ns_dir, spare_name = os.path.split(tf.spares)
+    part = os.path.basename(tf.clean)
+    paths = []
+    with _opened_dir(ns_dir) as ns:
+        for entry in _listed(ns):
+            if entry == spare_name:
+                with _opened_dir(tf.spares) as spares:
+                    paths += [os.path.join(tf.spares, n) for n in _listed(spares)]
+            else:
+                paths.append(os.path.join(ns_dir, entry, part))
+    count = 0
+    for path in paths:
+        with contextlib.suppress(OSError):  # not there, or not a directory on the way
+            st = os.lstat(path)
+            count += stat.S_ISREG(st.st_mode) and st.st_ino not in mapped
+    return count
+
+
+def adopt(fd: int, tf: TierFile, size: int) -> None:
+    """Name the prepared file open as ``fd`` (``prepare``) ``tf.dirty``: a save stages into it."""
+    directory = tf.store.make_dir(tf.directory)  # no link on the way
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(tf.dirty), dst_dir_fd=directory, follow_symlinks=True)
+    finally:
+        os.close(directory)
+    if os.fstat(fd).st_size != size:
+        size_to(fd, size)
+
+
 def delete_unused(fd: int, was: TierFile) -> None:
     """Delete the file open as ``fd`` where no step holds it: a spare, or never written."""
     ino = os.fstat(fd).st_ino
@@ -152,7 +212,12 @@ def gone(fd: int) -> bool:
 
 def size_to(fd: int, size: int) -> None:
     """Exactly ``size`` bytes, every block claimed now: a full tmpfs fails here with ENOSPC,
-    not with SIGBUS when the map is written."""
+    not with SIGBUS when the map is written. A file already that size with every block
+    claimed (a spare of the same layout) is left as it is: ``posix_fallocate`` walks every
+    page of it, a cost on the training thread for nothing."""
+    st = os.fstat(fd)
+    if st.st_size == size and st.st_blocks * 512 >= size:
+        return
     os.ftruncate(fd, size)
     if size:
         os.posix_fallocate(fd, 0, size)

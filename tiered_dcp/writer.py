@@ -49,7 +49,7 @@ from .records import Kind, record
 from .replicate import SavedPart, Swap, commit_everywhere, write_index
 from .rundir import Job
 from .runtime import MAX_PENDING, writer_handle
-from .staging import POOL, examine, staged_file
+from .staging import POOL, Examined, examine, staged_file
 from .tensors import as_cpu_contiguous, byte_view, finite_screen
 from .tierfile import TierFile
 from .transport import PeerTimeout
@@ -342,6 +342,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         # DCP's PROCESS async mode, set on the copy of the writer that process saves with)
         self.sent_bytes = 0
         self._waited = False
+        self._handoff_later = False  # ``stage`` left the writer's start and checks to write_data
         self.staged_file: TierFile | None = None  # the RAM tier's part file ``stage`` filled
         self.rank = 0
         self.node = node_of(0)
@@ -376,12 +377,16 @@ class TieredWriter(StorageWriter, AsyncStager):
         if self.handle_sigterm:
             preemption.install()
         rank = _current_rank()
-        self._wait_for_writer(rank)
+        first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
+        if tierfile.drops_pinned(self.config, first.own):  # no wait: the hand-off's checks
+            self._handoff_later = True  # run in write_data, off the training thread
+        else:
+            self._wait_for_writer(rank)
         started = time.perf_counter()
         POOL.slots = self.staging_slots
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
+        examined.mark_written()  # on CUDA: the copies wait for this thread's stream, wherever they run
         staged_now = POOL.info()["bytes"]
-        first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
         self.staged_file = tierfile.target(self.config, first.index, first.own, self.step, rank)
         copies = 0 if self.staged_file is not None else self.staging_slots  # the tier's step is the copy
         hostmem.guard(self.config, examined.nbytes, copies, self.tier_indexes[0], staged_now)
@@ -389,10 +394,40 @@ class TieredWriter(StorageWriter, AsyncStager):
             staged = POOL.stage(examined, target=self.staged_file)
             self.stage_seconds = time.perf_counter() - started
             self.staging_bytes = POOL.info()["bytes"]
+            self._prepare_next(examined)
             return staged
-        future = _staging_thread().submit(POOL.stage, examined, POOL.reserve(), self.staged_file)
+        future = _staging_thread().submit(self._stage_then_prepare, examined, POOL.reserve())
         self.stage_seconds = time.perf_counter() - started
         return future
+
+    def _stage_then_prepare(self, examined: Examined, reserved: bool) -> STATE_DICT_TYPE:
+        """Background staging: the copy, then the next saves' files (``_prepare_next``)."""
+        staged = POOL.stage(examined, reserved, self.staged_file)
+        self._prepare_next(examined)
+        return staged
+
+    def _prepare_next(self, examined: Examined) -> None:
+        """After a save staged into the RAM tier: its next ``keep`` saves' part files are made
+        in the background (``StagingPool.prepare``), so none faults a page in."""
+        if self.staged_file is not None:
+            keep = self.config.tiers[self.tier_indexes[0]].keep or 0
+            POOL.prepare_soon(examined, self.staged_file, keep + 1)
+
+    def prepare(self, state_dict: STATE_DICT_TYPE) -> None:
+        """Make ready, before the first save, what saves of ``state_dict`` stage into: the
+        RAM tier's part files for its ``keep + 1`` steps (or a staging buffer when the first
+        tier is not in memory), sized, every page touched and, on CUDA, registered. Checked
+        against the host's memory first (``hostmem.guard``). Optional: without it the first
+        save claims its own, and later saves find theirs made in the background."""
+        rank = _current_rank()
+        POOL.slots = self.staging_slots
+        examined = examine(state_dict)
+        first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
+        where = tierfile.target(self.config, first.index, first.own, self.step, rank)
+        copies = 0 if where is not None else self.staging_slots
+        hostmem.guard(self.config, examined.nbytes, copies, first.index, POOL.info()["bytes"])
+        keep = self.config.tiers[first.index].keep or 0
+        POOL.prepare(examined, where, keep + 1)
 
     def synchronize_staging(self) -> None:
         """Nothing to do: ``stage`` returns a finished copy or a future for it."""
@@ -464,13 +499,35 @@ class TieredWriter(StorageWriter, AsyncStager):
             handle = writer_handle(self.config, rank)
             handle.ensure(self.owner_pid or os.getpid())  # started early, ready by the hand-off
             handle.report_failures()
-            if slower:
+            if slower and not self._skips_lagging():
                 owner = self.owner_pid or os.getpid()
-                self.handoff_wait += handle.wait_for_room(self.step, slower, owner, self.max_pending)
+                before = self._leaving_window()
+                self.handoff_wait += handle.wait_for_room(self.step, slower, owner, self.max_pending, before)
         self._waited = True
 
+    def _skips_lagging(self) -> bool:
+        """Whether no save waits for the slower tiers (``on_lagging_tier="skip"`` on a RAM
+        first tier): the steps they lag behind on leave it all the same."""
+        first = self._first()
+        return tierfile.drops_pinned(self.config, first.own)
+
+    def _leaving_window(self) -> int | None:
+        """With ``on_lagging_tier="wait"`` on a RAM first tier: the oldest step it keeps now.
+        An older one a slower tier still has queued is waited for before this save stages:
+        its file is the one this save needs, with the kept steps' and this one's making
+        ``keep + 1``."""
+        first = self._first()
+        keep = first.tier.keep
+        if keep is None or not tierfile.recycles(self.config, first.own):
+            return None
+        kept = sorted(s for s in first.committed() if s < self.step)[-keep:]
+        return kept[0] if kept else None
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if not self._waited:  # a sync save: nothing was staged
+        if self._handoff_later:  # an async save that waits for no writer (``stage``)
+            self._handoff_later = False
+            self._wait_for_writer(self.rank)
+        elif not self._waited:  # a sync save: nothing was staged
             hostmem.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
             self._wait_for_writer(self.rank)
         started = time.perf_counter()
@@ -625,7 +682,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         }
         if self.stage_seconds is not None:
             fields["stage_s"] = round(self.stage_seconds, 6)
-        staging = POOL.info()["bytes"] if self.owner_pid in (None, os.getpid()) else self.staging_bytes
+        here = self.owner_pid in (None, os.getpid())  # prepared files: in memory, in no listing
+        staging = POOL.info()["bytes"] + POOL.prepared_bytes() if here else self.staging_bytes
         if staging is not None:  # not known in DCP's background process after background staging
             fields["staged"] = staging
         record(self.config, Kind.SAVE, self.rank, self.step, **fields)

@@ -1,0 +1,263 @@
+"""Issue 38: the stall of an async save to a RAM tier is the copy alone, at any save rate.
+
+What must hold, with real processes and real files in /dev/shm:
+
+- no page of what a save stages into is faulted on the training thread: after the first
+  save, the pool prepares the next saves' part files in the background, and
+  ``TieredWriter.prepare`` does so before the first save (counted as minor page faults of
+  the training thread during ``async_save``);
+- every snapshot stays exact when staged into a prepared file (the state changed right
+  after ``async_save`` returns);
+- a slower tier that cannot keep up neither stalls saves nor grows host memory
+  (``on_lagging_tier="skip"``, the default): the RAM tier holds keep + 1 part files, the
+  steps the slower tier could not finish are recorded as skipped, the newest reaches it,
+  and whatever it committed loads exactly; ``on_lagging_tier="wait"`` makes saves wait,
+  and every step reaches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import settle
+from tiered_dcp.storage.format import part_key
+
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, status, writer_status
+from tiered_dcp.staging import POOL
+
+MiB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _state(seed: int, mib: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(mib * MiB // 4, generator=g), "i": torch.arange(7) + seed, "step": seed}
+
+
+def _zeros(mib: int) -> dict:
+    return {"w": torch.zeros(mib * MiB // 4), "i": torch.zeros(7, dtype=torch.int64), "step": 0}
+
+
+def _exact(cfg: TieredConfig, step: int, mib: int, tier: int | None = None) -> bool:
+    target = _zeros(mib)
+    only = cfg if tier is None else TieredConfig(cfg.namespace, [cfg.tiers[tier]])
+    dcp.load(target, storage_reader=TieredReader(only, step=step))
+    want = _state(step, mib)
+    return (
+        torch.equal(target["w"], want["w"]) and torch.equal(target["i"], want["i"]) and target["step"] == step
+    )
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def _wait_prepared(timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while POOL._preparing or (POOL._preparer is not None and POOL._preparer._work_queue.qsize()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)
+
+
+def _part_files(cfg: TieredConfig) -> list[Path]:
+    """The RAM tier's part files: its steps' (clean or being written) and its spares (a
+    directory removed while it is listed is passed over: retention runs meanwhile)."""
+    root = Path(cfg.tiers[0].root(0, 0), cfg.namespace)
+    return [
+        Path(d, n)
+        for d, _, names in os.walk(root)
+        for n in names
+        if ".part" in n or os.path.basename(d) == "spare"
+    ]
+
+
+def _inodes(cfg: TieredConfig) -> set[int]:
+    """The inodes of the RAM tier's part files now (one removed meanwhile is passed over)."""
+    out = set()
+    for p in _part_files(cfg):
+        with contextlib.suppress(FileNotFoundError):
+            out.add(p.stat().st_ino)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_pool():
+    POOL.close()
+    yield
+    POOL.close()
+
+
+@pytest.mark.parametrize("prepared_first", [False, True])
+def test_no_page_is_faulted_on_the_training_thread(shm, tmp_path, prepared_first):
+    """A 16 MiB state is 4096 pages: a save copying into fresh pages faults each of them on
+    the training thread; one staging into a prepared (or reused) file faults none of them."""
+    mib = 16
+    cfg = TieredConfig("faults", [Tier(str(shm / "ram"), keep=2), Tier(str(tmp_path / "ssd"), every=2)])
+    state = _state(0, mib)
+    if prepared_first:
+        TieredWriter(cfg, step=1).prepare(state)
+    faults = {}
+    fut = None
+    for step in range(1, 7):
+        state["w"].copy_(_state(step, mib)["w"])
+        state["i"].copy_(_state(step, mib)["i"])
+        state["step"] = step
+        if fut is not None:
+            fut.result()
+        _wait_prepared()  # the background work of the last save is not the training thread's
+        before = _faults()
+        fut = dcp.async_save(state, storage_writer=TieredWriter(cfg, step=step))
+        faults[step] = _faults() - before
+        state["w"].add_(1.0)  # the next training step, right after async_save returned
+        state["i"].add_(1)
+        state["step"] = -1
+    fut.result()
+    pages = mib * MiB // PAGE
+    checked = range(1 if prepared_first else 2, 7)
+    assert all(faults[s] < pages // 4 for s in checked), (faults, pages)
+    settle(cfg)
+    for step in (5, 6):
+        assert _exact(cfg, step, mib, tier=0)
+    assert _exact(cfg, 6, mib, tier=1)
+    assert len(_part_files(cfg)) <= 3
+
+
+def test_prepared_files_hold_at_most_keep_plus_one_steps(shm):
+    """The prepared files and the kept steps' files together: keep + 1 per rank, as the
+    memory guard counts them; closing the pool lets the unnamed ones go with it."""
+    mib = 4
+    cfg = TieredConfig("prep", [Tier(str(shm), keep=2)])
+    before = os.statvfs(shm)
+    used = lambda: (before.f_bfree - os.statvfs(shm).f_bfree) * before.f_frsize  # noqa: E731
+    TieredWriter(cfg, step=1).prepare(_state(0, mib))
+    assert POOL.prepared_bytes() == 3 * mib * MiB + 3 * 7 * 8
+    assert _part_files(cfg) == []  # none named yet: no tier lists them
+    peak = used()
+    for step in range(1, 7):
+        dcp.async_save(_state(step, mib), storage_writer=TieredWriter(cfg, step=step)).result()
+        _wait_prepared()
+        peak = max(peak, used())
+    assert peak <= 3.1 * mib * MiB, peak / MiB
+    for step in (5, 6):
+        assert _exact(cfg, step, mib)
+    POOL.close()
+    assert used() <= 2.1 * mib * MiB  # the two kept steps
+
+
+def _slow_tier_saves(
+    shm: Path, tmp_path: Path, policy: str, monkeypatch, max_pending: int = 2
+) -> tuple[TieredConfig, float, int, set[int]]:
+    """Six async saves back to back to a RAM tier keep=2 and a disk tier taking every step
+    at 4 MB/s (2 s per 8 MiB step); returns the config, the longest stall, the most part
+    files the RAM tier held at once (named, or prepared with no name) and every part
+    file's inode."""
+    monkeypatch.setenv("TIERED_DCP_WRITER_MBPS", "4")
+    mib = 8
+    cfg = TieredConfig(
+        f"lag-{policy}", [Tier(str(shm / "ram"), keep=2), Tier(str(tmp_path / "ssd"))], on_lagging_tier=policy
+    )
+    state = _state(0, mib)
+    longest, most, fut, inodes = 0.0, 0, None, set()
+    for step in range(1, 7):
+        state["w"].copy_(_state(step, mib)["w"])
+        state["i"].copy_(_state(step, mib)["i"])
+        state["step"] = step
+        if fut is not None:
+            fut.result()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, storage_writer=TieredWriter(cfg, step=step, max_pending=max_pending))
+        longest = max(longest, time.perf_counter() - t0)
+        state["w"].add_(1.0)  # changed right after async_save returned
+        state["step"] = -1
+        most = max(most, len(_part_files(cfg)) + POOL.prepared_bytes() // (mib * MiB))
+        inodes |= _inodes(cfg)
+    fut.result()
+    most = max(most, len(_part_files(cfg)) + POOL.prepared_bytes() // (mib * MiB))
+    inodes |= _inodes(cfg)
+    return cfg, longest, most, inodes
+
+
+def test_a_lagging_tier_is_skipped_not_waited_for(shm, tmp_path, monkeypatch):
+    cfg, longest, most, inodes = _slow_tier_saves(shm, tmp_path, "skip", monkeypatch)
+    assert longest < 1.0, f"a save waited {longest:.2f} s for the slow tier"
+    assert most <= 3, f"the RAM tier held {most} part files (keep=2: at most 3)"
+    # the same 3 files served every save: none was deleted and made again in cold pages
+    # (the writer process's retention deleted the spare the next save was to stage into)
+    assert len(inodes) <= 3, inodes
+    settle(cfg, timeout=120)
+    (w,) = writer_status(cfg)
+    skipped = sorted(s for s, t, _ in w.skipped if t == 1)
+    assert skipped, "no step was recorded as skipped"
+    assert all("keep window" in why for _, _, why in w.skipped)
+    assert not w.failed
+    tiers = [t.path for t in cfg.tiers]
+    cmd = [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", cfg.namespace, *tiers]
+    ls = subprocess.run(cmd, capture_output=True, text=True)
+    assert f"SKIPPED step {skipped[0]} -> tier 1" in ls.stdout and "keep window" in ls.stdout, ls.stdout
+    on_disk = sorted(r.step for r in status(cfg) if r.tier_index == 1 and r.state == "committed")
+    assert 6 in on_disk and not set(skipped) & set(on_disk)
+    for step in on_disk:  # what the slow tier committed is exact, though its source was reused
+        assert _exact(cfg, step, 8, tier=1), step
+    for step in (5, 6):
+        assert _exact(cfg, step, 8, tier=0)
+    shutdown(wait=True, timeout=60)
+
+
+def test_wait_policy_waits_and_every_step_reaches_the_slow_tier(shm, tmp_path, monkeypatch):
+    # max_pending=5: the writer's queue alone would let a fourth step be held
+    cfg, longest, most, _ = _slow_tier_saves(shm, tmp_path, "wait", monkeypatch, max_pending=5)
+    assert longest > 0.5, "no save waited for the slow tier"
+    assert most <= 3, f"the RAM tier held {most} part files (keep=2: at most 3)"
+    settle(cfg, timeout=120)
+    (w,) = writer_status(cfg)
+    assert not w.skipped and not w.failed
+    for step in range(1, 7):
+        assert _exact(cfg, step, 8, tier=1), step
+    shutdown(wait=True, timeout=60)
+
+
+def test_config_refuses_an_unknown_lagging_policy():
+    with pytest.raises(ValueError, match="on_lagging_tier"):
+        TieredConfig("x", [Tier("/tmp/x")], on_lagging_tier="drop")
+
+
+def test_part_key_of_a_prepared_file_is_its_step(shm):
+    """A prepared file, once a save names it, is that step's part file (and no other)."""
+    cfg = TieredConfig("named", [Tier(str(shm), keep=1)])
+    TieredWriter(cfg, step=3).prepare(_state(0, 1))
+    dcp.async_save(_state(3, 1), storage_writer=TieredWriter(cfg, step=3)).result()
+    assert [p.relative_to(shm).as_posix() for p in _part_files(cfg)] == [part_key(cfg.namespace, 3, 0)]
+    assert _exact(cfg, 3, 1)
+
+
+def test_a_resumed_job_prepares_no_more_than_the_tier_lacks(shm):
+    """Steps a former process left on the RAM tier count among its keep + 1 files: a job
+    resumed beside them prepares only the rest, and host memory stays at keep + 1 steps."""
+    mib = 4
+    cfg = TieredConfig("resume", [Tier(str(shm), keep=2)])
+    for step in (1, 2):
+        dcp.async_save(_state(step, mib), storage_writer=TieredWriter(cfg, step=step)).result()
+    POOL.close()  # the former process is gone: its kept steps stay, nothing of it is mapped
+    before = os.statvfs(shm)
+    held = 2 * mib * MiB
+    used = lambda: held + (before.f_bfree - os.statvfs(shm).f_bfree) * before.f_frsize  # noqa: E731
+    TieredWriter(cfg, step=3).prepare(_state(0, mib))
+    assert POOL.prepared_bytes() <= mib * MiB + 1024  # one file: the two kept steps' are the others
+    peak = used()
+    for step in range(3, 8):
+        dcp.async_save(_state(step, mib), storage_writer=TieredWriter(cfg, step=step)).result()
+        _wait_prepared()
+        peak = max(peak, used())
+    assert peak <= 3.1 * mib * MiB, peak / MiB
+    for step in (6, 7):
+        assert _exact(cfg, step, mib)
