@@ -9,7 +9,7 @@ What must hold, with real processes and real files in /dev/shm:
 - every snapshot stays exact when staged into a prepared file (the state changed right
   after ``async_save`` returns);
 - a slower tier that cannot keep up neither stalls saves nor grows host memory
-  (``on_lagging_tier="skip"``, the default): the RAM tier holds keep + 1 part files, the
+  (``on_lagging_tier="skip"``): the RAM tier holds keep + 1 part files, the
   steps the slower tier could not finish are recorded as skipped, the newest reaches it,
   and whatever it committed loads exactly; ``on_lagging_tier="wait"`` makes saves wait,
   and every step reaches it.

@@ -135,7 +135,7 @@ class Tier:
 
 
 NONFINITE_POLICIES = ("mark", "raise", "ignore")  # TieredConfig.on_nonfinite; the first is the default
-LAGGING_POLICIES = ("skip", "wait")  # TieredConfig.on_lagging_tier; the first is the default
+LAGGING_POLICIES = ("wait", "skip")  # TieredConfig.on_lagging_tier; the first is the default
 
 
 def is_namespace(name: str) -> bool:
@@ -167,12 +167,12 @@ class TieredConfig:
     (``cliques.by_domain``) instead of by ``replication_jump``. ``on_lagging_tier``: what
     happens, when the first tier of a save is in memory (a RAM tier that saves stage into),
     to a step leaving its ``keep`` window while a slower tier still copies it
-    (``LAGGING_POLICIES``): ``"skip"`` drops it all the same, so that host memory stays at
+    (``LAGGING_POLICIES``): ``"wait"`` (the default: every step divisible by a tier's
+    ``every`` reaches it, as DESIGN.md fixes) makes the save that would push it out wait,
+    before it stages, until the copy is done; host memory stays at ``keep + 1`` steps, and
+    training waits for the slower tier. ``"skip"`` drops it all the same, so that host memory stays at
     ``keep + 1`` steps and no save waits; the slower tier's copy is abandoned and recorded
     as skipped (``tiered-dcp ls``, the writer's log), and it takes the newest step next.
-    ``"wait"`` makes the save that would push it out wait, before it stages, until the copy
-    is done: every step reaches the slower tier, host memory stays at ``keep + 1`` steps,
-    and training waits for the slower tier.
     """
 
     namespace: str
@@ -185,7 +185,7 @@ class TieredConfig:
     writer_drain_timeout: float = 600.0
     on_nonfinite: str = "mark"
     failure_domain: str | Callable[[int], str] | None = None
-    on_lagging_tier: str = "skip"
+    on_lagging_tier: str = "wait"
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
