@@ -9,13 +9,15 @@ here, not in the reader. Torch-free.
 
 Fallback order with a process group: this rank's own root on each node-local tier
 (fastest tier first), then peers holding the item's part (per tier, fastest first; the
-holders rotated by the requester's rank so that requests spread, roots this rank reads
-itself skipped), then shared tiers (fastest first). A process alone (no group) pools
+holders rotated by the item, so that every rank asking for an item asks the same holder
+first, which reads it once for all of them, and different items spread over the holders;
+roots this rank reads itself skipped), then shared tiers (fastest first). A process alone (no group) pools
 nothing: it reads every tier holding the step complete itself, fastest first.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -89,11 +91,17 @@ def _own(src: Sources, part: int) -> list[ReadSource]:
     return out
 
 
-def _peers(src: Sources, part: int) -> list[ReadSource]:
+def _spot(index: Hashable) -> int:
+    """A number of the item alone, the same in every process (``hash`` of a str is not)."""
+    key = (index.fqn, tuple(index.offset or ())) if hasattr(index, "fqn") else index
+    return zlib.crc32(repr(key).encode())
+
+
+def _peers(src: Sources, index: Hashable, part: int) -> list[ReadSource]:
     out = []
     for pt in sorted(src.pooled, key=lambda p: p.tier):
         holders = list(pt.holders.get(part, []))
-        start = src.me % len(holders) if holders else 0
+        start = _spot(index) % len(holders) if holders else 0
         for holder in holders[start:] + holders[:start]:
             if pt.roots.get(holder) != pt.roots.get(src.me):
                 out.append(ReadSource("peer", pt.tier, holder=holder))
@@ -110,7 +118,7 @@ def route(src: Sources, index: Hashable, part: int | None) -> ItemRoute:
         return ItemRoute(index, tuple(ReadSource(kind, t) for t, kind in sorted(src.alone.items())))
     sources: list[ReadSource] = []
     if part is not None:
-        sources += _own(src, part) + _peers(src, part)
+        sources += _own(src, part) + _peers(src, index, part)
     sources += [ReadSource("shared", t, root=url) for t, url in sorted(src.shared.items())]
     return ItemRoute(index, tuple(sources))
 

@@ -23,19 +23,20 @@ def test_intact_own_root_first_then_peers_on_other_roots_then_the_bucket():
     every = {p: [0, 1, 2, 3] for p in range(4)}  # each node's root holds all four parts
     src = Sources(1, pooled=(PooledTier(0, every, ROOTS),), own={0: "/ram/0"}, shared=BUCKET)
     r = route(src, "w", 2)
-    # rank 1 starts its holder rotation at 1 % 4; ranks 0 and 1 share its root, so are skipped
+    # "w" starts the holder rotation at 1; ranks 0 and 1 share rank 1's root, so are skipped
     assert r.sources == (own(0, "/ram/0"), peer(0, 2), peer(0, 3), shared(1, "gs://b/ckpt"))
     assert r.split_at_exchange() == ((own(0, "/ram/0"),), (shared(1, "gs://b/ckpt"),))
     assert r.peers == (peer(0, 2), peer(0, 3))
 
 
-def test_node_lost_reads_from_peers_spread_by_rank():
+def test_node_lost_every_asker_of_an_item_asks_one_holder_and_items_spread_over_holders():
     survivors = {p: [2, 3] for p in range(4)}  # node 0 was wiped: only node 1's root holds parts
     pooled = (PooledTier(0, survivors, ROOTS),)
     r0 = route(Sources(0, pooled=pooled, shared=BUCKET), "w", 0)
     r1 = route(Sources(1, pooled=pooled, shared=BUCKET), "w", 0)
-    assert r0.sources == (peer(0, 2), peer(0, 3), shared(1, "gs://b/ckpt"))
-    assert r1.sources == (peer(0, 3), peer(0, 2), shared(1, "gs://b/ckpt"))  # the other holder first
+    assert r0.sources == r1.sources == (peer(0, 3), peer(0, 2), shared(1, "gs://b/ckpt"))  # read once
+    a = route(Sources(0, pooled=pooled, shared=BUCKET), "a", 0)
+    assert a.sources == (peer(0, 2), peer(0, 3), shared(1, "gs://b/ckpt"))  # another item: the other holder
     assert r0.split_at_exchange() == ((), (shared(1, "gs://b/ckpt"),))
     # a survivor reads its own root and has no peer on another root to fall back on
     r2 = route(Sources(2, pooled=pooled, own={0: "/ram/1"}), "w", 0)

@@ -272,8 +272,8 @@ class PeerExchange:
         serve: Callable[[PeerRequest], torch.Tensor | None],
     ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]]:
         """Open the groups, post every receive, then read and send each item asked of this
-        rank, each sent as soon as it is read (its transfer overlaps the next read); the
-        arrivals follow (``_arrivals``)."""
+        rank, each sent as soon as it is read (its transfer overlaps the next read), an item
+        several ranks ask for read once; the arrivals follow (``_arrivals``)."""
         partners = set(wanted) | {requester for requester, _ in asked}
         if not partners:
             return iter(())
@@ -291,13 +291,17 @@ class PeerExchange:
                     buf = torch.empty(req.length, dtype=torch.uint8)
                     receives.append((group, group.post([], [(holder, buf)]), (holder, req, buf)))
             sends = []
+            served: dict[tuple, torch.Tensor] = {}  # what several ask of this rank is read once
             for requester, reqs in asked:
                 group = groups[requester]
                 for req in reqs:
-                    data = serve(req)
-                    if data is None or data.numel() != req.length:
-                        data = torch.zeros(req.length, dtype=torch.uint8)
-                    sends.append((group, group.post([(requester, data)], [])))
+                    key = (req.tier_index, req.part, item_key(req.index))
+                    if key not in served:
+                        data = serve(req)
+                        if data is None or data.numel() != req.length:
+                            data = torch.zeros(req.length, dtype=torch.uint8)
+                        served[key] = data  # held by its posted sends until they are waited for
+                    sends.append((group, group.post([(requester, served[key])], [])))
         except BaseException:
             for group in groups.values():
                 group.close()

@@ -111,6 +111,7 @@ class StepReads:
         self._held: dict[tuple[str, int, int], PartIndex | None] = {}  # (root, tier, part) -> index
         self.failures: dict[int, list[Failure]] = {}  # id(item) -> its failed reads, this load
         self._unproven: set[int] = set()  # items a failure other than damage kept from a source
+        self.peer_reads = 0  # items this rank read from its own roots for peers, the last load
         # the ring a target's device is read through, None: the host path (tests put CPU
         # targets through a host ring, the device flow without a GPU)
         self.ring_for: Callable[[torch.device], device_reads.Ring | None] = cuda_ring
@@ -327,6 +328,7 @@ class StepReads:
         return src.holder, PeerRequest(src.tier, info.rank, req.storage_index, info.raw_length)
 
     def _serve(self, req: PeerRequest) -> torch.Tensor | None:
+        self.peer_reads += 1
         view = self._views[req.tier_index]
         try:
             own = self._opened.own[req.tier_index]  # asked only of ranks whose own root holds the part
@@ -511,6 +513,7 @@ class StepReads:
         """
         self.failures = {}
         self._unproven = set()
+        self.peer_reads = 0
         routes = {id(req): r for req, r in zip(plan.items, self._routes(plan), strict=True)}
         split = {key: r.split_at_exchange() for key, r in routes.items()}
         if spread is not None:
