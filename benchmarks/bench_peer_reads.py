@@ -47,9 +47,7 @@ import bench_tree  # first: TIERED_DCP_BENCH_TREE decides which tree's tiered_dc
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from bench_replication import free_port
-from common import make_state
+from common import make_state, spawn_ranks
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, transport
 from tiered_dcp.reading import StepReads
@@ -159,28 +157,10 @@ def run_once(args: argparse.Namespace) -> dict:
     """The bench on this process's tree: every rank's results."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="tdcp-bench-peers-", dir=base)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    params = {"mib": args.mib, "loads": args.loads}
-    procs = [ctx.Process(target=rank_main, args=(r, port, root, params, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
     try:
-        for _ in range(WORLD):
-            rank, kind, value = results.get(timeout=280)
-            if kind != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+        return spawn_ranks(rank_main, WORLD, root, {"mib": args.mib, "loads": args.loads}, timeout=280)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
         shutil.rmtree(root, ignore_errors=True)
-    return out
 
 
 def ms(seconds: list[float]) -> str:

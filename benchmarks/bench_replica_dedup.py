@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from bench_replication import free_port, on_rank0, timed  # noqa: E402
-from common import MiB, files, new_bytes  # noqa: E402
+from bench_replication import on_rank0, timed  # noqa: E402
+from common import MiB, files, new_bytes, spawn_ranks  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter
 
@@ -104,7 +104,6 @@ def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64, help="state size per rank in MiB (default 64)")
@@ -113,27 +112,9 @@ def main() -> None:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="tdcp-bench-repl-dedup-", dir=base)
     started = time.monotonic()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, port, root, {"mib": args.mib, "steps": args.steps}, results))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
     try:
-        out = {}
-        for _ in range(WORLD):
-            rank, kind, value = results.get(timeout=900)
-            if kind != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+        out = spawn_ranks(rank_main, WORLD, root, {"mib": args.mib, "steps": args.steps})
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
         shutil.rmtree(root, ignore_errors=True)
     rows = out[0]
     summary = {}

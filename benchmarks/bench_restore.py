@@ -34,8 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from bench_replication import free_port  # noqa: E402
+from common import spawn_ranks  # noqa: E402
 from gcs_emulator import Emulator, FaultProxy  # noqa: E402
 from tiered_dcp.storage import open_storage  # noqa: E402
 from tiered_dcp.storage.format import step_dir  # noqa: E402
@@ -67,7 +66,7 @@ def slowest(seconds: float) -> float:
     return float(t.item())
 
 
-def rank_main(rank: int, world: int, port: int, a: dict, results: Any) -> None:
+def rank_main(rank: int, port: int, world: int, a: dict, results: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -116,25 +115,7 @@ def run_job(world: int, replicas: int, em: Emulator, args: argparse.Namespace) -
     em.create_bucket(name)
     a = {"emulator": em.url, "project": em.storage_options()["project"], "url": f"gs://{name}"}
     a.update(mib=args.mib, loads=args.loads, replicas=replicas)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, a, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, kind, value = results.get(timeout=900)
-            if kind != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    out = spawn_ranks(rank_main, world, world, a)
     with open_storage(a["url"], em.storage_options()) as store:
         stored = sum(store.list_sizes(step_dir("restore", 1)).values())
     row = {"stored_mib": stored / MiB}

@@ -2,8 +2,12 @@
 
 import glob
 import os
+import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 MiB = 1 << 20
 
@@ -47,3 +51,31 @@ def files(root: str) -> dict[str, tuple[int, int]]:
 def new_bytes(before: dict, after: dict) -> int:
     """Bytes of files that are new or rewritten between two ``files`` listings."""
     return sum(size for name, (ino, size) in after.items() if before.get(name, (None,))[0] != ino)
+
+
+def spawn_ranks(target: Callable, world: int, *args: Any, timeout: float = 900) -> dict[int, Any]:
+    """``target(rank, port, *args, results)`` on ``world`` spawned processes (``port``: a free
+    one for their rendezvous); each puts ``(rank, "ok" | "error", value)`` on ``results``.
+    Every rank's value; the first failing rank's traceback is raised."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, kind, value = results.get(timeout=timeout)
+            if kind != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
