@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -69,3 +71,32 @@ def run_ranks(
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def launch(script: str, world: int, argv: list[str], local_world: int = 1, timeout: float = 90) -> list:
+    """Run ``python script *argv`` as ``world`` ranks of one job (``local_world`` a node):
+    each rank's ``(returncode, stdout, stderr)``, as text. A rank still running after
+    ``timeout`` seconds fails the test, every rank killed."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            LOCAL_WORLD_SIZE=str(local_world),
+        )
+        cmd = [sys.executable, script, *argv]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    out = []
+    for rank, p in enumerate(procs):
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank {rank} hung") from None
+        out.append((p.returncode, stdout.decode(), stderr.decode()))
+    return out

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from crash_worker import config
-from dist_utils import free_port, run_ranks
+from dist_utils import free_port, launch, run_ranks
 from peer_loss_worker import config as peer_loss_config
 from test_cli_export import cli
 
@@ -84,37 +84,15 @@ def test_rank_killed_mid_save_leaves_previous_step_loadable(tmp_path):
 def _job_losing_rank_1(root: str, mode: str, world: int) -> list[tuple[dict, str]]:
     """Run tests/peer_loss_worker.py on ``world`` ranks (one per node); rank 1 SIGKILLs
     itself. Each survivor's reported error and stderr."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            LOCAL_WORLD_SIZE="1",
-        )
-        worker = os.path.join(HERE, "peer_loss_worker.py")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, worker, root, mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
-        )
+    ranks = launch(os.path.join(HERE, "peer_loss_worker.py"), world, [root, mode])
     out = []
-    for rank, p in enumerate(procs):
-        try:
-            stdout, stderr = p.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"rank {rank} hung after rank 1 died") from None
+    for rank, (code, stdout, stderr) in enumerate(ranks):
         if rank == 1:
-            assert p.returncode == -signal.SIGKILL
+            assert code == -signal.SIGKILL
             continue
-        lines = stdout.decode().strip().splitlines()
-        assert lines, f"rank {rank} reported nothing: {stderr.decode()[-2000:]}"
-        out.append((json.loads(lines[-1]), stderr.decode()))
+        lines = stdout.strip().splitlines()
+        assert lines, f"rank {rank} reported nothing: {stderr[-2000:]}"
+        out.append((json.loads(lines[-1]), stderr))
     return out
 
 

@@ -8,15 +8,12 @@ counts the bytes the bucket served. Real ranks on gloo, 2 per simulated node.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 from conftest import GCSBucket
-from dist_utils import free_port
+from dist_utils import launch
 from tiered_dcp.storage import open_storage
 from tiered_dcp.storage.format import step_dir
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -28,32 +25,14 @@ HERE = Path(__file__).parent
 
 
 def job(world: int, args: dict, timeout: float = 120) -> list[dict | None]:
-    """tests/spread_worker.py on ``world`` ranks, 2 per node: each rank's report (None for
-    a rank that died)."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            LOCAL_WORLD_SIZE="2",
-        )
-        cmd = [sys.executable, str(HERE / "spread_worker.py"), json.dumps(args)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    """tests/spread_worker.py on ``world`` ranks, 2 per node: each rank's report with its
+    stderr (None for a rank that died)."""
+    ranks = launch(str(HERE / "spread_worker.py"), world, [json.dumps(args)], local_world=2, timeout=timeout)
     out: list[dict | None] = []
-    for rank, p in enumerate(procs):
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"rank {rank} hung") from None
-        lines = stdout.decode().strip().splitlines()
-        out.append({**json.loads(lines[-1]), "stderr": stderr.decode()} if lines else None)
-        assert lines or args.get("die") == rank, f"rank {rank} reported nothing: {stderr.decode()[-3000:]}"
+    for rank, (_, stdout, stderr) in enumerate(ranks):
+        lines = stdout.strip().splitlines()
+        assert lines or args.get("die") == rank, f"rank {rank} reported nothing: {stderr[-3000:]}"
+        out.append({**json.loads(lines[-1]), "stderr": stderr} if lines else None)
     return out
 
 
