@@ -13,9 +13,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from tiered_dcp.planners.load import _spot
 from tiered_dcp.storage import open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import IndexCache, part_key
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, cluster, wait_for
 from tiered_dcp.reading import StepReads
@@ -102,8 +104,21 @@ def _streaming_config(root: str) -> TieredConfig:
     )
 
 
+def _names(rank: int) -> list[str]:
+    """Names for a rank's items that the load plan sends to one holder each: after node 1
+    is lost, rank 0 serves all of rank 2's and rank 1 all of rank 3's (the plan rotates an
+    item's holders, ranks 0 and 1, by the item)."""
+    names, i = [], 0
+    while len(names) < ITEMS:
+        name = f"r{rank}.{i}"
+        if _spot(MetadataIndex(name, [0])) % 2 == rank % 2:
+            names.append(name)
+        i += 1
+    return names
+
+
 def _own_state(rank: int) -> dict:
-    return {f"r{rank}.{i}": torch.full((1000,), float(100 * rank + i)) for i in range(ITEMS)}
+    return {name: torch.full((1000,), float(100 * rank + i)) for i, name in enumerate(_names(rank))}
 
 
 def _save_for_streaming(rank: int, world: int, root: str) -> None:
