@@ -19,7 +19,7 @@ from tiered_dcp.storage.format import step_dir
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from tiered_dcp.spread import plan_spread
+from tiered_dcp.spread import RankFacts, plan_spread
 
 HERE = Path(__file__).parent
 
@@ -132,7 +132,7 @@ def _plan(*keys: tuple[str, int]) -> LoadPlan:
 def test_readers_go_one_per_node_before_two_on_a_node_and_balance_bytes():
     sizes = {"a": 800, "b": 400, "c": 400, "d": 100, "own": 50}
     plans = [_plan(*[(k, n) for k, n in sizes.items() if k != "own"], ("own", 50)) for _ in range(4)]
-    spreads = plan_spread(plans, lambda key: sizes[key.fqn], nodes=[0, 0, 1, 1])
+    spreads = plan_spread(plans, lambda key: sizes[key.fqn], [RankFacts(r // 2, r) for r in range(4)])
     readers = {t.key.fqn: t.reader for t in spreads[0].transfers}
     assert readers["a"] == 0 and readers["b"] == 2  # node 1 before a second read on node 0
     assert readers["c"] == 3  # node 1 has less (400 < 800): its rank with nothing yet
@@ -141,9 +141,15 @@ def test_readers_go_one_per_node_before_two_on_a_node_and_balance_bytes():
     for rank, s in enumerate(spreads):  # each rank's plan holds exactly the transfers it is in
         assert all(rank == t.reader or rank in t.receivers for t in s.transfers)
         assert [t.key.fqn for t in s.transfers] == [t.key.fqn for t in spreads[0].transfers]
-    many = plan_spread([_plan(("w", 10))] * 20, lambda k: 10, nodes=[r // 2 for r in range(20)])
+    many = plan_spread([_plan(("w", 10))] * 20, lambda k: 10, [RankFacts(r // 2, r) for r in range(20)])
     transfers = {t for s in many for t in s.transfers}  # 20 ranks ask: read 3 times, 8 + 8 + 4
     assert sorted(len(t.receivers) + 1 for t in transfers) == [4, 8, 8]
     assert sorted(r for t in transfers for r in (t.reader, *t.receivers)) == list(range(20))
     alone = [_plan(("x", 10)), _plan(("y", 10))]
-    assert [s.transfers for s in plan_spread(alone, lambda k: 10, nodes=[0, 1])] == [(), ()]
+    assert [s.transfers for s in plan_spread(alone, lambda k: 10, [RankFacts(0, 0), RankFacts(1, 1)])] == [
+        (),
+        (),
+    ]
+    # DCP's group a subgroup of global ranks 4 and 6: the transfers name the global ranks
+    sub = plan_spread([_plan(("w", 10))] * 2, lambda k: 10, [RankFacts(2, 4), RankFacts(3, 6)])
+    assert [(t.reader, t.receivers) for s in sub for t in s.transfers] == [(4, (6,))] * 2

@@ -179,7 +179,11 @@ class TieredReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Tell the coordinator this rank's node, where the load is spread."""
-        return dataclasses.replace(plan, storage_data=RankFacts(self.node)) if self._spreads() else plan
+        return (
+            dataclasses.replace(plan, storage_data=RankFacts(self.node, self.rank))
+            if self._spreads()
+            else plan
+        )
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Give each stored item that several ranks ask for one reader (``spread.plan_spread``),
@@ -192,8 +196,7 @@ class TieredReader(StorageReader):
             info = md_blob.item_info(self._metadata, md_blob.index_of(key))
             return None if info is None else info.raw_length
 
-        nodes = [f.node for f in facts]  # type: ignore[union-attr]
-        spreads = plan_spread(plans, nbytes, nodes)
+        spreads = plan_spread(plans, nbytes, facts)  # type: ignore[arg-type]
         return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, spreads, strict=True)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -68,22 +68,26 @@ class SpreadPlan:
 
 @dataclass(frozen=True)
 class RankFacts:
-    """What a rank's local plan tells the coordinator beside its items: its node."""
+    """What a rank's local plan tells the coordinator beside its items: its global rank (a
+    plan's place is its rank in DCP's group, which may be a subgroup) and its node."""
 
     node: int
+    rank: int
 
 
 def plan_spread(
-    plans: list[LoadPlan], nbytes: Callable[[ItemKey], int | None], nodes: list[int]
+    plans: list[LoadPlan], nbytes: Callable[[ItemKey], int | None], facts: list[RankFacts]
 ) -> list[SpreadPlan]:
-    """Each rank's ``SpreadPlan``: every stored item that two or more ranks' ``plans`` ask for
+    """Each plan's ``SpreadPlan``: every stored item that two or more ranks' ``plans`` ask for
     gets one reader among them, the one whose node and then itself hold the fewest bytes
-    given so far (largest items first; ties to the lowest rank). A pure function of the
-    plans: the coordinator's choice, handed to each rank in its plan."""
+    given so far (largest items first; ties to the lowest rank). Ranks are global ones
+    (``facts``, one per plan). A pure function of the plans: the coordinator's choice,
+    handed to each rank in its plan."""
+    nodes = {f.rank: f.node for f in facts}
     askers: dict[ItemKey, set[int]] = {}
-    for rank, plan in enumerate(plans):
+    for plan, f in zip(plans, facts, strict=True):
         for req in plan.items:
-            askers.setdefault(item_key(req.storage_index), set()).add(rank)
+            askers.setdefault(item_key(req.storage_index), set()).add(f.rank)
     shared = [
         (k, group)
         for k, r in askers.items()
@@ -101,8 +105,7 @@ def plan_spread(
         per_rank[reader] = per_rank.get(reader, 0) + n
         transfers.append(Transfer(key, reader, tuple(r for r in ranks if r != reader), n))
     return [
-        SpreadPlan(tuple(t for t in transfers if rank == t.reader or rank in t.receivers))
-        for rank in range(len(plans))
+        SpreadPlan(tuple(t for t in transfers if f.rank == t.reader or f.rank in t.receivers)) for f in facts
     ]
 
 
