@@ -175,21 +175,9 @@ class PeerRequest:
 
 def read_raw(store: Storage, rec: Record) -> torch.Tensor:
     """An item's raw bytes from this rank's own root, verified (for a peer that asked), in
-    a uint8 tensor that is sent as it is.
-
-    A raw item is read straight into it and its chunks checked there, as a rank's own reads
-    are (``reading.StepReads._read_one``): no zero-filled buffer, no second copy (``read_item``
-    reads into a scratch buffer and copies it out; serving a lost node's items, these two
-    passes over every byte took as long as the read itself). Other codecs decode into it.
-    """
+    a uint8 tensor that is sent as it is (``read_item`` reads a raw item straight into it)."""
     out = torch.empty(rec.info.raw_length, dtype=torch.uint8)
-    view = memoryview(out.numpy())
-    if rec.codec == "raw" and rec.codecs is None and rec.blocks is None:
-        if len(view):
-            store.read_into(rec.file, rec.offset, view)
-        verify_raw(rec.info, view)
-    else:
-        read_item(store, rec, view)
+    read_item(store, rec, memoryview(out.numpy()))
     return out
 
 
