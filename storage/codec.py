@@ -344,7 +344,8 @@ def read_chunk_into(store: Storage, record: Record, i: int, out: memoryview) -> 
 def read_chunks(store: Storage, record: Record, first: int, last: int, out: memoryview) -> None:
     """Chunks ``first`` to ``last`` (exclusive) of an item read from ``store`` and decoded,
     verified, into ``out`` (their raw bytes back to back): the part of an item a piece of it
-    needs. Raw chunks in the part file are one read straight into ``out``."""
+    needs. Raw chunks in the part file are one read straight into ``out``; compressed ones
+    one read of their stored bytes (one request to a bucket), decoded in parallel."""
     spans = chunk_spans(record)[first:last]
     if not spans:
         return
@@ -360,12 +361,33 @@ def read_chunks(store: Storage, record: Record, first: int, last: int, out: memo
             if checksum(out[at - base : at - base + n]) != record.info.raw_chunks[i][1]:
                 raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
         return
-    _parallel(
-        [
-            (read_chunk_into, store, record, i, out[at - base : at - base + n])
-            for i, (at, n, _) in enumerate(spans, start=first)
-        ]
-    )
+    if record.blocks is not None:
+        _parallel(
+            [
+                (_block_into, store, record, i, out[at - base : at - base + n])
+                for i, (at, n, _) in enumerate(spans, start=first)
+            ]
+        )
+        return
+    length = sum(record.stored[first:last])
+    stored = memoryview(store.read(record.file, spans[0][2], length) if length else b"")
+    if len(stored) != length:
+        raise ChecksumMismatch(f"short read ({len(stored)} of {length} bytes)")
+    calls = []
+    for i, (at, n, pos) in enumerate(spans, start=first):
+        piece = stored[pos - spans[0][2] : pos - spans[0][2] + record.stored[i]]
+        calls.append(
+            (
+                decode_chunk,
+                record.chunk_codec(i),
+                piece,
+                n,
+                out[at - base : at - base + n],
+                i,
+                record.info.raw_chunks[i][1],
+            )
+        )
+    _parallel(calls)
 
 
 def decode_into(record: Record, stored: memoryview, out: memoryview) -> None:

@@ -16,6 +16,7 @@ which runs the same ring on a machine without a GPU (the tests).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import queue
 import threading
@@ -186,19 +187,12 @@ def landing(req: ReadItem, target: torch.Tensor, dtype: torch.dtype, shape: list
         whole_rows
         and target.dtype == dtype
         and target.is_contiguous()
-        and target.numel() == ((rows[1] - rows[0]) * _numel(shape[1:]))
+        and target.numel() == (rows[1] - rows[0]) * math.prod(shape[1:])
     ):
         return Landing(rows, byte_tensor(target), None)
     scratch = torch.empty(rows_shape(rows, shape), dtype=dtype, device=target.device)
     piece = narrowed(scratch, inner, target)
     return Landing(rows, byte_tensor(scratch), functools.partial(target.copy_, piece))
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class DeviceRead:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -84,10 +85,7 @@ class _Attempt:
 
 def _row_bytes(dtype: torch.dtype, shape: list[int]) -> int:
     """Bytes of one row (dim 0) of a stored item; a scalar's one element."""
-    n = dtype.itemsize
-    for s in shape[1:]:
-        n *= s
-    return n
+    return dtype.itemsize * math.prod(shape[1:])
 
 
 def cuda_ring(device: torch.device) -> device_reads.Ring | None:
@@ -441,12 +439,13 @@ class StepReads:
         wholes = [keep.whole(key) for key in sorted(reading, key=lambda k: (k.fqn, k.offset or ()))]
         for whole in wholes:
             sources[id(whole)] = sources[id(asks[md_blob.item_key(whole.storage_index)][0])]
-        own = [r for r in plan.items if md_blob.item_key(r.storage_index) not in receiving | reading]
+        elsewhere = receiving | reading
+        own = [r for r in plan.items if md_blob.item_key(r.storage_index) not in elsewhere]
         pending = self._read_direct(own, planner, sources) + self._read_direct(wholes, keep, sources)
         damaged: list[ReadItem] = []
 
         def outgoing(t: Transfer) -> torch.Tensor:
-            raw = keep.raw.get(t.key)
+            raw = keep.raw.pop(t.key, None)  # held only until its window is sent
             return (
                 raw
                 if raw is not None and raw.numel() == t.nbytes

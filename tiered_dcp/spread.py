@@ -8,17 +8,17 @@ plan) gives each stored item that two or more ranks ask for one reader (``plan_s
 the asking rank whose node, then itself, has been given the fewest bytes so far (largest
 items first), so reads spread over nodes before they double up on one. An item that more
 than ``FANOUT`` ranks ask for is read once per group of ``FANOUT`` neighbouring ranks, so
-no reader sends to more than ``FANOUT - 1`` ranks and no rank's plan grows with the job. Every rank learns
-its part of it in its own plan's ``storage_data`` (a ``SpreadPlan``), so no collective is
-added. The reader reads the item as any read (checked, its next source tried on damage),
+no reader sends to more than ``FANOUT - 1`` ranks and no rank's plan grows with the job.
+Every rank learns its part of it in its own plan's ``storage_data`` (a ``SpreadPlan``), so
+no collective is added. The reader reads the item as any read (checked, its next source tried on damage),
 and sends its raw bytes to the others over gloo groups of two (``transport.Group``, with
 ``peer_timeout`` as deadline: a dead rank fails the load naming it, never a hang); a rank
 that could not read it sends zeros. Each receiver checks what arrived against the
 metadata's checksums and reads the item itself when it does not match.
 
 Transfers go in windows of ``WINDOW_BYTES`` in the job's order, so what a receiver holds
-beyond its targets is one window; a reader holds the items it read for others until they
-are sent (where its own target is not the stored item's raw bytes).
+beyond its targets is one window; a reader holds the items it read for others until their
+window is sent (where its own target is not the stored item's raw bytes).
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def exchange(
     landing: Callable[[Transfer], torch.Tensor],
     landed: Callable[[Transfer, torch.Tensor], None],
 ) -> None:
-    """Move this rank's transfers, window by window: ``outgoing(t)`` gives the raw bytes of
-    an item it read (zeros where it could not), ``landing(t)`` the bytes an arriving item
+    """Move this rank's transfers, window by window: ``outgoing(t)`` gives (and lets go of)
+    the raw bytes of an item it read (zeros where it could not), ``landing(t)`` the bytes an arriving item
     lands in (its target's own, where they are the stored raw bytes), ``landed(t, buf)``
     takes what arrived (unchecked). Raises ``transport.PeerTimeout`` naming a rank that did
     not answer."""
@@ -157,10 +157,11 @@ def exchange(
             transport.forget_later(transport.group_keys(group_name, pair.index(rank)))
             groups[peer] = transport.Group(group_name, pair, rank, timeout)
         for window in windows(spread.transfers):
-            posted, arrived = [], []
+            posted, arrived, sending = [], [], []
             for t in window:
                 if t.reader == rank:
                     data = outgoing(t)
+                    sending.append(data)  # held until its sends are waited for
                     for r in t.receivers:
                         posted.append((groups[r], groups[r].post([(r, data)], [])))
                 else:
