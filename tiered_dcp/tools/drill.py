@@ -156,7 +156,7 @@ def worker(args: argparse.Namespace) -> None:
         )
     report["warnings"] = list(warned)  # what the library said while resuming
     report["time"] = time.time()
-    (d / f"resume.{args.attempt}.rank{rank}.json").write_text(json.dumps(report))
+    _write_json(d / f"resume.{args.attempt}.rank{rank}.json", report)  # the drill polls for it
     pending = None
     step = start
     cmd: dict | None = None
