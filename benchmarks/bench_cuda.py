@@ -1,26 +1,55 @@
 """The CUDA paths on a machine with a GPU: exact async snapshots and loads of a CUDA state,
 and the training loop's stall against stock DCP's ``async_save``, in the same run.
 
-    python benchmarks/bench_cuda.py [--mib 1024] [--steps 5] [--disk DIR]
+    python benchmarks/bench_cuda.py [--only PART ...] [--skip PART ...] [--disk DIR]
+    python benchmarks/bench_cuda.py --device cpu --mib 16 --steps 4 --load-gib 0.05 \
+        --load-runs 1 --train-gib 0.05 --train-loops 16:2 18:6       # a dry run, no GPU
 
-Checks (each a failure exit if wrong), on a RAM tier in /dev/shm over a disk tier (staging
+Parts (``--only``/``--skip`` pick them; each prints its table and a ``PART: {json}`` line
+as it ends, and a part that raises is reported and the next one runs; the last line is
+the JSON of all of them; exit 1 if a part raised or a step loaded wrong):
+
+``exact`` (a failure exit if wrong), on a RAM tier in /dev/shm over a disk tier (staging
 into the RAM tier's part file, pinned with ``cudaHostRegister``) and on a disk tier alone
-(staging into pinned shared-memory slots):
+(staging into pinned shared-memory slots): ``async_save`` of a CUDA state (fp32, bf16,
+int64, nested, a Python value), the GPU tensors changed in place the moment it returns
+(or, with ``background_staging``, the moment staging completes), loads back onto the GPU
+as it was when saved, step after step (slots and part files reused); also in DCP's
+PROCESS mode, and for a sync ``dcp.save``.
 
-- ``async_save`` of a CUDA state (fp32, bf16, int64, nested, a Python value), the GPU
-  tensors changed in place the moment it returns (or, with ``background_staging``, the
-  moment staging completes), loads back onto the GPU as it was when saved, step after step
-  (slots and part files reused); also in DCP's PROCESS mode, and for a sync ``dcp.save``.
+``train`` (issue 38): a model + AdamW of ``--train-gib`` GiB of state (3.0: a 268M-parameter
+model, 3.22 GB on the GPU), ``--train-batch`` rows a step (forward, backward, AdamW), run
+once per ``--train-loops`` STEPS:EVERY (default 80:10 and 120:30) and per ``--train-ways``:
+``none`` (no saves: the baseline), ``tiered_dcp`` (the README's tiers: RAM in /dev/shm
+every=1 keep=2 over a disk tier every=2 keep=2, ``on_lagging_tier`` from ``--lagging``,
+``TieredWriter.prepare`` before the first save, a fresh writer state each loop),
+``stock_pinned`` (``FileSystemWriter`` with ``DefaultStager(StagingOptions(
+use_pinned_memory=True))``, one per save, the last two saves kept) and, if asked,
+``stock_default`` (DCP's own stager). Every EVERY steps: ``get_state_dict`` (timed apart),
+the device synchronized (untimed: the copy waits for the step's kernels anyway), then the
+stall: waiting for the previous save's future, and ``async_save``. Per loop: every stall in
+order, the first, the worst of saves 2-3, the median and max of save 4 on ("steady"), the
+loop's seconds (first step to the last done on the device, saves included; the last save's
+future after it is ``drain_s``) and its ratio to ``none``'s; against the raw pinned
+device-to-host copy of the same bytes (``raw_copy_s``). ``train targets``: issue 38's
+(tiered-dcp: every stall from the 2nd <= 2x the raw copy, steady ones <= 1.3x, the
+sparsest loop <= 1.15x ``none``), True/False, never a failure exit.
 
-Then the stall: the seconds ``async_save`` holds the loop for a ``--mib`` MiB CUDA state,
-the median of the last half of ``--steps`` steps (every buffer reused; the first step's,
-which makes and pins them, is printed too), for tiered-dcp (RAM tier keep=1 over disk: two
-part files in turn), stock ``FileSystemWriter`` with DCP's default stager, and stock with a pinned stager
-(``DefaultStager(StagingOptions(use_pinned_memory=True))``, one per save: reused, torch
-2.11's failed its second save).
-Prints a table, then JSON. Needs CUDA; a 1-rank gloo group is started for DCP's
-collectives. Run it from outside the repository's root where tiered-dcp is not installed
-(the writer process, ``python -m tiered_dcp.persist``, would import the uninstalled tree).
+``load``: a model + AdamW of ``--load-gib`` GiB loaded onto the GPU from the RAM tier
+(after async and after sync saves), from the disk tier and by stock ``FileSystemReader``,
+beside the raw pinned host-to-device copy (medians of ``--load-runs``).
+
+``stall``: the seconds ``async_save`` holds the loop for a plain ``--mib`` MiB CUDA state,
+the median of the last half of ``--steps`` saves back to back (every buffer reused; the
+first, which makes and pins them, is printed too), for tiered-dcp (RAM tier keep=1 over
+disk: two part files in turn), stock ``FileSystemWriter`` with DCP's default stager, and
+stock with a pinned stager (one per save: reused, torch 2.11's failed its second save).
+
+On the H100 (``scripts/gpu_check.sh``): ``train`` about 2.5 min, the others about 1.5 min.
+``--device cpu`` is a dry run of every part (small sizes; no pinned memory, timings
+meaningless). Needs CUDA otherwise; a 1-rank gloo group is started for DCP's collectives.
+Run it from outside the repository's root where tiered-dcp is not installed (the writer
+process, ``python -m tiered_dcp.persist``, would import the uninstalled tree).
 """
 
 from __future__ import annotations
@@ -28,23 +57,26 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import shutil
 import socket
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for, writer_status
 
 MiB = 1 << 20
 DEVICE = "cuda"  # --device cpu: a dry run of the script where there is no GPU
 warnings.filterwarnings("ignore")
+logging.getLogger("tiered_dcp").setLevel(logging.ERROR)  # steps the disk tier skipped: counted instead
 
 
 def cuda_state(step: int) -> dict:
@@ -248,87 +280,427 @@ def load_times(gib: float, runs: int, work: str, shm: str) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--disk", default=tempfile.gettempdir())
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--load-gib", type=float, default=3.0, help="model + AdamW state loaded (GiB)")
-    ap.add_argument("--load-runs", type=int, default=3)
-    args = ap.parse_args()
-    global DEVICE
-    DEVICE = args.device
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_cuda needs a CUDA device (--device cpu: a dry run)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
-    work = tempfile.mkdtemp(prefix="tdcp-cuda-", dir=args.disk)
-    shm = tempfile.mkdtemp(prefix="tdcp-cuda-", dir="/dev/shm")
-    try:
 
-        def cfg(name: str, ram: bool) -> TieredConfig:
-            disk = Tier(f"{work}/{name}-disk", every=2 if ram else 1, keep=2)
-            return TieredConfig(name, [Tier(f"{shm}/{name}", keep=1), disk] if ram else [disk])
+def raw_copy(state: dict, runs: int = 5) -> float:
+    """Median seconds of the raw device-to-host copy of ``state``'s tensors into one
+    preallocated (pinned, on CUDA) host buffer: what a save's stall is compared to."""
+    ts = [t for t in tensors(state) if t.numel()]
+    offsets, total = [], 0
+    for t in ts:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // 64) * 64  # 64-byte aligned: a dtype view
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+    dst = [host[o : o + t.numel() * t.element_size()].view(t.dtype) for o, t in zip(offsets, ts, strict=True)]
+    took = []
+    for _ in range(runs):
+        sync()
+        t0 = time.perf_counter()
+        for d, t in zip(dst, ts, strict=True):
+            d.copy_(t.reshape(-1), non_blocking=True)
+        sync()
+        took.append(time.perf_counter() - t0)
+    del dst, host
+    return statistics.median(took)
 
-        bad: list[str] = []
-        bad += exact_async("ram+disk", cfg("a", True), 4)
-        bad += exact_async("disk", cfg("b", False), 3)
-        bad += exact_async("ram+disk background", cfg("c", True), 3, background=True)
-        bad += exact_async("ram+disk PROCESS", cfg("d", True), 2, mode=AsyncCheckpointerType.PROCESS)
-        bad += exact_sync("ram+disk", cfg("e", True))
-        print("exact:", "every step loads as staged" if not bad else f"WRONG: {bad}", flush=True)
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """One step of training: forward, backward, AdamW, on the current stream."""
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+class TieredSaves:
+    """tiered-dcp with the README's tiers: RAM in /dev/shm every=1 keep=2 over a disk tier
+    every=2 keep=2; ``TieredWriter.prepare`` before the first save."""
+
+    def __init__(self, name: str, work: str, shm: str, lagging: str) -> None:
+        self.roots = [f"{shm}/{name}", f"{work}/{name}-disk"]
+        tiers = [Tier(self.roots[0], every=1, keep=2), Tier(self.roots[1], every=2, keep=2)]
+        self.config = TieredConfig(name, tiers, on_lagging_tier=lagging)
+
+    def prepare(self, state: dict, step: int) -> None:
+        TieredWriter(self.config, step=step).prepare(state)
+
+    def save(self, state: dict, step: int):
+        return dcp.async_save(state, storage_writer=TieredWriter(self.config, step=step))
+
+    def finished(self, step: int) -> None:
+        """Nothing: the tiers' retention is tiered-dcp's own."""
+
+    def skipped(self) -> list[int]:
+        """The steps the disk tier skipped (``on_lagging_tier="skip"``)."""
+        return sorted(step for w in writer_status(self.config) for step, _, _ in w.skipped)
+
+    def close(self) -> None:
+        """Let the writer process finish (the next loop starts from a fresh process state:
+        its first save is a first save again), then free the tiers' bytes."""
+        shutdown(wait=True, timeout=120)
+        for root in self.roots:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+class StockSaves:
+    """Stock ``FileSystemWriter`` on the disk, with a pinned ``DefaultStager`` (one per save:
+    torch 2.11's failed its second stage when reused; closed once its save is done) or
+    DCP's default stager; the last two saves kept, as the disk tier keeps two."""
+
+    def __init__(self, name: str, work: str, pinned: bool) -> None:
+        self.root = f"{work}/{name}"
+        self.pinned = pinned
+        self.stagers: dict[int, object] = {}
+        self.kept: list[int] = []
+
+    def prepare(self, state: dict, step: int) -> None:
+        """Nothing to prepare: stock stages into what the stager allocates."""
+
+    def save(self, state: dict, step: int):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        ours = cfg("t", True)
-        ways = {
-            "tiered_ram_tier_stall_s": lambda st, step: dcp.async_save(
-                st, storage_writer=TieredWriter(ours, step=step)
-            ),
-            "stock_default_stall_s": lambda st, step: dcp.async_save(
-                st, storage_writer=dcp.FileSystemWriter(f"{work}/stock/{step}")
-            ),
-            "stock_pinned_stall_s": lambda st, step: dcp.async_save(
-                st,
-                storage_writer=dcp.FileSystemWriter(f"{work}/pinned/{step}"),
-                # a stager per save: torch 2.11's fails its second stage (KeyError: <class 'type'>)
-                async_stager=DefaultStager(StagingOptions(True, False, False, True)),
-            ),
-        }
-        loads = load_times(args.load_gib, args.load_runs, work, shm)
-        print("load:", json.dumps(loads), flush=True)
-        if DEVICE == "cpu":  # pinned staging needs an accelerator
-            del ways["stock_pinned_stall_s"]
-        measured = {name: stalls(save, args.mib, args.steps) for name, save in ways.items()}
-        seconds = {name: steady for name, (_, steady) in measured.items()}
-        first = {name.replace("_stall_s", "_first_stall_s"): cold for name, (cold, _) in measured.items()}
+        writer = dcp.FileSystemWriter(f"{self.root}/{step}")
+        if not self.pinned:
+            return dcp.async_save(state, storage_writer=writer)
+        on_gpu = DEVICE == "cuda"  # pinned memory and non-blocking copies need an accelerator
+        stager = self.stagers[step] = DefaultStager(StagingOptions(on_gpu, False, False, on_gpu))
+        return dcp.async_save(state, storage_writer=writer, async_stager=stager)
+
+    def finished(self, step: int) -> None:
+        if step in self.stagers:
+            self.stagers.pop(step).close()
+        self.kept.append(step)
+        while len(self.kept) > 2:
+            shutil.rmtree(f"{self.root}/{self.kept.pop(0)}", ignore_errors=True)
+
+    def close(self) -> None:
+        for stager in self.stagers.values():
+            stager.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+Saves = TieredSaves | StockSaves | None
+
+
+def train_loop(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int, every: int, saves: Saves
+) -> dict:
+    """``steps`` training steps, an ``async_save`` every ``every`` (none if ``saves`` is
+    None). A save's stall: the seconds from the step's kernels done (synchronized, untimed:
+    the copy would wait for them anyway) until ``async_save`` returns, the wait for the
+    previous save's future included; ``get_state_dict`` is timed apart. ``loop_s``: from
+    the first step to the last one done on the device, saves included; ``drain_s``: the last
+    save's future after it; ``close_s``: the writer process finishing (tiered)."""
+    out: dict = {"steps": steps, "every": every, "stalls_s": [], "state_dict_s": []}
+    prev = None  # (step, future)
+    if saves is not None:
+        t0 = time.perf_counter()
+        saves.prepare(state_of(model, opt), every)
+        out["prepare_s"] = time.perf_counter() - t0
+    sync()
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        train_step(model, opt, x)
+        if saves is None or step % every:
+            continue
+        t1 = time.perf_counter()
+        state = state_of(model, opt)
+        out["state_dict_s"].append(time.perf_counter() - t1)
+        sync()
+        t1 = time.perf_counter()
+        if prev is not None:
+            prev[1].result()
+        fut = saves.save(state, step)
+        out["stalls_s"].append(time.perf_counter() - t1)
+        if prev is not None:
+            saves.finished(prev[0])
+        prev = (step, fut)
+    sync()
+    out["loop_s"] = time.perf_counter() - t0
+    if prev is not None:
+        t0 = time.perf_counter()
+        prev[1].result()
+        saves.finished(prev[0])
+        out["drain_s"] = time.perf_counter() - t0
+    return out
+
+
+def summarize(run: dict, raw: float, none_s: float | None) -> dict:
+    """First, saves 2-3, steady (save 4 on) median and max, against the raw copy; the loop
+    against the loop without saves."""
+    s = run["stalls_s"]
+    steady = s[3:]
+    out = {
+        "first_s": s[0] if s else None,
+        "saves_2_3_max_s": max(s[1:3]) if len(s) > 1 else None,
+        "steady_median_s": statistics.median(steady) if steady else None,
+        "steady_max_s": max(steady) if steady else None,
+        "loop_vs_none": run["loop_s"] / none_s if none_s else None,
+    }
+    out["worst_from_2nd_vs_raw"] = max(s[1:]) / raw if len(s) > 1 else None
+    out["steady_median_vs_raw"] = out["steady_median_s"] / raw if steady else None
+    out["steady_max_vs_raw"] = out["steady_max_s"] / raw if steady else None
+    return out
+
+
+def fmt(v, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
+
+
+def print_row(every: int, way: str, run: dict) -> None:
+    if "error" in run:
+        print(f"every {every:<4}{way:<14}FAILED: {run['error']}", flush=True)
+        return
+    print(
+        f"every {every:<4}{way:<14}{len(run['stalls_s']):>5}{run['loop_s']:>9.2f}"
+        f"{fmt(run.get('loop_vs_none'), 8, 2)}{fmt(run.get('first_s'), 8, 3)}"
+        f"{fmt(run.get('saves_2_3_max_s'), 8, 3)}{fmt(run.get('steady_median_s'), 8, 3)}"
+        f"{fmt(run.get('steady_max_s'), 8, 3)}{fmt(run.get('worst_from_2nd_vs_raw'), 9, 2)}"
+        f"{fmt(run.get('steady_max_vs_raw'), 9, 2)}",
+        flush=True,
+    )
+    if run["stalls_s"]:
+        print(f"{'':<10}stalls: " + " ".join(f"{v:.3f}" for v in run["stalls_s"]), flush=True)
+    if run.get("disk_skipped"):
+        print(f"{'':<10}disk tier skipped steps: {run['disk_skipped']}", flush=True)
+
+
+TRAIN_HEADER = (
+    f"{'loop':<10}{'way':<14}{'saves':>5}{'loop_s':>9}{'x_none':>8}{'first':>8}{'2-3max':>8}"
+    f"{'st_med':>8}{'st_max':>8}{'2nd+/raw':>9}{'st/raw':>9}"
+)
+
+
+def targets(loops: dict) -> dict:
+    """Issue 38's H100 targets for tiered-dcp, each True/False (never a failure exit)."""
+    out = {}
+    for every, ways in loops.items():
+        t = ways.get("tiered_dcp", {})
+        if t.get("worst_from_2nd_vs_raw") is not None:
+            out[f"every_{every}_from_2nd_le_2x_raw"] = t["worst_from_2nd_vs_raw"] <= 2.0
+        if t.get("steady_max_vs_raw") is not None:
+            out[f"every_{every}_steady_le_1.3x_raw"] = t["steady_max_vs_raw"] <= 1.3
+    last = loops.get(max(loops, default=0), {}).get("tiered_dcp", {})
+    if last.get("loop_vs_none") is not None:
+        out["sparsest_loop_le_1.15x_none"] = last["loop_vs_none"] <= 1.15
+    return out
+
+
+def one_loop(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    steps: int,
+    every: int,
+    saves: Saves,
+    raw: float,
+    none_s: float | None,
+) -> dict:
+    """A loop whose failure is its row's, not the part's."""
+    try:
+        run = train_loop(model, opt, x, steps, every, saves)
+        run.update(summarize(run, raw, none_s))
+    except Exception as e:  # the other loops' figures still count
+        traceback.print_exc()
+        run = {"error": f"{type(e).__name__}: {e}", "stalls_s": []}
     finally:
-        shutdown()
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
-    nbytes = args.mib * MiB
+        if saves is not None:
+            if isinstance(saves, TieredSaves) and "error" not in run:
+                run["disk_skipped"] = saves.skipped()
+            t0 = time.perf_counter()
+            saves.close()
+            if "error" not in run:
+                run["close_s"] = time.perf_counter() - t0
+    return run
+
+
+def train_part(args: argparse.Namespace, work: str, shm: str) -> dict:
+    """Issue 38's training loop: a model + AdamW, a save every ``every`` steps with each way,
+    beside the same loop without saves and the raw copy of the same bytes."""
+    model, opt = training_state(args.train_gib)
+    width = model[0].in_features
+    batch = args.train_batch or (2048 if DEVICE == "cuda" else 16)
+    x = torch.randn(batch, width, device=DEVICE)
+    for _ in range(args.train_warmup):
+        train_step(model, opt, x)
+    state = state_of(model, opt)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors(state))
+    raw = raw_copy(state)
+    del state
+    head = {"state_gb": nbytes / 1e9, "params": sum(p.numel() for p in model.parameters()), "batch": batch}
+    head |= {"raw_copy_s": raw, "raw_copy_gbps": nbytes / raw / 1e9, "lagging": args.lagging}
+    print(f"train setup: {json.dumps(head)}", flush=True)
+    print(TRAIN_HEADER, flush=True)
+    loops: dict = {}
+    for steps, every in args.train_loops:
+        ways = loops[every] = {}
+        none_s = None
+        for way in args.train_ways:
+            name = f"train-{way}-{every}"
+            saves = {
+                "none": lambda: None,
+                "tiered_dcp": lambda n=name: TieredSaves(n, work, shm, args.lagging),
+                "stock_pinned": lambda n=name: StockSaves(n, work, pinned=True),
+                "stock_default": lambda n=name: StockSaves(n, work, pinned=False),
+            }[way]()
+            run = ways[way] = one_loop(model, opt, x, steps, every, saves, raw, none_s)
+            if way == "none" and "error" not in run:
+                none_s = run["loop_s"]
+                run["loop_vs_none"] = 1.0
+            print_row(every, way, run)
+    out = {**head, "loops": loops, "targets": targets(loops)}
+    print("train targets:", json.dumps(out["targets"]), flush=True)
+    print("train:", json.dumps(out), flush=True)
+    return out
+
+
+def tiers_of(name: str, work: str, shm: str, ram: bool) -> TieredConfig:
+    """A RAM tier keep=1 over a disk tier every=2, or a disk tier alone."""
+    disk = Tier(f"{work}/{name}-disk", every=2 if ram else 1, keep=2)
+    return TieredConfig(name, [Tier(f"{shm}/{name}", keep=1), disk] if ram else [disk])
+
+
+def exact_part(args: argparse.Namespace, work: str, shm: str) -> dict:
+    """Every step of every way of saving loads back as staged; 'wrong' lists those that did not."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    def cfg(name: str, ram: bool) -> TieredConfig:
+        return tiers_of(name, work, shm, ram)
+
+    bad: list[str] = []
+    bad += exact_async("ram+disk", cfg("a", True), 4)
+    bad += exact_async("disk", cfg("b", False), 3)
+    bad += exact_async("ram+disk background", cfg("c", True), 3, background=True)
+    bad += exact_async("ram+disk PROCESS", cfg("d", True), 2, mode=AsyncCheckpointerType.PROCESS)
+    bad += exact_sync("ram+disk", cfg("e", True))
+    print("exact:", "every step loads as staged" if not bad else f"WRONG: {bad}", flush=True)
+    return {"wrong": bad}
+
+
+def load_part(args: argparse.Namespace, work: str, shm: str) -> dict:
+    loads = load_times(args.load_gib, args.load_runs, work, shm)
+    for k, v in loads.items():
+        print(f"load {k:<30}{v:>8.3f}", flush=True)
+    print("load:", json.dumps(loads), flush=True)
+    return loads
+
+
+def stall_part(args: argparse.Namespace, work: str, shm: str) -> dict:
+    """The stall of back-to-back saves of a plain ``--mib`` state (see the docstring)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    ours = tiers_of("t", work, shm, True)
+    ways = {
+        "tiered_ram_tier_stall_s": lambda st, step: dcp.async_save(
+            st, storage_writer=TieredWriter(ours, step=step)
+        ),
+        "stock_default_stall_s": lambda st, step: dcp.async_save(
+            st, storage_writer=dcp.FileSystemWriter(f"{work}/stock/{step}")
+        ),
+        "stock_pinned_stall_s": lambda st, step: dcp.async_save(
+            st,
+            storage_writer=dcp.FileSystemWriter(f"{work}/pinned/{step}"),
+            # a stager per save: torch 2.11's fails its second stage (KeyError: <class 'type'>)
+            async_stager=DefaultStager(StagingOptions(True, False, False, True)),
+        ),
+    }
+    if DEVICE == "cpu":  # pinned staging needs an accelerator
+        del ways["stock_pinned_stall_s"]
+    measured = {name: stalls(save, args.mib, args.steps) for name, save in ways.items()}
+    seconds = {name: steady for name, (_, steady) in measured.items()}
+    first = {name.replace("_stall_s", "_first_stall_s"): cold for name, (cold, _) in measured.items()}
     ratios = {
         f"tiered_stall_vs_{k.removesuffix('_stall_s')}": seconds["tiered_ram_tier_stall_s"] / v
         for k, v in seconds.items()
         if k.startswith("stock")
     }
-    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    print(f"{device}, torch {torch.__version__}; {args.mib} MiB state")
+    nbytes = args.mib * MiB
+    print(f"stall: {args.mib} MiB state, {args.steps} saves back to back", flush=True)
     for k, v in {**seconds, **first}.items():
-        print(f"{k:<30}{v:>8.3f} s {nbytes / v / 1e9:>7.2f} GB/s")
+        print(f"{k:<30}{v:>8.3f} s {nbytes / v / 1e9:>7.2f} GB/s", flush=True)
     for k, v in ratios.items():
-        print(f"{k:<30}{v:>8.2f}")
-    for k, v in loads.items():
-        print(f"load {k:<30}{v:>8.3f}")
-    print(json.dumps({"device": device, "torch": torch.__version__, "wrong": bad,
-                      "seconds": seconds, "first": first, "ratios": ratios, "load": loads}))  # fmt: skip
+        print(f"{k:<30}{v:>8.2f}", flush=True)
+    out = {"seconds": seconds, "first": first, "ratios": ratios}
+    print("stall:", json.dumps(out), flush=True)
+    return out
+
+
+PARTS = {"exact": exact_part, "train": train_part, "load": load_part, "stall": stall_part}
+WAYS = ("none", "tiered_dcp", "stock_pinned", "stock_default")  # "none" first: the baseline
+
+
+def loop_spec(text: str) -> tuple[int, int]:
+    """'STEPS:EVERY', e.g. '80:10'."""
+    steps, every = (int(v) for v in text.split(":"))
+    if steps < 1 or every < 1:
+        raise argparse.ArgumentTypeError(f"{text}: STEPS and EVERY must be positive")
+    return steps, every
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run")
+    ap.add_argument("--disk", default=tempfile.gettempdir(), help="where the disk tiers and stock go")
+    ap.add_argument("--only", nargs="+", choices=list(PARTS), default=list(PARTS), help="the parts run")
+    ap.add_argument("--skip", nargs="+", choices=list(PARTS), default=[], help="parts not run")
+    ap.add_argument("--mib", type=int, default=1024, help="stall: the plain state (MiB)")
+    ap.add_argument("--steps", type=int, default=8, help="stall: saves back to back")
+    ap.add_argument("--load-gib", type=float, default=3.0, help="load: model + AdamW state loaded (GiB)")
+    ap.add_argument("--load-runs", type=int, default=3)
+    ap.add_argument("--train-gib", type=float, default=3.0, help="train: model + AdamW state (GiB)")
+    ap.add_argument("--train-batch", type=int, default=0, help="train: rows per step (0: 2048 cuda, 16 cpu)")
+    ap.add_argument("--train-loops", nargs="+", type=loop_spec, default=[(80, 10), (120, 30)],
+                    metavar="STEPS:EVERY", help="train: the loops (default 80:10 120:30)")  # fmt: skip
+    ap.add_argument("--train-ways", nargs="+", choices=WAYS, default=list(WAYS[:3]),
+                    help="train: the ways (default none tiered_dcp stock_pinned)")  # fmt: skip
+    ap.add_argument("--train-warmup", type=int, default=3, help="train: untimed steps first")
+    ap.add_argument("--lagging", default="skip", choices=["skip", "wait"], help="train: on_lagging_tier")
+    args = ap.parse_args()
+    args.parts = [p for p in PARTS if p in args.only and p not in args.skip]
+    args.train_ways = [w for w in WAYS if w in args.train_ways]
+    return args
+
+
+def run_part(name: str, args: argparse.Namespace, work: str, shm: str, results: dict) -> None:
+    """One part; its failure is printed and recorded, and the next part runs."""
+    t0 = time.perf_counter()
+    try:
+        results[name] = PARTS[name](args, work, shm)
+    except Exception as e:  # the other parts' figures still count
+        traceback.print_exc()
+        results[name] = {"error": f"{type(e).__name__}: {e}"}
+    print(f"part {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+
+
+def main() -> None:
+    args = parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_cuda needs a CUDA device (--device cpu: a dry run)")
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    print(f"{device}, torch {torch.__version__}; parts {' '.join(args.parts)}", flush=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    work = tempfile.mkdtemp(prefix="tdcp-cuda-", dir=args.disk)
+    shm = tempfile.mkdtemp(prefix="tdcp-cuda-", dir="/dev/shm")
+    results: dict = {}
+    try:
+        for name in args.parts:
+            run_part(name, args, work, shm, results)
+    finally:
+        shutdown(wait=True, timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    print(json.dumps({"device": device, "torch": torch.__version__, **results}), flush=True)
     dist.destroy_process_group()
-    sys.exit(1 if bad else 0)
+    failed = [n for n, r in results.items() if "error" in r or r.get("wrong")]
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
