@@ -5,8 +5,9 @@ and the training loop's stall against stock DCP's ``async_save``, in the same ru
     python benchmarks/bench_cuda.py --device cpu --mib 16 --steps 4 --load-gib 0.05 \
         --load-runs 1 --train-gib 0.05 --train-loops 16:2 18:6       # a dry run, no GPU
 
-Parts (``--only``/``--skip`` pick them; each prints its table and a ``PART: {json}`` line
-as it ends, and a part that raises is reported and the next one runs; the last line is
+Parts, run in this order (``--only``/``--skip`` pick them; each prints its table and a
+``PART: {json}`` line as it ends (``exact``: one line), and a part that raises is reported
+and the next one runs; SIGINT ends the part running and skips the rest; the last line is
 the JSON of all of them; exit 1 if a part raised or a step loaded wrong):
 
 ``exact`` (a failure exit if wrong), on a RAM tier in /dev/shm over a disk tier (staging
@@ -445,6 +446,15 @@ def summarize(run: dict, raw: float, none_s: float | None) -> dict:
     return out
 
 
+def rounded(tree):
+    """``tree`` with its floats to 4 significant digits: JSON a person reads."""
+    if isinstance(tree, dict):
+        return {k: rounded(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [rounded(v) for v in tree]
+    return float(f"{tree:.4g}") if isinstance(tree, float) else tree
+
+
 def fmt(v, width: int, digits: int) -> str:
     return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
 
@@ -552,7 +562,7 @@ def train_part(args: argparse.Namespace, work: str, shm: str) -> dict:
             print_row(every, way, run)
     out = {**head, "loops": loops, "targets": targets(loops)}
     print("train targets:", json.dumps(out["targets"]), flush=True)
-    print("train:", json.dumps(out), flush=True)
+    print("train:", json.dumps(rounded(out)), flush=True)
     return out
 
 
@@ -663,16 +673,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_part(name: str, args: argparse.Namespace, work: str, shm: str, results: dict) -> None:
-    """One part; its failure is printed and recorded, and the next part runs."""
+def run_part(name: str, args: argparse.Namespace, work: str, shm: str, results: dict) -> bool:
+    """One part; its failure is printed and recorded, and the next part runs. False when
+    interrupted (SIGINT: ``timeout -s INT`` in ``gpu_check.sh``): no part runs after it."""
     t0 = time.perf_counter()
+    go_on = True
     try:
         results[name] = PARTS[name](args, work, shm)
     except Exception as e:  # the other parts' figures still count
         traceback.print_exc()
         results[name] = {"error": f"{type(e).__name__}: {e}"}
-    print(f"part {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        results[name] = {"error": "interrupted"}
+        go_on = False
+    print(f"part {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return go_on
 
 
 def main() -> None:
@@ -692,12 +708,13 @@ def main() -> None:
     results: dict = {}
     try:
         for name in args.parts:
-            run_part(name, args, work, shm, results)
+            if not run_part(name, args, work, shm, results):
+                break
     finally:
         shutdown(wait=True, timeout=30)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    print(json.dumps({"device": device, "torch": torch.__version__, **results}), flush=True)
+    print(json.dumps(rounded({"device": device, "torch": torch.__version__, **results})), flush=True)
     dist.destroy_process_group()
     failed = [n for n, r in results.items() if "error" in r or r.get("wrong")]
     sys.exit(1 if failed else 0)
