@@ -2,8 +2,12 @@
 # One prepared run on a lent GPU machine (torch there, no internet): the GPU tests and
 # benchmarks/bench_cuda.py, results under $OUT. Prepare here first (wheels in .whl, ignored):
 #   bash scripts/gpu_check.sh --prepare
-# then, through the device tool, with carry [".whl"]:
+# then, through the device tool, with carry [".whl"] and timeout_s 540:
 #   bash scripts/gpu_check.sh
+# About 5 min on an H100 (tests ~1 min, bench_cuda's train part ~2.5, its other parts ~1.5);
+# each step has its own cap (timeout: 90 + 200 + 150 s, 7.5 min in all), and each bench_cuda
+# part prints its figures as it ends, so a step cut short keeps what it printed. To rerun one
+# part: python3 benchmarks/bench_cuda.py --only train (or exact, load, stall), from /tmp.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--prepare" ]; then
@@ -22,9 +26,27 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 repo=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+df -h /dev/shm /tmp | tee -a "$OUT/gpu.txt"  # the RAM tiers and the disk tiers
 # from outside the checkout: the installed package, not the tree (the writer process is
 # started as python -m tiered_dcp.persist and would import the tree's tiered_dcp/)
 cd /tmp || exit 1
-timeout 240 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
-timeout 300 python3 "$repo/benchmarks/bench_cuda.py" --mib 1024 --steps 6 --load-gib 3.0 --load-runs 3 \
-  2>&1 | grep -v '^\[' | tail -40 | tee "$OUT/bench_cuda.txt"
+# a step past its cap gets SIGINT (its cleanup runs), then SIGKILL 15 s later; what it left
+# in /dev/shm and /tmp is removed before the next step
+clean() { rm -rf /dev/shm/tdcp-cuda-* /tmp/tdcp-cuda-*; }
+# bench FILE SECONDS COMMAND...: its lines as they come into $OUT/FILE (DCP's INFO log lines
+# left out; an uncaught error's "[rank0]: ..." traceback kept), the last 80 on the console
+bench() {
+  local file=$1
+  shift
+  timeout -s INT -k 15 "$@" 2>&1 | grep --line-buffered -v ' - INFO - ' | tee "$OUT/$file" | tail -80
+}
+timeout -s INT -k 15 90 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
+clean
+# issue 38: model + AdamW (3.22 GB), a save every 10 steps (80) and every 30 (120), tiered-dcp
+# vs stock pinned vs no saves
+bench bench_train.txt 200 python3 "$repo/benchmarks/bench_cuda.py" --only train --train-gib 3.0 \
+  --train-loops 80:10 120:30
+clean
+bench bench_cuda.txt 150 python3 "$repo/benchmarks/bench_cuda.py" --skip train --mib 1024 --steps 6 \
+  --load-gib 3.0 --load-runs 3
+clean
