@@ -678,15 +678,16 @@ class Drill:
             event.problems.append(f"the damaged step {step} was not quarantined")
 
     def fault_wipe(self, event: Event) -> None:
+        from tiered_dcp.storage.owners import pid_alive
+
         from ..rundir import RunDir
-        from ..runtime import pid_alive
 
         node = self.rng.randrange(WORLD)  # one rank per node: the node's rank is `node`
         fault_time = time.time()
         self.crash()
         event.expected = self.committed()
         rd = RunDir.of(self.cfg, node)
-        pid = rd.writer_pid()
+        pid = rd.writer.pid()
         if pid is not None and pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # the node's writer process dies with it
@@ -901,7 +902,7 @@ def run_drill(
     drill = Drill(workdir, ram, seconds, seed, faults, pause)
     for bucket in ("gs://drill/ckpt", f"{workdir}/bucket"):  # a previous drill's queues and records
         old = load_job_config(write_config(workdir, ram, bucket, {}))
-        if not any(rd.writer_running() for rd in RunDir.all_of(old)):
+        if not any(rd.writer.running() for rd in RunDir.all_of(old)):
             shutil.rmtree(job_dir(old), ignore_errors=True)
     print(
         f"tiered-dcp drill: {WORLD} ranks on 2 simulated nodes, {seconds:.0f} s of faults {faults}, "
