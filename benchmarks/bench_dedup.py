@@ -35,7 +35,7 @@ warnings.filterwarnings("ignore")
 
 
 def writer_seconds(cfg: TieredConfig, tier: int, step: int) -> float:
-    return RunDir.of(cfg, 0).outcomes()[(step, tier)].seconds
+    return RunDir.of(cfg, 0).results.all()[(step, tier)].seconds
 
 
 def lora(mib: int, step: int) -> dict:

@@ -79,7 +79,7 @@ def one_run(run: int, state: dict, shm: str, disk: str) -> dict:
     mem = memory_mb(w.pid)
     start = started_at(w.pid, now)
     created = {r.tier_index: r.created for r in status(cfg) if r.step == 1 and r.state == "committed"}
-    ready = os.stat(RunDir.of(cfg, 0).pid_path).st_mtime  # written once its imports are done
+    ready = os.stat(RunDir.of(cfg, 0).writer.pid_path).st_mtime  # written once its imports are done
     res = {
         "rss_mb": mem["VmRSS"],
         "hwm_mb": mem["VmHWM"],

@@ -102,68 +102,48 @@ class _BadAnswer(Exception):
 
 
 class _Progress:
-    """When a request last moved a byte (or started); bytes moved are told to its store too
+    """When a request last moved a byte (or started); bytes moved are told to its client too
     (``activity``), an error answer only to the request's own watchdog."""
 
-    def __init__(self, now: float, store: GCSStorage) -> None:
+    def __init__(self, now: float, client: _Client) -> None:
         self.last = now
-        self.store = store
+        self.client = client
 
     def tick(self, moved: bool = True) -> None:
         self.last = asyncio.get_running_loop().time()
         if moved:
-            self.store.last_activity = self.last
+            self.client.last_activity = self.last
 
 
 Attempt = Callable[[_Progress], Awaitable[T]]
 
 
-@register_backend("gs", "gcs")
-class GCSStorage(Storage):
-    """Objects under ``gs://bucket/prefix`` through the GCS JSON API."""
+class _Client:
+    """One bucket's JSON API requests: each watched for progress, retried while its failure is
+    transient, its error sorted into a storage error (``errors.py``); and the bridge that runs
+    them on gcsfs's I/O loop."""
 
-    @classmethod
-    def missing(cls, scheme: str) -> str | None:
-        if importlib.util.find_spec("gcsfs") is None:
-            return "a gs:// tier needs gcsfs for its credentials and client (pip install gcsfs)"
-        return None
-
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        from gcsfs.core import GCSFileSystem  # the plain JSON API client, never the gRPC one
-
-        self.url = url.rstrip("/")
-        self.opts, fs_options = GCSOptions.split(storage_options)
-        # fsspec's instance cache shares one file system, session and connection pool
-        # between every store opened with the same options.
-        self.fs = GCSFileSystem(**fs_options)
-        path = url.split("://", 1)[1].strip("/")
-        self.bucket, _, self.prefix = path.partition("/")
-        if not self.bucket:
-            raise ValueError(f"{url}: no bucket in the URL")
+    def __init__(self, fs: Any, opts: GCSOptions, bucket: str) -> None:
+        self.fs, self.opts, self.bucket = fs, opts, bucket
         self._bucket_seen = False  # the bucket answered once: a later 404 is a missing object
-        self.last_activity = 0.0  # time.monotonic() when a request of this store last moved a byte
-        self._failing: tuple[float, str] | None = None  # since when requests fail (no success since)
-
-    def activity(self) -> float | None:
-        return self.last_activity or None
-
-    def failing(self) -> tuple[float, str] | None:
-        return self._failing
+        self.last_activity = 0.0  # time.monotonic() when a request of this client last moved a byte
+        self.failing: tuple[float, str] | None = None  # since when requests fail (no success since)
 
     # ---- names and the sync/async bridge
 
-    def _name(self, key: str) -> str:
-        return "/".join(p for p in (self.prefix, key.strip("/")) if p)
+    def where(self, name: str) -> str:
+        """The object's URL, as errors and logs name it."""
+        return f"gs://{self.bucket}/{name}"
 
-    def _bucket_url(self, api: str = "storage") -> str:
+    def bucket_url(self, api: str = "storage") -> str:
         """The bucket in the JSON API: metadata ("storage"), "upload" or "download" paths."""
         path = "storage/v1" if api == "storage" else f"{api}/storage/v1"
         return f"{self.fs._location}/{path}/b/{quote(self.bucket, safe='')}"
 
-    def _object_url(self, name: str, api: str = "storage") -> str:
-        return f"{self._bucket_url(api)}/o/{quote(name, safe='')}"
+    def object_url(self, name: str, api: str = "storage") -> str:
+        return f"{self.bucket_url(api)}/o/{quote(name, safe='')}"
 
-    def _run(self, coro: Awaitable[T]) -> T:
+    def run(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` on gcsfs's I/O loop and wait for it (it bounds itself)."""
         fut = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
         try:
@@ -174,7 +154,7 @@ class GCSStorage(Storage):
 
     # ---- one request: progress watchdog, retries, error kinds
 
-    async def _call(self, what: str, attempt: Attempt[T], *, missing_ok: bool = False) -> T:
+    async def call(self, what: str, attempt: Attempt[T], *, missing_ok: bool = False) -> T:
         """``attempt`` with retries of transient failures, within ``retry_timeout``.
 
         ``missing_ok``: a 404 means a missing object (``FileNotFoundError``) once the bucket
@@ -186,7 +166,7 @@ class GCSStorage(Storage):
             tries += 1
             try:
                 result = await self._watched(attempt)
-                self._failing = None  # the bucket answers
+                self.failing = None  # the bucket answers
                 return result
             except Exception as e:
                 err = await self._failure(what, e, missing_ok)
@@ -194,8 +174,8 @@ class GCSStorage(Storage):
                     raise
                 if err is not None:
                     raise err from e
-                if self._failing is None:
-                    self._failing = (loop.time(), f"{what}: {_describe(e)}")
+                if self.failing is None:
+                    self.failing = (loop.time(), f"{what}: {_describe(e)}")
                 delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (tries - 1)) * random.uniform(0.5, 1.0)
                 spent = loop.time() - start
                 if spent + delay > self.opts.retry_timeout:
@@ -273,9 +253,9 @@ class GCSStorage(Storage):
         """Whether the bucket is there; None when that cannot be told now. A 403 counts as
         yes: the credentials may read objects without reading the bucket's own metadata."""
         if not self._bucket_seen:
-            url = self._bucket_url()
+            url = self.bucket_url()
             try:
-                await self._watched(lambda p: self._send(p, "GET", url, params={"fields": "name"}))
+                await self._watched(lambda p: self.send(p, "GET", url, params={"fields": "name"}))
             except _HTTPStatus as e:
                 if e.status == 404:
                     return False
@@ -286,7 +266,7 @@ class GCSStorage(Storage):
             self._bucket_seen = True
         return True
 
-    async def _send(
+    async def send(
         self,
         progress: _Progress,
         method: str,
@@ -305,16 +285,7 @@ class GCSStorage(Storage):
         import aiohttp
 
         session = await self.fs._set_session()
-        headers = self.fs._get_headers(None)  # authorization, user agent
-        data: Any = None
-        if body is not None:
-            headers["Content-Type"] = "application/octet-stream"
-            headers["Content-Length"] = str(sum(b.nbytes for b in body))
-            data = _slices(body, progress) if any(b.nbytes for b in body) else b""
-        if sink is not None:
-            headers["Range"] = f"bytes={sink[0]}-{sink[0] + len(sink[1]) - 1}"
-        elif tail:
-            headers["Range"] = f"bytes={tail}-"
+        headers, data = self._request_body(progress, body, sink, tail)
         async with session.request(
             method,
             url,
@@ -331,54 +302,71 @@ class GCSStorage(Storage):
                     return 0 if sink is not None else b""  # the range starts at or after the end
                 raise _HTTPStatus(r.status, _message(await r.read()))
             if sink is None:
-                if tail and r.status != 206:
-                    raise _BadAnswer(f"the server ignored the range (HTTP {r.status})")
-                raw = bytearray()
-                async for data_chunk in r.content.iter_any():
-                    raw += data_chunk
-                    progress.tick()
-                if tail is not None:
-                    return bytes(raw)
-                return json.loads(raw) if raw else None
-            offset, view = sink
-            if r.status != 206 and offset != 0:
-                raise _BadAnswer(f"the server ignored the range (HTTP {r.status})")
-            got = 0
-            async for data_chunk in r.content.iter_any():
-                n = len(data_chunk)
-                if got + n > len(view):
-                    raise _BadAnswer(f"the server sent more than the {len(view)} bytes asked for")
-                view[got : got + n] = data_chunk
-                got += n
-                progress.tick()
-            return got
+                return await _read_answer(r, progress, tail)
+            return await _read_range(r, progress, *sink)
+
+    def _request_body(
+        self,
+        progress: _Progress,
+        body: list[memoryview] | None,
+        sink: tuple[int, memoryview] | None,
+        tail: int | None,
+    ) -> tuple[dict[str, str], Any]:
+        """The headers (authorization, length, range) and the body of a request."""
+        headers = self.fs._get_headers(None)  # authorization, user agent
+        data: Any = None
+        if body is not None:
+            headers["Content-Type"] = "application/octet-stream"
+            headers["Content-Length"] = str(sum(b.nbytes for b in body))
+            data = _slices(body, progress) if any(b.nbytes for b in body) else b""
+        if sink is not None:
+            headers["Range"] = f"bytes={sink[0]}-{sink[0] + len(sink[1]) - 1}"
+        elif tail:
+            headers["Range"] = f"bytes={tail}-"
+        return headers, data
+
+
+@register_backend("gs", "gcs")
+class GCSStorage(Storage):
+    """Objects under ``gs://bucket/prefix`` through the GCS JSON API: the ``Storage`` calls,
+    each made of requests its ``_Client`` makes (a large write: of a ``_PieceUpload``)."""
+
+    @classmethod
+    def missing(cls, scheme: str) -> str | None:
+        if importlib.util.find_spec("gcsfs") is None:
+            return "a gs:// tier needs gcsfs for its credentials and client (pip install gcsfs)"
+        return None
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        from gcsfs.core import GCSFileSystem  # the plain JSON API client, never the gRPC one
+
+        self.url = url.rstrip("/")
+        self.opts, fs_options = GCSOptions.split(storage_options)
+        # fsspec's instance cache shares one file system, session and connection pool
+        # between every store opened with the same options.
+        self.fs = GCSFileSystem(**fs_options)
+        path = url.split("://", 1)[1].strip("/")
+        self.bucket, _, self.prefix = path.partition("/")
+        if not self.bucket:
+            raise ValueError(f"{url}: no bucket in the URL")
+        self.client = _Client(self.fs, self.opts, self.bucket)
+
+    def activity(self) -> float | None:
+        return self.client.last_activity or None
+
+    def failing(self) -> tuple[float, str] | None:
+        return self.client.failing
+
+    def _name(self, key: str) -> str:
+        return "/".join(p for p in (self.prefix, key.strip("/")) if p)
 
     # ---- uploads
 
     async def _upload(self, name: str, body: list[memoryview]) -> None:
-        url = f"{self._bucket_url('upload')}/o"
+        url = f"{self.client.bucket_url('upload')}/o"
         params = {"uploadType": "media", "name": name, "fields": "name"}
-        await self._call(self._where(name), lambda p: self._send(p, "POST", url, params=params, body=body))
-
-    async def _compose(self, sources: list[str], dest: str, scratch: str) -> None:
-        """Compose ``sources`` into ``dest``: by groups of ``MAX_COMPOSE`` into objects under
-        ``scratch``, then those, until one request can name them all."""
-        level = 0
-        while len(sources) > MAX_COMPOSE:
-            groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
-            names = [f"{scratch}/c{level}-{j:04d}" for j in range(len(groups))]
-            await _all(self._compose_one(g, n) for g, n in zip(groups, names, strict=True))
-            sources, level = names, level + 1
-        await self._compose_one(sources, dest)
-
-    async def _compose_one(self, sources: list[str], dest: str) -> None:
-        url = f"{self._object_url(dest)}/compose"
-        body = {
-            "sourceObjects": [{"name": s} for s in sources],
-            "destination": {"contentType": "application/octet-stream"},
-        }
-        await self._call(
-            self._where(dest), lambda p: self._send(p, "POST", url, params={"fields": "name"}, json_body=body)
+        await self.client.call(
+            self.client.where(name), lambda p: self.client.send(p, "POST", url, params=params, body=body)
         )
 
     def write(self, key: str, chunks: Iterable[Buffer]) -> int:
@@ -401,10 +389,10 @@ class GCSStorage(Storage):
                     raise PermanentStorageError(
                         errno.EFBIG,
                         f"more than {MAX_COMPONENTS} pieces of part_size={self.opts.part_size} bytes",
-                        self._where(name),
+                        self.client.where(name),
                     )
             if upload is None:
-                self._run(self._upload(name, ready or []))
+                self.client.run(self._upload(name, ready or []))
                 return total
             upload.add(ready or [])
             upload.finish()
@@ -418,10 +406,10 @@ class GCSStorage(Storage):
 
     async def _get_range(self, name: str, offset: int, view: memoryview) -> int:
         """Bytes of ``name`` from ``offset`` into ``view``; fewer where the object ends."""
-        url = self._object_url(name, "download")
-        return await self._call(
-            self._where(name),
-            lambda p: self._send(p, "GET", url, params={"alt": "media"}, sink=(offset, view)),
+        url = self.client.object_url(name, "download")
+        return await self.client.call(
+            self.client.where(name),
+            lambda p: self.client.send(p, "GET", url, params={"alt": "media"}, sink=(offset, view)),
             missing_ok=True,
         )
 
@@ -440,20 +428,20 @@ class GCSStorage(Storage):
         name = self._name(key)
         with self.errors(key):
             if length is None:  # to the end: one GET, whatever the size
-                url = self._object_url(name, "download")
-                return self._run(
-                    self._call(
-                        self._where(name),
-                        lambda p: self._send(p, "GET", url, params={"alt": "media"}, tail=offset),
+                url = self.client.object_url(name, "download")
+                return self.client.run(
+                    self.client.call(
+                        self.client.where(name),
+                        lambda p: self.client.send(p, "GET", url, params={"alt": "media"}, tail=offset),
                         missing_ok=True,
                     )
                 )
             if length == 0:
                 if self.size(key) is None:
-                    raise FileNotFoundError(errno.ENOENT, "no such object", self._where(name))
+                    raise FileNotFoundError(errno.ENOENT, "no such object", self.client.where(name))
                 return b""
             buf = bytearray(length)
-            got = self._run(self._read_ranges(name, offset, memoryview(buf)))
+            got = self.client.run(self._read_ranges(name, offset, memoryview(buf)))
         del buf[got:]
         return bytes(buf)
 
@@ -462,7 +450,7 @@ class GCSStorage(Storage):
         if not len(out):
             return
         with self.errors(key):
-            got = self._run(self._read_ranges(self._name(key), offset, out))
+            got = self.client.run(self._read_ranges(self._name(key), offset, out))
         if got < len(out):  # a damaged object, not a failing bucket: no storage error kind
             raise OSError(errno.EIO, f"{self.describe(key)}: object ends {len(out) - got} bytes early")
 
@@ -470,13 +458,13 @@ class GCSStorage(Storage):
 
     def size(self, key: str) -> int | None:
         name = self._name(key)
-        url = self._object_url(name)
+        url = self.client.object_url(name)
         with self.errors(key):
             try:
-                info = self._run(
-                    self._call(
-                        self._where(name),
-                        lambda p: self._send(p, "GET", url, params={"fields": "size"}),
+                info = self.client.run(
+                    self.client.call(
+                        self.client.where(name),
+                        lambda p: self.client.send(p, "GET", url, params={"fields": "size"}),
                         missing_ok=True,
                     )
                 )
@@ -486,14 +474,16 @@ class GCSStorage(Storage):
 
     async def _page(self, prefix: str, delimiter: str | None, token: str | None, sizes: bool = False) -> dict:
         """One page (up to 1,000 names) of the objects under ``prefix``, in name order."""
-        url = f"{self._bucket_url()}/o"
+        url = f"{self.client.bucket_url()}/o"
         fields = "items(name,size)" if sizes else "items(name)"
         params = {"prefix": prefix, "fields": f"{fields},prefixes,nextPageToken", "maxResults": 1000}
         if delimiter:
             params["delimiter"] = delimiter
         if token:
             params["pageToken"] = token
-        return await self._call(self._where(prefix), lambda p, q=params: self._send(p, "GET", url, params=q))
+        return await self.client.call(
+            self.client.where(prefix), lambda p, q=params: self.client.send(p, "GET", url, params=q)
+        )
 
     async def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
         """Object names and (with a delimiter) sub-prefixes under ``prefix``, every page."""
@@ -512,7 +502,7 @@ class GCSStorage(Storage):
         base = self._name(prefix)
         base = f"{base}/" if base else ""
         with self.errors(prefix):
-            names, prefixes = self._run(self._list(base, "/"))
+            names, prefixes = self.client.run(self._list(base, "/"))
         found = {n[len(base) :].rstrip("/") for n in [*names, *prefixes]}
         found.discard("")
         return sorted(found)
@@ -524,7 +514,7 @@ class GCSStorage(Storage):
         token = None
         while True:
             with self.errors(prefix):
-                page = self._run(self._page(base, "/", token, sizes=True))
+                page = self.client.run(self._page(base, "/", token, sizes=True))
             items = ((item["name"][len(base) :], int(item.get("size", 0))) for item in page.get("items", []))
             yield {n: size for n, size in items if n and "/" not in n}
             token = page.get("nextPageToken")
@@ -532,9 +522,11 @@ class GCSStorage(Storage):
                 return
 
     async def _delete_object(self, name: str) -> None:
-        url = self._object_url(name)
+        url = self.client.object_url(name)
         with contextlib.suppress(FileNotFoundError):
-            await self._call(self._where(name), lambda p: self._send(p, "DELETE", url), missing_ok=True)
+            await self.client.call(
+                self.client.where(name), lambda p: self.client.send(p, "DELETE", url), missing_ok=True
+            )
 
     async def _delete_tree(self, name: str) -> None:
         """``name`` and every object under ``name/``, ``max_concurrency`` deletions at a time."""
@@ -551,10 +543,7 @@ class GCSStorage(Storage):
 
     def delete(self, key: str) -> None:
         with self.errors(key):
-            self._run(self._delete_tree(self._name(key)))
-
-    def _where(self, name: str) -> str:
-        return f"gs://{self.bucket}/{name}"
+            self.client.run(self._delete_tree(self._name(key)))
 
 
 class _PieceUpload:
@@ -609,14 +598,14 @@ class _PieceUpload:
     def finish(self) -> None:
         for f in self.futures:
             f.result()
-        self.store._run(self.store._compose(self.pieces, self.name, self.scratch))
+        self.store.client.run(self._compose(self.pieces))
         self._remove_pieces(bound=None)
 
     def abort(self) -> None:
         """Stop the pieces in flight, wait until they are over, and delete those uploaded,
         for about ``idle_timeout`` at most: the bucket may be what failed."""
         bound = self.store.opts.idle_timeout
-        self.store._run(self._cancel())
+        self.store.client.run(self._cancel())
         concurrent.futures.wait(self.futures, timeout=bound)
         self._remove_pieces(bound=bound)
 
@@ -624,9 +613,33 @@ class _PieceUpload:
         """Best effort: pieces left behind lie under the step's directory, which retention
         removes, so a failure here only logs."""
         try:
-            self.store._run(asyncio.wait_for(self.store._delete_tree(self.scratch), bound))
+            self.store.client.run(asyncio.wait_for(self.store._delete_tree(self.scratch), bound))
         except Exception as e:  # noqa: BLE001
-            log.warning("%s: could not remove the upload's pieces: %s", self.store._where(self.scratch), e)
+            log.warning(
+                "%s: could not remove the upload's pieces: %s", self.store.client.where(self.scratch), e
+            )
+
+    async def _compose(self, sources: list[str]) -> None:
+        """Compose ``sources`` into the object: by groups of ``MAX_COMPOSE`` into objects under
+        the scratch prefix, then those, until one request can name them all."""
+        level = 0
+        while len(sources) > MAX_COMPOSE:
+            groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
+            names = [f"{self.scratch}/c{level}-{j:04d}" for j in range(len(groups))]
+            await _all(self._compose_one(g, n) for g, n in zip(groups, names, strict=True))
+            sources, level = names, level + 1
+        await self._compose_one(sources, self.name)
+
+    async def _compose_one(self, sources: list[str], dest: str) -> None:
+        url = f"{self.store.client.object_url(dest)}/compose"
+        body = {
+            "sourceObjects": [{"name": s} for s in sources],
+            "destination": {"contentType": "application/octet-stream"},
+        }
+        await self.store.client.call(
+            self.store.client.where(dest),
+            lambda p: self.store.client.send(p, "POST", url, params={"fields": "name"}, json_body=body),
+        )
 
 
 async def _all(aws: Iterable[Awaitable[T]]) -> list[T]:
@@ -659,6 +672,34 @@ def _pieces(chunks: Iterable[Buffer], size: int) -> Iterator[list[memoryview]]:
                 piece, have = [], 0
     if piece:
         yield piece
+
+
+async def _read_answer(r: Any, progress: _Progress, tail: int | None) -> Any:
+    """A whole answer: the object's bytes from ``tail`` on, else the parsed JSON (None if empty)."""
+    if tail and r.status != 206:
+        raise _BadAnswer(f"the server ignored the range (HTTP {r.status})")
+    raw = bytearray()
+    async for data_chunk in r.content.iter_any():
+        raw += data_chunk
+        progress.tick()
+    if tail is not None:
+        return bytes(raw)
+    return json.loads(raw) if raw else None
+
+
+async def _read_range(r: Any, progress: _Progress, offset: int, view: memoryview) -> int:
+    """A ranged answer streamed into ``view``; the bytes it got (fewer where the object ends)."""
+    if r.status != 206 and offset != 0:
+        raise _BadAnswer(f"the server ignored the range (HTTP {r.status})")
+    got = 0
+    async for data_chunk in r.content.iter_any():
+        n = len(data_chunk)
+        if got + n > len(view):
+            raise _BadAnswer(f"the server sent more than the {len(view)} bytes asked for")
+        view[got : got + n] = data_chunk
+        got += n
+        progress.tick()
+    return got
 
 
 async def _slices(body: list[memoryview], progress: _Progress) -> AsyncIterator[memoryview]:

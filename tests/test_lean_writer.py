@@ -18,7 +18,9 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
 
 def test_the_writer_and_the_torch_free_modules_import_no_torch():
     r = _fresh(
-        "import sys, tiered_dcp.persist, tiered_dcp.api, tiered_dcp.cli, tiered_dcp.storage.format\n"
+        "import sys, tiered_dcp.persist\n"
+        "assert 'tiered_dcp.runtime' not in sys.modules  # the trainer's side of the run directory\n"
+        "import tiered_dcp.api, tiered_dcp.cli, tiered_dcp.storage.format\n"
         "import tiered_dcp.catalog, tiered_dcp.runtime, tiered_dcp.rundir, tiered_dcp.records\n"
         "import tiered_dcp.cliques, tiered_dcp.storage.codec\n"
         "from tiered_dcp import Tier, TieredConfig, status, latest_step\n"

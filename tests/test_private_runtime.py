@@ -101,7 +101,7 @@ def test_malformed_job_files_are_never_acted_on(tmp_path):
     )
     good = {"step": 4, "source": 0, "target": 1, "rank": 0, "node": 0, "enqueued": 1.5}
     (q / "t01_s000000000004.json").write_text(json.dumps(good))
-    assert RunDir(tmp_path).queued() == [Job(**good)]
+    assert RunDir(tmp_path).queue.jobs() == [Job(**good)]
 
 
 # -- the directory ------------------------------------------------------------------------

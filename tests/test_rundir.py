@@ -21,7 +21,15 @@ def rd(tmp_path) -> RunDir:
 
 def test_the_layout_keeps_its_names(tmp_path):
     rd = RunDir(tmp_path / "rank_00003")
-    names = [rd.config_path, rd.owner_path, rd.lock_path, rd.pid_path, rd.log_path, rd.out_path, rd.stop_path]
+    names = [
+        rd.config_path,
+        rd.owner_path,
+        rd.writer.lock_path,
+        rd.writer.pid_path,
+        rd.writer.log_path,
+        rd.writer.out_path,
+        rd.writer.stop_path,
+    ]
     assert [p.name for p in names] == [
         "config.json",
         "owner",
@@ -31,11 +39,12 @@ def test_the_layout_keeps_its_names(tmp_path):
         "writer.out",
         "stop",
     ]
-    assert [rd.queue_dir.name, rd.results_dir.name, rd.health_dir.name] == ["queue", "results", "health"]
+    assert all(p.parent == rd.path for p in names)
+    assert [rd.queue.dir.name, rd.results.dir.name, rd.health.dir.name] == ["queue", "results", "health"]
     job = Job(12, 0, 1, 3, 1, 5.0)
-    assert rd.job_path(job).relative_to(rd.path).as_posix() == "queue/t01_s000000000012.json"
-    assert rd.outcome_path(1, 12).relative_to(rd.path).as_posix() == "results/t01_s000000000012.json"
-    assert rd.health_path(2).relative_to(rd.path).as_posix() == "health/t02.json"
+    assert rd.queue.path(job).relative_to(rd.path).as_posix() == "queue/t01_s000000000012.json"
+    assert rd.results.path(1, 12).relative_to(rd.path).as_posix() == "results/t01_s000000000012.json"
+    assert rd.health.path(2).relative_to(rd.path).as_posix() == "health/t02.json"
     assert rd.rank == 3 and rd == RunDir(str(rd.path)) and len({rd, RunDir(rd.path)}) == 1
 
 
@@ -52,7 +61,7 @@ def test_the_states_are_the_strings_on_disk():
 def test_records_are_written_as_before_and_read_back(rd):
     job = Job(12, 0, 1, 3, 1, 5.5)
     rd.enqueue(job)
-    assert json.loads(rd.job_path(job).read_text()) == {
+    assert json.loads(rd.queue.path(job).read_text()) == {
         "step": 12,
         "source": 0,
         "target": 1,
@@ -60,10 +69,10 @@ def test_records_are_written_as_before_and_read_back(rd):
         "node": 1,
         "enqueued": 5.5,
     }
-    assert rd.queued() == [job] and rd.queued(1) == [job] and rd.queued(2) == []
+    assert rd.queue.jobs() == [job] and rd.queue.jobs(1) == [job] and rd.queue.jobs(2) == []
     done = Outcome(12, 1, OutcomeState.COMMITTED, rank=3, seconds=0.25, write_s=0.1, bytes=64, finished=9.0)
-    rd.write_outcome(done)
-    text = rd.outcome_path(1, 12).read_text()
+    rd.results.write(done)
+    text = rd.results.path(1, 12).read_text()
     assert text == (
         '{"step": 12, "target": 1, "rank": 3, "write_s": 0.1, "bytes": 64, "state": "committed", '
         '"seconds": 0.25, "finished": 9.0}'
@@ -71,8 +80,8 @@ def test_records_are_written_as_before_and_read_back(rd):
     skipped = Outcome(
         11, 1, OutcomeState.SKIPPED, rank=3, error="skipped: tier failing", seconds=0.0, finished=1.0
     )
-    rd.write_outcome(skipped)
-    assert json.loads(rd.outcome_path(1, 11).read_text()) == {
+    rd.results.write(skipped)
+    assert json.loads(rd.results.path(1, 11).read_text()) == {
         "step": 11,
         "target": 1,
         "rank": 3,
@@ -81,33 +90,33 @@ def test_records_are_written_as_before_and_read_back(rd):
         "seconds": 0.0,
         "finished": 1.0,
     }
-    assert rd.outcomes() == {(11, 1): skipped, (12, 1): done}
+    assert rd.results.all() == {(11, 1): skipped, (12, 1): done}
     rd.enqueue(Job(12, 0, 1, 3, 1, 6.0))  # a new job for the step forgets its old outcome
-    assert list(rd.outcomes()) == [(11, 1)]
+    assert list(rd.results.all()) == [(11, 1)]
     verdict = TierHealth(1, TierState.STALLED, 7.0, "no progress")
-    rd.write_health(verdict)
-    assert json.loads(rd.health_path(1).read_text()) == {
+    rd.health.write(verdict)
+    assert json.loads(rd.health.path(1).read_text()) == {
         "tier": 1,
         "state": "stalled",
         "since": 7.0,
         "error": "no progress",
     }
-    assert rd.health(1) == verdict and rd.health(1).state is TierState.STALLED
-    assert rd.health(2) == TierHealth(2, TierState.HEALTHY, None, None)  # never judged: healthy
+    assert rd.health.of(1) == verdict and rd.health.of(1).state is TierState.STALLED
+    assert rd.health.of(2) == TierHealth(2, TierState.HEALTHY, None, None)  # never judged: healthy
 
 
 def test_a_record_written_by_an_earlier_version_reads_alike(rd):
     """As the writer wrote them before the records had classes (keys in its order, extras)."""
-    rd.outcome_path(1, 4).write_text(
+    rd.results.path(1, 4).write_text(
         json.dumps(
             {"step": 4, "target": 1, "rank": 0, "state": "failed", "error": "x", "seconds": 1, "new": 1}
         )
     )
-    rd.health_path(1).parent.mkdir()
-    rd.health_path(1).write_text(json.dumps({"tier": 1, "state": "failing", "since": 3, "error": None}))
-    (o,) = rd.outcomes().values()
+    rd.health.path(1).parent.mkdir()
+    rd.health.path(1).write_text(json.dumps({"tier": 1, "state": "failing", "since": 3, "error": None}))
+    (o,) = rd.results.all().values()
     assert (o.step, o.target, o.state, o.error, o.seconds) == (4, 1, OutcomeState.FAILED, "x", 1)
-    assert rd.health(1) == TierHealth(1, TierState.FAILING, 3, None)
+    assert rd.health.of(1) == TierHealth(1, TierState.FAILING, 3, None)
 
 
 MALFORMED = [
@@ -123,13 +132,13 @@ MALFORMED = [
 
 @pytest.mark.parametrize("text", MALFORMED)
 def test_malformed_files_are_never_acted_on(rd, text):
-    (rd.queue_dir / "t01_s000000000001.json").write_text(text)
-    (rd.results_dir / "t01_s000000000001.json").write_text(text)
-    rd.health_dir.mkdir()
-    rd.health_path(1).write_text(text)
-    assert rd.queued() == [] and rd.outcomes() == {}
-    assert rd.read_outcome("t01_s000000000001.json") is None
-    assert rd.health(1) == TierHealth(1)  # no verdict: healthy
+    (rd.queue.dir / "t01_s000000000001.json").write_text(text)
+    (rd.results.dir / "t01_s000000000001.json").write_text(text)
+    rd.health.dir.mkdir()
+    rd.health.path(1).write_text(text)
+    assert rd.queue.jobs() == [] and rd.results.all() == {}
+    assert rd.results.read("t01_s000000000001.json") is None
+    assert rd.health.of(1) == TierHealth(1)  # no verdict: healthy
 
 
 def test_records_with_wrong_fields_or_types_are_never_acted_on(rd):
@@ -158,34 +167,34 @@ def test_records_with_wrong_fields_or_types_are_never_acted_on(rd):
         {"state": "failing"},
     ):
         assert TierHealth.from_dict(bad) is None, bad
-    rd.health_dir.mkdir()
-    rd.health_path(1).write_text(json.dumps({**health, "state": "down"}))
-    assert rd.health(1).state is TierState.HEALTHY
+    rd.health.dir.mkdir()
+    rd.health.path(1).write_text(json.dumps({**health, "state": "down"}))
+    assert rd.health.of(1).state is TierState.HEALTHY
 
 
 def test_owner_and_writer_pid(rd):
-    assert rd.owner() is None and rd.writer_pid() is None and not rd.writer_running()
+    assert rd.owner() is None and rd.writer.pid() is None and not rd.writer.running()
     rd.set_owner(1234)
     assert rd.owner_path.read_text() == "1234" and rd.owner() == 1234
     rd.owner_path.write_text("garbage")
     assert rd.owner() is None
-    rd.set_writer_pid(99)
-    assert rd.writer_pid() == 99
-    rd.clear_writer_pid()
-    assert rd.writer_pid() is None
-    lock = rd.take_writer_lock(attempts=1, poll=0)
-    assert lock is not None and rd.writer_running()
-    assert rd.take_writer_lock(attempts=2, poll=0) is None  # flock: one writer per rank
+    rd.writer.set_pid(99)
+    assert rd.writer.pid() == 99
+    rd.writer.clear_pid()
+    assert rd.writer.pid() is None
+    lock = rd.writer.take_lock(attempts=1, poll=0)
+    assert lock is not None and rd.writer.running()
+    assert rd.writer.take_lock(attempts=2, poll=0) is None  # flock: one writer per rank
     lock.close()
-    assert not rd.writer_running()
+    assert not rd.writer.running()
 
 
 def test_prune_keeps_the_newest_outcomes_of_a_tier(rd):
     for step in range(10):
-        rd.write_outcome(Outcome(step, 1, OutcomeState.CLEAN))
-        rd.write_outcome(Outcome(step, 2, OutcomeState.CLEAN))
-    rd.prune_outcomes(1, keep=3)
-    assert sorted(rd.outcomes()) == sorted([(s, 1) for s in (7, 8, 9)] + [(s, 2) for s in range(10)])
+        rd.results.write(Outcome(step, 1, OutcomeState.CLEAN))
+        rd.results.write(Outcome(step, 2, OutcomeState.CLEAN))
+    rd.results.prune(1, keep=3)
+    assert sorted(rd.results.all()) == sorted([(s, 1) for s in (7, 8, 9)] + [(s, 2) for s in range(10)])
 
 
 def test_timing_records_read_back_as_written_and_bad_lines_are_skipped(tmp_path):

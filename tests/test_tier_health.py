@@ -221,9 +221,9 @@ def test_the_writer_exits_after_its_trainer_died_with_the_bucket_down(bucket, pr
     until(lambda: not writer_status(cfg)[0].running, 10, "the writer exits")
     assert time.monotonic() - t0 < 20
     (w,) = writer_status(cfg)
-    out = "".join(p.read_text() for p in (rd.log_path, rd.out_path) if p.exists())
+    out = "".join(p.read_text() for p in (rd.writer.log_path, rd.writer.out_path) if p.exists())
     assert {s for s, _, _ in w.failed} == {1, 2}, (w, out)
     assert all("gave up" in why and "writer_drain_timeout=3" in why for _, _, why in w.failed)
-    log = rd.log_path.read_text()
+    log = rd.writer.log_path.read_text()
     assert "not persisted" in log
     assert os.listdir(tmp_path / "ram" / "run")  # the fast tier keeps its steps

@@ -322,12 +322,12 @@ def test_outcomes_are_pruned_and_a_new_trainer_clears_a_dead_ones(tmp_path):
     rd = RunDir.of(cfg, 0)
     rd.make()
     for step in range(150):
-        rd.write_outcome(Outcome(step=step, target=1, state=OutcomeState.FAILED))
-    rd.prune_outcomes(1, KEEP_RESULTS)
-    assert sorted(rd.outcomes()) == [(s, 1) for s in range(50, 150)]
+        rd.results.write(Outcome(step=step, target=1, state=OutcomeState.FAILED))
+    rd.results.prune(1, KEEP_RESULTS)
+    assert sorted(rd.results.all()) == [(s, 1) for s in range(50, 150)]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (rd.path / "owner").write_text(str(dead.pid))  # the outcomes of a trainer that is gone
     dcp.save(small_state(1), storage_writer=TieredWriter(cfg, step=1))
     settle(cfg)
-    assert list(rd.outcomes()) == [(1, 1)] and rd.outcomes()[(1, 1)].state is OutcomeState.COMMITTED
+    assert list(rd.results.all()) == [(1, 1)] and rd.results.all()[(1, 1)].state is OutcomeState.COMMITTED

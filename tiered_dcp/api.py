@@ -50,20 +50,20 @@ def writer_status(config: TieredConfig) -> list[WriterInfo]:
     """The writer processes of this job's ranks on this node, with their queues and failures."""
     out = []
     for rd in RunDir.all_of(config):
-        outcomes = rd.outcomes().values()
+        outcomes = rd.results.all().values()
         failed, skipped = (
             [(o.step, o.target, o.error or "") for o in outcomes if o.state is state]
             for state in (OutcomeState.FAILED, OutcomeState.SKIPPED)
         )
-        health = (rd.health(t) for t in range(len(config.tiers)))
+        health = (rd.health.of(t) for t in range(len(config.tiers)))
         out.append(
             WriterInfo(
                 rank=rd.rank,
-                pid=rd.writer_pid(),
-                running=rd.writer_running(),
-                queue=[(j.step, j.target) for j in rd.queued()],
+                pid=rd.writer.pid(),
+                running=rd.writer.running(),
+                queue=[(j.step, j.target) for j in rd.queue.jobs()],
                 failed=failed,
-                log=str(rd.log_path),
+                log=str(rd.writer.log_path),
                 skipped=skipped,
                 unhealthy={h.tier: h.to_dict() for h in health if h.state is not TierState.HEALTHY},
             )

@@ -451,7 +451,8 @@ def _tier_args(p: argparse.ArgumentParser, json_output: bool = False) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: every command, with its arguments and the function that runs it."""
     parser = argparse.ArgumentParser(
         prog="tiered-dcp",
         description="Inspect, check and export tiered-dcp checkpoints; run the demo and the failure drill.",
@@ -460,6 +461,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"tiered-dcp {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
+    _inspect_commands(sub)
+    _transfer_commands(sub)
+    _removal_commands(sub)
+    _tool_commands(sub)
+    return parser
+
+
+def _inspect_commands(sub: argparse._SubParsersAction) -> None:
+    """ls and verify: read the tiers, change nothing."""
     p = sub.add_parser(
         "ls",
         help="steps x tiers: state, size, age; writers; host memory; save-time scores "
@@ -474,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     _tier_args(p, json_output=True)
     p.add_argument("--step", type=int, help="the step (default: the newest committed)")
     p.set_defaults(fn=cmd_verify)
+
+
+def _transfer_commands(sub: argparse._SubParsersAction) -> None:
+    """export and import: a step out to a stock format, or a stock checkpoint in as a step."""
     p = sub.add_parser(
         "export", help="write a step as a stock DCP checkpoint directory, or as Hugging Face safetensors"
     )
@@ -504,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
         help="storage option for a --from URL (repeatable; a VALUE starting with { or [ is JSON)",
     )
     p.set_defaults(fn=cmd_import)
+
+
+def _removal_commands(sub: argparse._SubParsersAction) -> None:
+    """rm and prune: steps out of the tiers."""
     p = sub.add_parser(
         "rm", help="remove a step from the tiers (never the newest committed one without --force)"
     )
@@ -517,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=int, required=True, help="committed steps to keep per tier (>= 1)")
     p.add_argument("--tier", type=int, help="only this tier (its index)")
     p.set_defaults(fn=cmd_prune)
+
+
+def _tool_commands(sub: argparse._SubParsersAction) -> None:
+    """goodput, drill and demo: the tools that ship with the package."""
     from . import goodput  # torch-free; the commands import what they need when run
     from .tools import drill
 
@@ -534,7 +556,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     p.add_argument("--kill-at", type=int, default=17, help="step during whose save rank 1 is killed")
     p.set_defaults(fn=cmd_demo)
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)

@@ -39,11 +39,6 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's "5GB"
 
 
-def shard_name(i: int, n: int) -> str:
-    """The i-th of n safetensors files, named as Hugging Face names them."""
-    return f"model-{i:05d}-of-{n:05d}.safetensors"
-
-
 @dataclass(frozen=True)
 class Written:
     """What a format wrote."""

@@ -71,13 +71,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from tiered_dcp.storage.owners import pid_alive
+
 from . import transport
 from .config import TieredConfig
 from .discovery import broadcast_bytes
 from .errors import NoCheckpointError
 from .reader import TieredReader
 from .resume import resume
-from .runtime import pid_alive
 from .writer import TieredWriter
 
 POINTER = "tiered_dcp.json"  # in ckpt_dir: which namespace and step were saved there

@@ -42,6 +42,7 @@ from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
 from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
+from tiered_dcp.storage.owners import pid_alive
 
 from . import dedup, tierfile
 from .catalog import StepCopy, TierView, read_metadata_blob
@@ -49,8 +50,7 @@ from .cliques import Layout
 from .commit import copied_marker
 from .placement import nodes_of
 from .records import Kind, record
-from .rundir import Job, Outcome, OutcomeState, RunDir, TierHealth, TierState
-from .runtime import POLL, pid_alive
+from .rundir import POLL, Job, Outcome, OutcomeState, RunDir, TierHealth, TierState
 
 log = logging.getLogger("tiered_dcp.writer")
 
@@ -162,7 +162,7 @@ class Persister:
         self.lock = threading.Lock()  # the queue: a tier thread taking a job vs the trimmer
         self.active: dict[int, Job] = {}  # tier -> the job its thread works on
         self.health: dict[int, Health] = {}
-        rd.clear_health()  # a former writer's verdicts: judged anew
+        rd.health.clear()  # a former writer's verdicts: judged anew
 
     def owner_alive(self) -> bool:
         owner = self.rd.owner()
@@ -177,7 +177,7 @@ class Persister:
         idle_since = time.monotonic()
         while True:
             self.watch()
-            jobs = self.rd.queued()
+            jobs = self.rd.queue.jobs()
             for target in sorted({j.target for j in jobs}):
                 t = self.threads.get(target)
                 if t is None or not t.is_alive():
@@ -191,7 +191,7 @@ class Persister:
                 return
             if jobs or any(t.is_alive() for t in self.threads.values()):
                 idle_since = time.monotonic()
-            elif not owner or self.rd.stop_requested() or time.monotonic() - idle_since > IDLE_EXIT:
+            elif not owner or self.rd.writer.stop_requested() or time.monotonic() - idle_since > IDLE_EXIT:
                 log.info(
                     "writer %s: queue empty and %s; exiting",
                     self.rd.path.name,
@@ -203,7 +203,7 @@ class Persister:
     def tier_loop(self, target: int) -> None:
         while True:
             with self.lock:
-                jobs = self.rd.queued(target)
+                jobs = self.rd.queue.jobs(target)
                 if not jobs:
                     self.active.pop(target, None)
                     return
@@ -224,7 +224,7 @@ class Persister:
                 level, "tier %s is %s%s", self.config.tiers[target].path, state, f": {error}" if error else ""
             )
         h.state, h.error = state, error
-        self.rd.write_health(TierHealth(target, state, h.since, error))
+        self.rd.health.write(TierHealth(target, state, h.since, error))
 
     def writing(self, target: int, step: int | None, store: Storage | None = None) -> None:
         """A write to ``target`` starts (for ``step``) or ends (None)."""
@@ -258,7 +258,7 @@ class Persister:
         """Skip every step waiting for ``target`` but the newest (the one under way stays)."""
         with self.lock:
             active = self.active.get(target)
-            waiting = [j for j in self.rd.queued(target) if active is None or j.step != active.step]
+            waiting = [j for j in self.rd.queue.jobs(target) if active is None or j.step != active.step]
             for job in waiting[:-1]:
                 h = self.health[target]
                 why = f"skipped: tier {h.state} ({h.error}); step {waiting[-1].step} is queued in its place"
@@ -271,7 +271,7 @@ class Persister:
             f"(writer_drain_timeout={self.config.writer_drain_timeout:g} s)"
         )
         with self.lock:
-            jobs = self.rd.queued()
+            jobs = self.rd.queue.jobs()
             for job in jobs:
                 self.finish(job, OutcomeState.FAILED, why)
         log.error("%s; %d step(s) not persisted: %s", why, len(jobs), [(j.step, j.target) for j in jobs])
@@ -347,7 +347,7 @@ class Persister:
                 self.config.tiers[job.target].path,
                 error,
             )
-        self.rd.write_outcome(outcome)
+        self.rd.results.write(outcome)
         latency = round(outcome.finished - job.enqueued, 3)
         record(
             self.config,
@@ -359,7 +359,7 @@ class Persister:
             latency_s=latency,
             **timing,
         )
-        self.rd.prune_outcomes(job.target, KEEP_RESULTS)
+        self.rd.results.prune(job.target, KEEP_RESULTS)
         src = src or TierView(self.config, job.source, job.node, job.rank)
         try:
             src.own.delete(pin_key(self.config.namespace, job.step, job.rank, job.target))
@@ -371,7 +371,7 @@ class Persister:
                 src.apply_retention(newest)
         except OSError as e:
             log.warning("could not unpin step %d on %s: %s", job.step, src.tier.path, e)
-        self.rd.dequeue(job)
+        self.rd.queue.remove(job)
 
     def wait_for_source(self, src: TierView, job: Job) -> StepCopy:
         """The step's commit on the tier its save wrote; raises Abandoned if it never comes."""
@@ -444,20 +444,20 @@ class Persister:
 def main(argv: list[str]) -> int:
     rd = RunDir(argv[0])
     os.umask(0o077)  # its lock, pid, log and outcomes: this user's alone
-    lock = rd.take_writer_lock(attempts=40, poll=POLL)  # held for the process's lifetime
+    lock = rd.writer.take_lock(attempts=40, poll=POLL)  # held for the process's lifetime
     if lock is None:
         return 0  # another writer already serves this rank
-    handler = logging.handlers.RotatingFileHandler(rd.log_path, maxBytes=1 << 20, backupCount=1)
+    handler = logging.handlers.RotatingFileHandler(rd.writer.log_path, maxBytes=1 << 20, backupCount=1)
     handler.setFormatter(logging.Formatter(f"%(asctime)s writer[{os.getpid()}] %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.raiseExceptions = False
-    rd.set_writer_pid(os.getpid())
+    rd.writer.set_pid(os.getpid())
     with contextlib.suppress(OSError):
         os.nice(5)  # the trainer's own work comes first
     try:
         Persister(rd).run()
     finally:
-        rd.clear_writer_pid()
+        rd.writer.clear_pid()
         logging.shutdown()
     os._exit(0)  # a tier thread may still hang in a call to a dead tier: do not wait for it
 

@@ -25,9 +25,12 @@ Files, not sockets: any process (the trainer, DCP's upload thread or subprocess)
 enqueue, the queue outlives a crashed writer (its successor resumes it), and the status
 call reads it without talking to anyone.
 
-``RunDir`` is the only code that names these files, and ``Job``, ``Outcome`` and
-``TierHealth`` the only code that reads or writes their JSON: a writer of an older or newer
-version shares the directory with the trainer, so the format changes here or nowhere.
+This module is the only code that names these files: ``RunDir`` the directory, its config
+and owner, and its parts each their own files (``JobQueue`` queue/, ``Results`` results/,
+``HealthRecords`` health/, ``WriterFiles`` the writer's lock, pid, logs and stop); ``Job``,
+``Outcome`` and ``TierHealth`` are the only code that reads or writes their JSON. A writer of
+an older or newer version shares the directory with the trainer, so the format changes here
+or nowhere. ``POLL`` is how often either side looks at the directory for a change.
 Whatever is read is validated first: a file that is not a well-formed record (cut short,
 planted, from another version) is never acted on.
 """
@@ -51,6 +54,8 @@ from typing import IO, Any
 
 from .config import TieredConfig
 from .private_dir import ensure_private, mkdir_private, write_private
+
+POLL = 0.05  # seconds between looks at the run directory, by the trainer and by the writer
 
 
 def runtime_root() -> Path:
@@ -277,13 +282,199 @@ def _job_name(tier: int, step: int) -> str:
     return f"t{tier:02d}_s{step:012d}.json"
 
 
-class RunDir:
-    """One rank's run directory: every path in it, and every read and write of its files."""
+def _records(directory: Path, pattern: str) -> list[Any]:
+    """The JSON of the files matching ``pattern`` in ``directory``, by name (None: unreadable)."""
+    if not directory.is_dir():
+        return []
+    return [_read_json(p) for p in sorted(directory.glob(pattern))]
 
-    __slots__ = ("path",)
+
+class JobQueue:
+    """``queue/``: the steps waiting for the writer, one ``Job`` file each."""
+
+    __slots__ = ("dir",)
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def path(self, job: Job) -> Path:
+        return self.dir / _job_name(job.target, job.step)
+
+    def exists(self) -> bool:
+        return self.dir.is_dir()
+
+    def put(self, job: Job) -> None:
+        mkdir_private(self.dir)
+        _write_json(self.path(job), job.to_dict())
+
+    def remove(self, job: Job) -> None:
+        self.path(job).unlink(missing_ok=True)
+
+    def jobs(self, target: int | None = None) -> list[Job]:
+        """The jobs waiting (for ``target``, or any tier), by tier then step."""
+        jobs = (Job.from_dict(d) for d in _records(self.dir, "t*_s*.json"))
+        return [j for j in jobs if j is not None and (target is None or j.target == target)]
+
+
+class Results:
+    """``results/``: what became of each job, one ``Outcome`` file each."""
+
+    __slots__ = ("dir",)
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def path(self, target: int, step: int) -> Path:
+        return self.dir / _job_name(target, step)
+
+    def write(self, outcome: Outcome) -> None:
+        _write_json(self.path(outcome.target, outcome.step), outcome.to_dict())
+
+    def forget(self, target: int, step: int) -> None:
+        self.path(target, step).unlink(missing_ok=True)
+
+    def names(self) -> set[str] | None:
+        """The names of the outcome files (to notice new ones); None without a results dir."""
+        try:
+            return set(os.listdir(self.dir))
+        except FileNotFoundError:
+            return None
+
+    def read(self, name: str) -> Outcome | None:
+        """The outcome in file ``name`` (from ``names``); None if it is not one (yet)."""
+        return Outcome.from_dict(_read_json(self.dir / name))
+
+    def all(self) -> dict[tuple[int, int], Outcome]:
+        """(step, tier) -> outcome, for the steps this rank's writers finished."""
+        outcomes = (Outcome.from_dict(d) for d in _records(self.dir, "t*_s*.json"))
+        return {(o.step, o.target): o for o in outcomes if o is not None}
+
+    def clear(self) -> None:
+        """Forget every outcome (those of a trainer that is gone)."""
+        for old in self.dir.glob("*.json"):
+            old.unlink(missing_ok=True)
+
+    def prune(self, target: int, keep: int) -> None:
+        """Forget all but the newest ``keep`` outcomes of a tier, so the directory stays small."""
+        names = sorted(self.dir.glob(f"t{target:02d}_s*.json"))
+        for old in names[:-keep]:
+            old.unlink(missing_ok=True)
+
+
+class HealthRecords:
+    """``health/``: the writer's verdict on each slower tier, one ``TierHealth`` file each."""
+
+    __slots__ = ("dir",)
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def path(self, tier: int) -> Path:
+        return self.dir / f"t{tier:02d}.json"
+
+    def write(self, health: TierHealth) -> None:
+        mkdir_private(self.dir)
+        _write_json(self.path(health.tier), health.to_dict())
+
+    def of(self, tier: int) -> TierHealth:
+        """The writer's verdict on ``tier``; healthy where none (or no valid one) is recorded."""
+        return TierHealth.from_dict(_read_json(self.path(tier))) or TierHealth(tier)
+
+    def clear(self) -> None:
+        """Forget a former writer's verdicts (a new writer judges every tier anew)."""
+        for old in self.dir.glob("*.json"):
+            old.unlink(missing_ok=True)
+
+
+class WriterFiles:
+    """The writer process's own files: its lock, pid, logs, and the request that it stop."""
+
+    __slots__ = ("dir",)
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    @property
+    def lock_path(self) -> Path:
+        return self.dir / "writer.lock"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.dir / "writer.pid"
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "writer.log"
+
+    @property
+    def out_path(self) -> Path:
+        return self.dir / "writer.out"
+
+    @property
+    def stop_path(self) -> Path:
+        return self.dir / "stop"
+
+    def running(self) -> bool:
+        """Whether a writer process holds this rank's lock."""
+        if not self.lock_path.exists():
+            return False
+        with open(self.lock_path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+    def take_lock(self, attempts: int, poll: float) -> IO | None:
+        """The lock, held (keep the file open for the writer's life); None if another writer
+        holds it. Retried ``attempts`` times: a trainer probing the lock holds it for an instant."""
+        lock = open(self.lock_path, "a+")  # noqa: SIM115 - returned open: closing it unlocks
+        for _ in range(attempts):
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return lock
+            except BlockingIOError:
+                time.sleep(poll)
+        lock.close()
+        return None
+
+    def pid(self) -> int | None:
+        """The pid the live (or a killed) writer recorded."""
+        try:
+            return int(self.pid_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def set_pid(self, pid: int) -> None:
+        self.pid_path.write_text(str(pid))
+
+    def clear_pid(self) -> None:
+        self.pid_path.unlink(missing_ok=True)
+
+    def request_stop(self) -> None:
+        """Ask the writer to exit once its queue is empty."""
+        self.stop_path.touch(mode=0o600)
+
+    def clear_stop(self) -> None:
+        self.stop_path.unlink(missing_ok=True)
+
+    def stop_requested(self) -> bool:
+        return self.stop_path.exists()
+
+
+class RunDir:
+    """One rank's run directory: what the trainer gives its writer (config, owner), and the
+    parts each owning its files: ``queue``, ``results``, ``health`` and ``writer``."""
+
+    __slots__ = ("path", "queue", "results", "health", "writer")
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.queue = JobQueue(self.path / "queue")
+        self.results = Results(self.path / "results")
+        self.health = HealthRecords(self.path / "health")
+        self.writer = WriterFiles(self.path)
 
     @classmethod
     def of(cls, config: TieredConfig, rank: int) -> RunDir:
@@ -309,8 +500,6 @@ class RunDir:
     def rank(self) -> int:
         return int(self.path.name.removeprefix("rank_"))
 
-    # the layout: the only place its names are spelled
-
     @property
     def config_path(self) -> Path:
         return self.path / "config.json"
@@ -319,47 +508,6 @@ class RunDir:
     def owner_path(self) -> Path:
         return self.path / "owner"
 
-    @property
-    def lock_path(self) -> Path:
-        return self.path / "writer.lock"
-
-    @property
-    def pid_path(self) -> Path:
-        return self.path / "writer.pid"
-
-    @property
-    def log_path(self) -> Path:
-        return self.path / "writer.log"
-
-    @property
-    def out_path(self) -> Path:
-        return self.path / "writer.out"
-
-    @property
-    def stop_path(self) -> Path:
-        return self.path / "stop"
-
-    @property
-    def queue_dir(self) -> Path:
-        return self.path / "queue"
-
-    @property
-    def results_dir(self) -> Path:
-        return self.path / "results"
-
-    @property
-    def health_dir(self) -> Path:
-        return self.path / "health"
-
-    def job_path(self, job: Job) -> Path:
-        return self.queue_dir / _job_name(job.target, job.step)
-
-    def outcome_path(self, target: int, step: int) -> Path:
-        return self.results_dir / _job_name(target, step)
-
-    def health_path(self, tier: int) -> Path:
-        return self.health_dir / f"t{tier:02d}.json"
-
     # the directory as a whole
 
     def exists(self) -> bool:
@@ -367,17 +515,19 @@ class RunDir:
 
     def make(self) -> None:
         """Create the directory with its queue and results (mode 0700)."""
-        for d in (self.queue_dir, self.results_dir):
+        for d in (self.queue.dir, self.results.dir):
             mkdir_private(d)
-
-    def has_queue(self) -> bool:
-        return self.queue_dir.is_dir()
 
     def remove(self) -> None:
         """Delete the directory, and the job's directory with it once no rank has one."""
         shutil.rmtree(self.path, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.path.parent.rmdir()
+
+    def enqueue(self, job: Job) -> None:
+        """Queue ``job``, forgetting the outcome of an earlier job for that step and tier."""
+        self.results.forget(job.target, job.step)
+        self.queue.put(job)
 
     # config and owner
 
@@ -400,126 +550,3 @@ class RunDir:
 
     def set_owner(self, pid: int) -> None:
         write_private(self.owner_path, str(pid).encode())
-
-    # the writer process
-
-    def writer_running(self) -> bool:
-        """Whether a writer process holds this rank's lock."""
-        if not self.lock_path.exists():
-            return False
-        with open(self.lock_path, "a+") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(f, fcntl.LOCK_UN)
-            return False
-
-    def take_writer_lock(self, attempts: int, poll: float) -> IO | None:
-        """The lock, held (keep the file open for the writer's life); None if another writer
-        holds it. Retried ``attempts`` times: a trainer probing the lock holds it for an instant."""
-        lock = open(self.lock_path, "a+")  # noqa: SIM115 - returned open: closing it unlocks
-        for _ in range(attempts):
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return lock
-            except BlockingIOError:
-                time.sleep(poll)
-        lock.close()
-        return None
-
-    def writer_pid(self) -> int | None:
-        """The pid the live (or a killed) writer recorded."""
-        try:
-            return int(self.pid_path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def set_writer_pid(self, pid: int) -> None:
-        self.pid_path.write_text(str(pid))
-
-    def clear_writer_pid(self) -> None:
-        self.pid_path.unlink(missing_ok=True)
-
-    def request_stop(self) -> None:
-        """Ask the writer to exit once its queue is empty."""
-        self.stop_path.touch(mode=0o600)
-
-    def clear_stop(self) -> None:
-        self.stop_path.unlink(missing_ok=True)
-
-    def stop_requested(self) -> bool:
-        return self.stop_path.exists()
-
-    # the queue
-
-    def enqueue(self, job: Job) -> None:
-        """Queue ``job``, forgetting the outcome of an earlier job for that step and tier."""
-        mkdir_private(self.queue_dir)
-        self.outcome_path(job.target, job.step).unlink(missing_ok=True)
-        _write_json(self.job_path(job), job.to_dict())
-
-    def dequeue(self, job: Job) -> None:
-        self.job_path(job).unlink(missing_ok=True)
-
-    def queued(self, target: int | None = None) -> list[Job]:
-        """The jobs waiting (for ``target``, or any tier), by tier then step."""
-        jobs = []
-        if self.queue_dir.is_dir():
-            for p in sorted(self.queue_dir.glob("t*_s*.json")):
-                job = Job.from_dict(_read_json(p))
-                if job is not None and (target is None or job.target == target):
-                    jobs.append(job)
-        return jobs
-
-    # outcomes
-
-    def write_outcome(self, outcome: Outcome) -> None:
-        _write_json(self.outcome_path(outcome.target, outcome.step), outcome.to_dict())
-
-    def outcome_names(self) -> set[str] | None:
-        """The names of the outcome files (to notice new ones); None without a results dir."""
-        try:
-            return set(os.listdir(self.results_dir))
-        except FileNotFoundError:
-            return None
-
-    def read_outcome(self, name: str) -> Outcome | None:
-        """The outcome in file ``name`` (from ``outcome_names``); None if it is not one (yet)."""
-        return Outcome.from_dict(_read_json(self.results_dir / name))
-
-    def outcomes(self) -> dict[tuple[int, int], Outcome]:
-        """(step, tier) -> outcome, for the steps this rank's writers finished."""
-        out = {}
-        if self.results_dir.is_dir():
-            for p in sorted(self.results_dir.glob("t*_s*.json")):
-                o = Outcome.from_dict(_read_json(p))
-                if o is not None:
-                    out[(o.step, o.target)] = o
-        return out
-
-    def clear_outcomes(self) -> None:
-        """Forget every outcome (those of a trainer that is gone)."""
-        for old in self.results_dir.glob("*.json"):
-            old.unlink(missing_ok=True)
-
-    def prune_outcomes(self, target: int, keep: int) -> None:
-        """Forget all but the newest ``keep`` outcomes of a tier, so the directory stays small."""
-        names = sorted(self.results_dir.glob(f"t{target:02d}_s*.json"))
-        for old in names[:-keep]:
-            old.unlink(missing_ok=True)
-
-    # tier health
-
-    def write_health(self, health: TierHealth) -> None:
-        mkdir_private(self.health_dir)
-        _write_json(self.health_path(health.tier), health.to_dict())
-
-    def health(self, tier: int) -> TierHealth:
-        """The writer's verdict on ``tier``; healthy where none (or no valid one) is recorded."""
-        return TierHealth.from_dict(_read_json(self.health_path(tier))) or TierHealth(tier)
-
-    def clear_health(self) -> None:
-        """Forget a former writer's verdicts (a new writer judges every tier anew)."""
-        for old in self.health_dir.glob("*.json"):
-            old.unlink(missing_ok=True)

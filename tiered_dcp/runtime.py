@@ -17,13 +17,12 @@ from tiered_dcp.storage.owners import pid_alive
 
 from .config import TieredConfig
 from .private_dir import open_private
-from .rundir import Job, OutcomeState, RunDir, TierState
+from .rundir import POLL, Job, OutcomeState, RunDir, TierState
 
 log = logging.getLogger("tiered_dcp")
 
 MAX_PENDING = 2  # steps per slower tier a rank's writer may have queued before a save waits
 WAIT_WARNING = 0.1  # seconds a save waits for its writer before that is logged (then once a minute)
-POLL = 0.05
 _LAUNCHED: dict[RunDir, subprocess.Popen] = {}  # writers this process started (reaped by a thread)
 
 
@@ -41,25 +40,25 @@ class WriterHandle:
 
     def ensure(self, owner_pid: int) -> None:
         """Make sure a writer serves this rank, starting one if none is running."""
-        if self._prepared != (self.config, owner_pid) or not self.rd.has_queue():
+        if self._prepared != (self.config, owner_pid) or not self.rd.queue.exists():
             self._prepare(owner_pid)
             self._prepared = (self.config, owner_pid)
-        self.rd.clear_stop()
-        if self.rd.writer_running():
+        self.rd.writer.clear_stop()
+        if self.rd.writer.running():
             return
         proc = _LAUNCHED.get(self.rd)
         if proc is not None and proc.returncode is None:  # the reaper thread sets it
             return  # started moments ago and still importing; it takes the lock when ready
-        stale = self.rd.writer_pid()
+        stale = self.rd.writer.pid()
         if stale is not None:
             log.warning(
                 "the writer process of rank %d (pid %d) died; starting a new one, which resumes "
                 "its %d queued step(s)",
                 self.rank,
                 stale,
-                len(self.rd.queued()),
+                len(self.rd.queue.jobs()),
             )
-            self.rd.clear_writer_pid()
+            self.rd.writer.clear_pid()
         self._start()
 
     def _prepare(self, owner_pid: int) -> None:
@@ -68,14 +67,14 @@ class WriterHandle:
         previous = self.rd.owner()
         if previous != owner_pid:
             if previous is not None and not pid_alive(previous):
-                self.rd.clear_outcomes()  # a past run's outcomes
+                self.rd.results.clear()  # a past run's outcomes
             self.rd.set_owner(owner_pid)
 
     def _start(self) -> None:
         cmd = [sys.executable, "-m", "tiered_dcp.persist", str(self.rd.path)]
         # A session of its own, so a Ctrl-C to the trainer's terminal does not cut a step in
         # half; it exits by itself once its trainer is gone and its queue is empty.
-        with open_private(self.rd.out_path) as logf:  # a crash's traceback; the log is log_path
+        with open_private(self.rd.writer.out_path) as logf:  # a crash's traceback; the log is log_path
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -110,20 +109,20 @@ class WriterHandle:
                         self.config.tiers[target].path,
                         step,
                         time.monotonic() - started,
-                        self.rd.log_path,
+                        self.rd.writer.log_path,
                     )
                 time.sleep(POLL)
-                if not self.rd.writer_running():
+                if not self.rd.writer.running():
                     self.ensure(owner_pid)
         return time.monotonic() - started
 
     def _behind(self, target: int, max_pending: int, before: int | None) -> bool:
-        queued = self.rd.queued(target)
+        queued = self.rd.queue.jobs(target)
         return len(queued) >= max_pending or (before is not None and any(j.step < before for j in queued))
 
     def healthy(self, target: int) -> bool:
         """Whether the writer judges ``target`` healthy; a change is logged once."""
-        h = self.rd.health(target)
+        h = self.rd.health.of(target)
         seen = (h.state, h.since)
         if self._health.get(target, (TierState.HEALTHY, None)) != seen:
             self._health[target] = seen
@@ -147,11 +146,11 @@ class WriterHandle:
 
     def report_failures(self) -> None:
         """Log, once each, the steps this rank's writer could not persist."""
-        names = self.rd.outcome_names()
+        names = self.rd.results.names()
         if names is None:
             return
         for name in sorted(names - self._seen):
-            res = self.rd.read_outcome(name)
+            res = self.rd.results.read(name)
             if res is None:
                 continue  # being replaced (or not an outcome); looked at next time
             self._seen.add(name)
@@ -177,16 +176,16 @@ class WriterHandle:
         """Ask the writer to exit once its queue is empty; with ``wait``, wait for that."""
         if not self.rd.exists():
             return True
-        self.rd.request_stop()
+        self.rd.writer.request_stop()
         if not wait:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.rd.writer_running() or (self.rd.queued() and self._starting()):
+        while self.rd.writer.running() or (self.rd.queue.jobs() and self._starting()):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(POLL)
-        failed = any(o.state is OutcomeState.FAILED for o in self.rd.outcomes().values())
-        if not self.rd.queued() and not failed:  # nothing left worth showing: tidy up
+        failed = any(o.state is OutcomeState.FAILED for o in self.rd.results.all().values())
+        if not self.rd.queue.jobs() and not failed:  # nothing left worth showing: tidy up
             self.rd.remove()
             self._prepared = None
         return True

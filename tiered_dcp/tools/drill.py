@@ -56,7 +56,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection
@@ -117,100 +117,160 @@ def worker(args: argparse.Namespace) -> None:
     to stop, carrying out the operator's commands (``command.json``) on the way."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .. import NoCheckpointError, TieredWriter, load_latest, shutdown
+    from .. import shutdown
     from ..jobconfig import load_job_config
-    from .demo import _build, _state, _state_hash, _train_step
+    from .demo import _build, _train_step
 
     dist.init_process_group("gloo")
     ckpt_pg = dist.new_group(backend="gloo")  # the async saves' collectives run beside FSDP's
     rank = dist.get_rank()
     cfg = load_job_config(args.config)
-    d = Path(args.dir)
     warned = _keep_warnings()
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, opt = _build(mesh, HIDDEN)
     _train_step(model, opt, 0)  # materialise optimizer state so there is something to load into
-    report: dict = {"rank": rank, "attempt": args.attempt, "step": 0, "boot_s": time.time() - args.born}
-    t0 = time.perf_counter()
-    sd = _state(model, opt, -1)
-    start = 0
-    try:
-        start = load_latest(sd, cfg)  # the resume call: the newest step that loads, every rank the same
-    except NoCheckpointError as e:
-        report["no_checkpoint"] = str(e).splitlines()[0]
-    if "no_checkpoint" not in report:
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        restored = _state(model, opt, start)
-        report.update(
-            step=start,
-            tiers=_load_tiers(cfg, rank, start),
-            load_s=time.perf_counter() - t0,
-            match=sd["step"] == start and _truth(d, rank).get(start) == _state_hash(restored),
-            finite=_finite(restored),
-            quarantined=_quarantined(cfg, rank),
-        )
-    report["warnings"] = list(warned)  # what the library said while resuming
-    report["time"] = time.time()
-    _write_json(d / f"resume.{args.attempt}.rank{rank}.json", report)  # the drill polls for it
-    pending = None
-    step = start
-    cmd: dict | None = None
-    doing = "training"
-    try:
-        while not (d / "stop").exists():
-            step += 1
-            doing = f"training step {step}"
-            _train_step(model, opt, step)
-            cmd = cmd or _agreed_command(d)
-            halt = cmd is not None and cmd["do"] in ("nan", "halt")
-            if halt and cmd["do"] == "halt" and cfg.tiers_for(step) != [0]:
-                halt = False  # "halt" waits for a step that only the first tier takes
-            if halt and cmd["do"] == "nan" and rank == cmd["rank"]:
-                with torch.no_grad():  # the training state goes bad on this rank
-                    next(iter(model.parameters())).to_local().view(-1)[0] = float("nan")
-            sd = _state(model, opt, step)
-            with open(d / f"truth.rank{rank}.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
-            t = time.perf_counter()
-            if pending is not None:
-                doing = f"waiting for save {step - 1}"
-                pending.result()  # save N is committed before save N+1 starts
-            doing = f"starting save {step}"
-            fut = dcp.async_save(sd, storage_writer=TieredWriter(cfg, step=step), process_group=ckpt_pg)
-            stall = time.perf_counter() - t
-            pending = fut
-            tmp = d / f".progress.rank{rank}.tmp"  # replaced whole: a reader never sees it empty
-            tmp.write_text(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
-            os.replace(tmp, d / f"progress.rank{rank}")
-            with open(d / f"steps.rank{rank}.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "time": time.time(), "stall": stall}) + "\n")
-            if cmd is not None and cmd["do"] == "kill" and rank == cmd["rank"]:
-                time.sleep(cmd["delay"])
-                if not fut.done():  # mid-save: this rank dies with its save in flight
-                    _write_json(d / f"killed.{args.attempt}.json", {"step": step, "delay": cmd["delay"]})
-                    os.kill(os.getpid(), signal.SIGKILL)
-            if halt:
-                doing = f"waiting for save {step}"
-                fut.result()
-                pending = None
-                _write_json(d / f"halted.{args.attempt}.rank{rank}.json", {"step": step})
-                while not (d / "stop").exists():  # the operator crashes the job here
-                    time.sleep(0.05)
-        if pending is not None:
-            doing = f"waiting for save {step}"
-            pending.result()
-    except BaseException as e:  # a peer died: what this rank saw goes in the report
-        error = {"error": _first_line(e), "during": doing, "save": _outcome(pending, cfg.peer_timeout + 5)}
-        _write_json(d / f"error.{args.attempt}.rank{rank}.json", error)
-        raise
+    job = _DrillRank(args, cfg, rank, model, opt, ckpt_pg)
+    job.train(job.resume(warned))
     shutdown(wait=False)
     dist.barrier()
     dist.destroy_process_group()
+
+
+class _DrillRank:
+    """One rank of the drill's job: its resume, then its training and saves, doing what the
+    operator's command says, with what it was doing kept for the report of a failure."""
+
+    def __init__(
+        self, args: argparse.Namespace, cfg: TieredConfig, rank: int, model: Any, opt: Any, ckpt_pg: Any
+    ) -> None:
+        self.args, self.cfg, self.rank = args, cfg, rank
+        self.model, self.opt, self.ckpt_pg = model, opt, ckpt_pg
+        self.d = Path(args.dir)
+        self.pending: Future | None = None  # the save in flight
+        self.cmd: dict | None = None  # the operator's command, once every rank has seen it
+        self.doing = "training"
+
+    def resume(self, warned: list[str]) -> int:
+        """Load the newest step that loads and write the report the drill polls for; the step."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from .. import NoCheckpointError, load_latest
+        from .demo import _state, _state_hash
+
+        cfg, rank, d = self.cfg, self.rank, self.d
+        report: dict = {
+            "rank": rank,
+            "attempt": self.args.attempt,
+            "step": 0,
+            "boot_s": time.time() - self.args.born,
+        }
+        t0 = time.perf_counter()
+        sd = _state(self.model, self.opt, -1)
+        start = 0
+        try:
+            start = load_latest(sd, cfg)  # the resume call: the newest step that loads, every rank the same
+        except NoCheckpointError as e:
+            report["no_checkpoint"] = str(e).splitlines()[0]
+        if "no_checkpoint" not in report:
+            set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            restored = _state(self.model, self.opt, start)
+            report.update(
+                step=start,
+                tiers=_load_tiers(cfg, rank, start),
+                load_s=time.perf_counter() - t0,
+                match=sd["step"] == start and _truth(d, rank).get(start) == _state_hash(restored),
+                finite=_finite(restored),
+                quarantined=_quarantined(cfg, rank),
+            )
+        report["warnings"] = list(warned)  # what the library said while resuming
+        report["time"] = time.time()
+        _write_json(d / f"resume.{self.args.attempt}.rank{rank}.json", report)  # the drill polls for it
+        return start
+
+    def train(self, start: int) -> None:
+        """Train and save from ``start`` on until told to stop; a failure (a peer died) is
+        reported with what this rank was doing and what became of its save in flight."""
+        step = start
+        try:
+            while not (self.d / "stop").exists():
+                step += 1
+                self._step(step)
+            if self.pending is not None:
+                self.doing = f"waiting for save {step}"
+                self.pending.result()
+        except BaseException as e:
+            save = _outcome(self.pending, self.cfg.peer_timeout + 5)
+            error = {"error": _first_line(e), "during": self.doing, "save": save}
+            _write_json(self.d / f"error.{self.args.attempt}.rank{self.rank}.json", error)
+            raise
+
+    def _step(self, step: int) -> None:
+        """Train ``step``, start its save, and carry out the operator's command."""
+        import torch
+
+        from .demo import _state, _state_hash, _train_step
+
+        self.doing = f"training step {step}"
+        _train_step(self.model, self.opt, step)
+        self.cmd = cmd = self.cmd or _agreed_command(self.d)
+        halt = self._halts(step)
+        if halt and cmd is not None and cmd["do"] == "nan" and self.rank == cmd["rank"]:
+            with torch.no_grad():  # the training state goes bad on this rank
+                next(iter(self.model.parameters())).to_local().view(-1)[0] = float("nan")
+        sd = _state(self.model, self.opt, step)
+        with open(self.d / f"truth.rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "hash": _state_hash(sd)}) + "\n")
+        fut = self._save(step, sd)
+        if cmd is not None and cmd["do"] == "kill" and self.rank == cmd["rank"]:
+            time.sleep(cmd["delay"])
+            if not fut.done():  # mid-save: this rank dies with its save in flight
+                _write_json(
+                    self.d / f"killed.{self.args.attempt}.json", {"step": step, "delay": cmd["delay"]}
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
+        if halt:
+            self._halt(step, fut)
+
+    def _halts(self, step: int) -> bool:
+        """Whether the job halts after saving ``step`` ("nan", or "halt" at a step only the
+        first tier takes)."""
+        cmd = self.cmd
+        if cmd is None or cmd["do"] not in ("nan", "halt"):
+            return False
+        return cmd["do"] != "halt" or self.cfg.tiers_for(step) == [0]
+
+    def _save(self, step: int, sd: dict) -> Future:
+        """Start the async save of ``step`` once the previous one is committed; record its stall."""
+        import torch.distributed.checkpoint as dcp
+
+        from .. import TieredWriter
+
+        t = time.perf_counter()
+        if self.pending is not None:
+            self.doing = f"waiting for save {step - 1}"
+            self.pending.result()  # save N is committed before save N+1 starts
+        self.doing = f"starting save {step}"
+        fut = dcp.async_save(sd, storage_writer=TieredWriter(self.cfg, step=step), process_group=self.ckpt_pg)
+        stall = time.perf_counter() - t
+        self.pending = fut
+        tmp = self.d / f".progress.rank{self.rank}.tmp"  # replaced whole: a reader never sees it empty
+        tmp.write_text(str(step))  # save `step` is under way; save `step - 1` is committed on every rank
+        os.replace(tmp, self.d / f"progress.rank{self.rank}")
+        with open(self.d / f"steps.rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), "stall": stall}) + "\n")
+        return fut
+
+    def _halt(self, step: int, fut: Future) -> None:
+        """Wait for the save of ``step``, say so, and wait for the operator to crash the job."""
+        self.doing = f"waiting for save {step}"
+        fut.result()
+        self.pending = None
+        _write_json(self.d / f"halted.{self.args.attempt}.rank{self.rank}.json", {"step": step})
+        while not (self.d / "stop").exists():  # the operator crashes the job here
+            time.sleep(0.05)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -678,15 +738,16 @@ class Drill:
             event.problems.append(f"the damaged step {step} was not quarantined")
 
     def fault_wipe(self, event: Event) -> None:
+        from tiered_dcp.storage.owners import pid_alive
+
         from ..rundir import RunDir
-        from ..runtime import pid_alive
 
         node = self.rng.randrange(WORLD)  # one rank per node: the node's rank is `node`
         fault_time = time.time()
         self.crash()
         event.expected = self.committed()
         rd = RunDir.of(self.cfg, node)
-        pid = rd.writer_pid()
+        pid = rd.writer.pid()
         if pid is not None and pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # the node's writer process dies with it
@@ -901,7 +962,7 @@ def run_drill(
     drill = Drill(workdir, ram, seconds, seed, faults, pause)
     for bucket in ("gs://drill/ckpt", f"{workdir}/bucket"):  # a previous drill's queues and records
         old = load_job_config(write_config(workdir, ram, bucket, {}))
-        if not any(rd.writer_running() for rd in RunDir.all_of(old)):
+        if not any(rd.writer.running() for rd in RunDir.all_of(old)):
             shutil.rmtree(job_dir(old), ignore_errors=True)
     print(
         f"tiered-dcp drill: {WORLD} ranks on 2 simulated nodes, {seconds:.0f} s of faults {faults}, "
