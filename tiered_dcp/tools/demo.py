@@ -391,11 +391,12 @@ def _fail(procs: list[subprocess.Popen], workdir: str, phase: str, what: str) ->
 def _where(cfg, step: int) -> str:
     """Where ``step`` stands on each tier taking it, e.g. 'RAM committed | SSD queued'."""
     from ..api import status
+    from ..step_status import StepStatus
 
     rows = status(cfg)
     newest = {}
     for r in rows:
-        if r.state == "committed":
+        if r.state is StepStatus.COMMITTED:
             newest[r.tier_index] = max(newest.get(r.tier_index, -1), r.step)
     state = {r.tier_index: r.state for r in rows if r.step == step}
     cells = []
@@ -413,6 +414,7 @@ def _node_loss_scene(workdir: str, ram: str) -> bool:
     """Lose a node after the newest step left the shared tier behind; resume from peers."""
     from ..api import status, writer_status
     from ..rundir import job_dir
+    from ..step_status import StepStatus
 
     cfg = node_loss_config(workdir, ram)
     names = ["RAM", "bucket"]
@@ -455,7 +457,9 @@ def _node_loss_scene(workdir: str, ram: str) -> bool:
         while any(w.running for w in writer_status(cfg)) and time.time() < deadline:
             time.sleep(0.05)
         shutil.rmtree(job_dir(cfg), ignore_errors=True)
-    bucket = max((r.step for r in status(cfg) if r.tier_index == 1 and r.state == "committed"), default=None)
+    bucket = max(
+        (r.step for r in status(cfg) if r.tier_index == 1 and r.state is StepStatus.COMMITTED), default=None
+    )
     step = reports[0]["step"]
     lost_root = cfg.tiers[0].root(NL_LOST, lost_ranks[0])
     others = 1 - NL_LOST
@@ -509,6 +513,7 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
     from ..errors import TieredCheckpointError
     from ..rundir import job_dir
     from ..runtime import MAX_PENDING
+    from ..step_status import StepStatus
 
     own_dir = workdir is None
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tiered-dcp-demo-"))
@@ -609,7 +614,7 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
         saved_steps = list(range(1, kill_at)) + list(range(r0["step"] + 1, steps + 1))
         held: dict[int, list[int]] = {}
         for row in status(cfg):
-            if row.state == "committed":
+            if row.state is StepStatus.COMMITTED:
                 held.setdefault(row.tier_index, []).append(row.step)
         print(f"\n  {'tier':<8}{'steps saved':>12}   held now")
         for i, t in enumerate(cfg.tiers):
