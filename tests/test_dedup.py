@@ -165,6 +165,7 @@ GC_CHILD = """
 import sys, time
 from tiered_dcp import Tier, TieredConfig
 from tiered_dcp.catalog import TierView
+from tiered_dcp.retention import apply_retention
 from tiered_dcp.storage.local import LocalStorage
 real = LocalStorage.delete
 def slow_delete(self, key):
@@ -174,7 +175,7 @@ def slow_delete(self, key):
         time.sleep(0.3)
 LocalStorage.delete = slow_delete
 cfg = TieredConfig("run", [Tier(sys.argv[1], keep=1)], dedup=True)
-TierView(cfg, 0, 0, 0).apply_retention(int(sys.argv[2]))
+apply_retention(TierView(cfg, 0, 0, 0), int(sys.argv[2]))
 print("done", flush=True)
 """
 

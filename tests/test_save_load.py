@@ -1,6 +1,8 @@
 """Save/load in one process (no process group): values, schedule, retention, damage."""
 
+import dataclasses
 import glob
+import json
 import os
 
 import pytest
@@ -18,6 +20,7 @@ from tiered_dcp import (
     latest_step,
     status,
 )
+from tiered_dcp.step_status import StepStatus
 
 
 def save(cfg, step, sd=None):
@@ -100,7 +103,12 @@ def test_deleted_data_file_falls_back_to_previous_step(tmp_path):
     (part,) = glob.glob(str(tmp_path / "ram/run/step_000000000002/rank_*.part"))
     os.remove(part)
     assert latest_step(cfg) == 1
-    assert [r.state for r in status(cfg)] == ["committed", "committed", "damaged"]
+    rows = status(cfg)
+    assert [r.state for r in rows] == ["committed", "committed", "damaged"]  # a user's strings still match
+    assert [r.state for r in rows] == [StepStatus.COMMITTED, StepStatus.COMMITTED, StepStatus.DAMAGED]
+    assert all(type(r.state) is StepStatus for r in rows)  # an enum, printed and written as before:
+    assert f"{rows[2].state} {rows[2].state!s}" == "damaged damaged"
+    assert json.loads(json.dumps(dataclasses.asdict(rows[2])))["state"] == "damaged"
     reader, got = load(cfg)
     assert reader.step == 1
     assert_state_equal(got, value_kinds(1))

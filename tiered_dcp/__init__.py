@@ -36,17 +36,17 @@ if TYPE_CHECKING:
         wait_for,
         writer_status,
     )
-    from .catalog import StepState
     from .hostmem import HostMemory
     from .planners.tiered_save import TieredSavePlanner
     from .preemption import on_preemption, preemption_requested
     from .reader import TieredReader
     from .resume import load_latest
+    from .step_status import StepState
     from .writer import TieredWriter
 
 _LAZY = {
     "HostMemory": ".hostmem",
-    "StepState": ".catalog",
+    "StepState": ".step_status",
     "TieredReader": ".reader",
     "TieredSavePlanner": ".planners.tiered_save",
     "TieredWriter": ".writer",

@@ -16,20 +16,20 @@ from tiered_dcp.storage import blocks, open_storage
 from tiered_dcp.storage.format import parse_step_dir, step_dir
 
 from . import runtime
-from .catalog import StepState, TierView, copies_marks, loadable_steps, one_save, views
+from .catalog import TierView, views
 from .config import Tier, TieredConfig, here, is_namespace
 from .errors import TieredCheckpointError
 from .hostmem import HostMemory, held
-from .planners.choice import choose, pool_marks
+from .retention import drop
 from .rundir import OutcomeState, RunDir, TierState
+from .step_choice import newest_loadable
+from .step_status import StepState, StepStatus, tier_states
 
 
 def latest_step(config: TieredConfig) -> int | None:
     """The newest good step complete on some tier, as seen from this process (no collectives):
     quarantined and non-finite steps are passed over, as ``TieredReader(config)`` does."""
-    tier_views = views(config, *here())
-    found = one_save(loadable_steps(tier_views, None))  # a bucket: its newest complete good step only
-    return choose(pool_marks(copies_marks(found, tier_views))).step
+    return newest_loadable(views(config, *here()))
 
 
 @dataclass
@@ -92,7 +92,7 @@ def namespaces(tiers: list[Tier]) -> list[NamespaceInfo]:
         store = open_storage(tier.root(node, rank), tier.storage_options)
         for name in store.list(""):
             if is_namespace(name) and any(parse_step_dir(d) is not None for d in store.list(name)):
-                rows = [r for r in status(TieredConfig(name, [tier])) if r.state == "committed"]
+                rows = [r for r in status(TieredConfig(name, [tier])) if r.state is StepStatus.COMMITTED]
                 newest = max((r.step for r in rows), default=None)
                 size = sum(r.size_bytes for r in rows)
                 out.append(NamespaceInfo(name, i, tier.path, len(rows), newest, size))
@@ -116,7 +116,7 @@ def remove_steps(
     """Remove ``steps`` from ``tiers`` (default: all), in the roots this process sees (on a
     node-local tier: this node's). The newest committed step stays unless ``force``; a step
     a writer process still copies or a reader reads stays whatever ``force`` says, and so
-    does one whose save is still under way. The marker goes first (``TierView.drop``)."""
+    does one whose save is still under way. The marker goes first (``retention.drop``)."""
     wanted = set(steps)
     tier_views = views(config, *here())
     picked = set(range(len(config.tiers)) if tiers is None else tiers)
@@ -134,7 +134,7 @@ def remove_steps(
                     why = "not committed, and its save may still be under way"
             elif step == newest and not force:
                 why = "the newest committed step (force it to remove it)"
-            elif not v.drop(step):
+            elif not drop(v, step):
                 why = "a writer process still copies it, or a reader reads it"
             out.append(Removal(v.index, v.tier.path, step, not why, why))
             removed = removed or not why
@@ -171,14 +171,16 @@ def status(config: TieredConfig) -> list[StepState]:
     does not answer within ``tier_timeout`` shows no rows (a warning says so).
     """
     node, rank = here()
-    rows = {(r.tier_index, r.step): r for v in views(config, node, rank) for r in v.states()}
+    rows = {(r.tier_index, r.step): r for v in views(config, node, rank) for r in tier_states(v)}
     for w in writer_status(config):
         for step, tier in w.queue:
-            rows.setdefault((tier, step), StepState(tier, config.tiers[tier].path, step, "queued", 0, None))
-        for state, outcomes in (("failed", w.failed), ("skipped", w.skipped)):
+            rows.setdefault(
+                (tier, step), StepState(tier, config.tiers[tier].path, step, StepStatus.QUEUED, 0, None)
+            )
+        for state, outcomes in ((StepStatus.FAILED, w.failed), (StepStatus.SKIPPED, w.skipped)):
             for step, tier, why in outcomes:
                 row = rows.get((tier, step))
-                if row is None or row.state != "committed":
+                if row is None or row.state is not StepStatus.COMMITTED:
                     size = row.size_bytes if row else 0
                     rows[(tier, step)] = StepState(
                         tier, config.tiers[tier].path, step, state, size, None, why

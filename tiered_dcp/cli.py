@@ -32,6 +32,8 @@ from .api import (
 from .catalog import views
 from .config import Tier, TieredConfig, here
 from .errors import TieredCheckpointError
+from .step_choice import newest_committed
+from .step_status import StepStatus
 
 EXIT_CODES = """exit codes (every command):
   0  all is well
@@ -135,7 +137,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     _print_table(cfg, rows, args.wide)
     _print_cliques(rows)
     for r in rows:  # what a state that is not a good step means, and what to do
-        if r.error and r.state in ("damaged", "incomplete"):
+        if r.error and r.state in (StepStatus.DAMAGED, StepStatus.INCOMPLETE):
             print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
     writers = writer_status(cfg)
     if writers:
@@ -292,8 +294,7 @@ def _ls_json(cfg: TieredConfig, rows: list) -> int:
 def _pick_step(cfg: TieredConfig, step: int | None) -> int | None:
     if step is not None:
         return step
-    committed = {s for v in views(cfg, *here()) for s in v.committed()}
-    return max(committed) if committed else None
+    return newest_committed(views(cfg, *here()))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

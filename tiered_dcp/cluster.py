@@ -27,7 +27,7 @@ from tiered_dcp.storage.format import ItemInfo, ItemKey, Record, metadata_key
 from . import transport
 from .catalog import TierView
 from .metadata import index_of, item_key
-from .planners.choice import StepMarks
+from .step_choice import StepMarks
 from .transport import Group, PeerTimeout
 
 _WANTS = 1 << 32  # a rank that wants something adds 1 + _WANTS to a round's counter, others 1

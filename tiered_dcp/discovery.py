@@ -2,7 +2,7 @@
 
 Were every rank to find the newest complete step of a bucket itself, the bucket's requests
 would grow with the square of the job (each rank asking after each part). Instead rank 0
-asks (``TierView.newest_complete``: the namespace listing, a marker, one listing of the
+asks (``step_choice.newest_complete``: the namespace listing, a marker, one listing of the
 step's directory with sizes), reads the chosen step's metadata, and hands both to the other
 ranks over the process group as plain bytes: JSON, and the metadata blob that every rank
 loads through the allowlisting unpickler (``metadata.loads``). Nothing another process
@@ -28,11 +28,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tiered_dcp.planners.choice import StepMarks
 from tiered_dcp.storage.format import Marker
 
 from . import transport
 from .catalog import StepCopy, TierView
+from .step_choice import Found, StepMarks, newest_complete
 
 log = logging.getLogger("tiered_dcp")
 
@@ -74,9 +74,7 @@ def all_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def shared_steps(
-    tier_views: list[TierView], step: int | None, exclude: set[int] | None = None
-) -> dict[int, list[StepCopy]]:
+def shared_steps(tier_views: list[TierView], step: int | None, exclude: set[int] | None = None) -> Found:
     """Each shared tier's newest complete good step (or ``step``), found by rank 0 and given
     to all, with the newer steps it passed over (quarantined, non-finite, or ``exclude``).
 
@@ -86,36 +84,35 @@ def shared_steps(
     """
     shared = [v for v in tier_views if not v.placement.pooled]
     if not shared:
-        return {}
+        return Found()
     doc: dict[str, dict] | None = None
     if dist.get_rank() == 0:
         doc = {}
         for v in shared:
             entry: dict = {"unreachable": None}
-            for s, copy in v.newest_complete(step, exclude or ()).items():
+            newest = newest_complete(v, step, exclude or ())
+            for s, copies in newest.copies.items():
+                copy = copies[0]
                 sizes = v.listings[(copy.store.url, s)]
-                why = copy.marks.quarantined if copy.marks else None
+                why = newest.marks[(v.index, s)].quarantined
                 entry.update(step=s, marker=copy.marker.to_bytes().decode(), sizes=sizes, quarantined=why)
             entry["unreachable"] = v.unreachable
-            entry["passed"] = [
-                [m.step, m.quarantined, m.nonfinite_items, m.nonfinite] for m in v.passed_over.values()
-            ]
+            entry["passed"] = [m.to_json() for m in newest.passed]
             doc[str(v.index)] = entry
     got = json.loads(broadcast_bytes(None if doc is None else json.dumps(doc).encode()))
-    found: dict[int, list[StepCopy]] = {}
+    found = Found()
     for v in shared:
         entry = got[str(v.index)]
         if entry["unreachable"] is not None:
             v.unreachable = str(entry["unreachable"])
-        for ps, why, n, names in entry["passed"]:
-            v.passed_over[int(ps)] = StepMarks(int(ps), _text(why), int(n), tuple(map(str, names)))
+        found.passed += [StepMarks.from_json(m) for m in entry["passed"]]
         if "step" not in entry:
             continue
         s = int(entry["step"])
         marker = Marker.from_bytes(str(entry["marker"]).encode())
         v.listings[(v.own.url, s)] = {str(n): int(size) for n, size in entry["sizes"].items()}
         marks = StepMarks(s, _text(entry["quarantined"]), marker.nonfinite_items, tuple(marker.nonfinite))
-        found.setdefault(s, []).append(StepCopy(v.index, s, marker, v.own, marks))
+        found.add(StepCopy(v.index, s, marker, v.own), marks)
     return found
 
 

@@ -4,7 +4,7 @@
 a process group (collective: every rank opens alike) each rank reads only its own root of
 each node-local tier and the ranks pool what they hold (``cluster``, all-gathered as JSON);
 rank 0 looks at the shared tiers once for the whole job (``discovery.shared_steps``). The
-step is chosen from the complete steps and their marks (``planners.choice``: the step asked
+step is chosen from the complete steps and their marks (``step_choice``: the step asked
 for, else the newest good one not excluded), leased in every root this rank reads it from
 (``leases``; on a shared tier one lease for the job, rank 0's), chosen again when retention
 removed it meanwhile (up to ``CHOICES`` times), and its metadata is shared: read where a
@@ -23,23 +23,13 @@ from collections.abc import Iterable, Mapping
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from tiered_dcp.planners.choice import StepMarks, choose, describe_skipped, pool_marks
 from tiered_dcp.planners.load import PooledTier, Sources
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.format import IndexCache, metadata_key
 
 from . import metadata as md_blob
 from . import transport
-from .catalog import (
-    StepCopy,
-    bounded,
-    copies_marks,
-    describe_search,
-    loadable_steps,
-    one_save,
-    read_metadata_blob,
-    views,
-)
+from .catalog import StepCopy, bounded, describe_search, read_metadata_blob, views
 from .cluster import (
     ClusterCopy,
     cluster_copies,
@@ -54,6 +44,7 @@ from .config import TieredConfig, node_of
 from .discovery import all_agree, all_gather_bytes, all_read, broadcast_bytes, shared_steps
 from .errors import CheckpointCorruptError, NoCheckpointError
 from .leases import Leases
+from .step_choice import Found, StepMarks, candidates, choose, describe_skipped, loadable_steps
 from .step_metadata import StepMetadata
 
 log = logging.getLogger("tiered_dcp")
@@ -134,7 +125,7 @@ class OpenStep:
         opened.cluster = [
             copies[opened.step] for _, copies in sorted(cluster.items()) if opened.step in copies
         ]
-        opened.copies = found.get(opened.step, [])
+        opened.copies = found.copies.get(opened.step, [])
         opened.metadata = StepMetadata(opened.step, opened.views)
         if opened.with_group:
             opened.own = opened._own_copies()
@@ -158,19 +149,16 @@ class OpenStep:
         """Indexes of the tiers holding the chosen step complete, fastest first."""
         return sorted({c.tier_index for c in self.cluster} | {c.tier_index for c in self.copies})
 
-    def _choose(self, step: int | None) -> tuple[dict[int, list[StepCopy]], dict, dict]:
+    def _choose(self, step: int | None) -> tuple[Found, dict, dict]:
         """Find the step to load (``step``, or the newest complete good one) and its copies:
-        what every tier and peer holds, with its marks, handed to ``planners.choice``."""
+        what every tier and peer holds, with its marks, handed to ``step_choice``."""
         lost: dict[int, dict[int, list[int]]] = {}
         if self.with_group:
             found, cluster, lost = self._pool(step)
             self.group_name = transport.next_name(self.config.namespace, "load")
         else:
             found, cluster = loadable_steps(self.views.values(), step, set(self.exclude)), {}
-        judged, judged_cluster = _one_save(found, cluster)  # each step by one save's marks
-        in_cluster = [c.step_marks for copies in judged_cluster.values() for c in copies.values()]
-        held = {m.step for m in in_cluster}
-        self.candidates = pool_marks(copies_marks(judged, self.views.values(), held) + in_cluster)
+        self.candidates = candidates(self.views.values(), found, cluster)  # each step by one save's marks
         choice = choose(self.candidates, step, self.exclude)
         self.skipped = dict(choice.skipped)  # newer steps passed over, and why
         ns = self.config.namespace
@@ -213,7 +201,7 @@ class OpenStep:
         quarantined = f"; quarantined in {', '.join(marked)}" if marked else ""
         return CheckpointCorruptError(f"{why}{quarantined}; {self.next_choice()}", step=self.step)
 
-    def _lease(self, found: dict[int, list[StepCopy]], cluster: dict[int, dict[int, ClusterCopy]]) -> bool:
+    def _lease(self, found: Found, cluster: dict[int, dict[int, ClusterCopy]]) -> bool:
         """Lease the chosen step in every root this rank reads it from (``leases``), so that
         retention leaves it alone until the read is done; False (on every rank) when it was
         removed before the leases were in place. With a process group, a shared tier gets one
@@ -224,7 +212,7 @@ class OpenStep:
         weakref.finalize(self, self.leases.release)
         weakref.finalize(self, self.job_leases.release)
         ok = True
-        for copy in found.get(self.step, []):
+        for copy in found.copies.get(self.step, []):
             view = self.views[copy.tier_index]
             if not self.with_group:
                 ok = self.leases.take(copy.store) and ok
@@ -260,9 +248,7 @@ class OpenStep:
 
     # -- choosing the step -------------------------------------------------------------
 
-    def _pool(
-        self, step: int | None
-    ) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]], dict]:
+    def _pool(self, step: int | None) -> tuple[Found, dict[int, dict[int, ClusterCopy]], dict]:
         """Every rank's holdings, pooled: node-local steps by union; shared tiers' newest
         complete step as rank 0 found it (``discovery``: the bucket is asked once per load)."""
         found = shared_steps(list(self.views.values()), step, set(self.exclude))
@@ -386,32 +372,6 @@ class OpenStep:
             self.metadata.remember(copy, md, why)
             if md is not None:
                 return
-
-
-def _one_save(
-    found: dict[int, list[StepCopy]], cluster: dict[int, dict[int, ClusterCopy]]
-) -> tuple[dict[int, list[StepCopy]], dict[int, dict[int, ClusterCopy]]]:
-    """Per step, the copies of its fastest tier's save only (``catalog.one_save``), in the
-    cluster and on the shared tiers alike: what the step is judged by (its marks). Reads
-    may still fall back to a copy of another save of the same step number: see
-    docs/user-guide.md, "Recovery", for that open case."""
-    seen = [
-        (c.tier_index, s, c.ident) for copies in cluster.values() for s, c in copies.items() if not c.legacy
-    ]
-    seen += [
-        (c.tier_index, s, c.marker.metadata_xxh3)
-        for s, copies in found.items()
-        for c in copies
-        if c.marker.has_indexes
-    ]
-    idents: dict[int, int] = {}
-    for _, s, ident in sorted(seen):
-        idents.setdefault(s, ident)
-    kept = {
-        t: {s: c for s, c in copies.items() if c.legacy or c.ident == idents.get(s, c.ident)}
-        for t, copies in cluster.items()
-    }
-    return one_save(found, idents), kept
 
 
 def _describe_cluster(

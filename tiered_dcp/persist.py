@@ -50,6 +50,7 @@ from .cliques import Layout
 from .commit import copied_marker
 from .placement import nodes_of
 from .records import Kind, record
+from .retention import apply_retention
 from .rundir import POLL, Job, Outcome, OutcomeState, RunDir, TierHealth, TierState
 
 log = logging.getLogger("tiered_dcp.writer")
@@ -368,7 +369,7 @@ class Persister:
             # on_lagging_tier="skip" it skipped nothing for a pin, and a retention here would
             # delete the spare part files the trainer's next save is about to stage into
             if newest > job.step and not tierfile.drops_pinned(self.config, src.own):
-                src.apply_retention(newest)
+                apply_retention(src, newest)
         except OSError as e:
             log.warning("could not unpin step %d on %s: %s", job.step, src.tier.path, e)
         self.rd.queue.remove(job)

@@ -57,7 +57,7 @@ class TieredReader(StorageReader):
     path it can reach).
 
     Without ``step``, steps that are quarantined (an earlier load found an item with no good
-    copy left) or non-finite (saved holding NaN/Inf) are passed over (``planners.choice``),
+    copy left) or non-finite (saved holding NaN/Inf) are passed over (``step_choice``),
     and so are ``exclude`` (``load_latest``'s steps that just failed; a mapping gives each
     one's reason); ``skipped`` says which
     newer steps were, and why. A load that finds an item with no good copy left quarantines

@@ -3,7 +3,7 @@
 A resume is where a checkpoint library earns its keep, so it never stops at a bad step
 while a good one exists: a step whose load finds an item with no good copy left is
 quarantined by that load (``TieredReader``), and the choice is made again without it
-(``planners.choice``); quarantined and non-finite steps are passed over from the start.
+(``step_choice``); quarantined and non-finite steps are passed over from the start.
 Every rank sees the same failures (DCP gathers them into one ``CheckpointException``), so
 every rank excludes the same steps and the readers agree on the next one.
 
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import transport
 from .config import TieredConfig
 from .errors import CheckpointCorruptError, NoCheckpointError
-from .planners.choice import describe_skipped
 from .reader import TieredReader
+from .step_choice import describe_skipped
 
 log = logging.getLogger("tiered_dcp")
 

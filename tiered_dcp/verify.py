@@ -31,6 +31,7 @@ from .catalog import StepCopy, TierView, views
 from .config import TieredConfig
 from .leases import Leases
 from .metadata import item_key, legacy_index, load_metadata
+from .step_status import interrupted, leftover
 
 SHOWN_ITEMS = 3  # unreadable items named per file; the rest are counted in one line
 
@@ -144,8 +145,8 @@ def _uncommitted(view: TierView, store: Storage, marker: Marker) -> str | None:
         return None
     if mine is not None:
         return "holds another save of this step number, committed there: verify it on its own"
-    if view.interrupted(store, marker.step):
-        return "incomplete: " + view.leftover(store, marker.step)
+    if interrupted(view, store, marker.step):
+        return "incomplete: " + leftover(view, store, marker.step)
     return "not committed here (a save or a writer process may still be writing it): not read"
 
 

@@ -424,11 +424,12 @@ def _fail(procs: list[subprocess.Popen], workdir: str, phase: str, what: str) ->
 def _where(cfg, step: int) -> str:
     """Where ``step`` stands on each tier taking it, e.g. 'RAM committed | SSD queued'."""
     from ..api import status
+    from ..step_status import StepStatus
 
     rows = status(cfg)
     newest = {}
     for r in rows:
-        if r.state == "committed":
+        if r.state is StepStatus.COMMITTED:
             newest[r.tier_index] = max(newest.get(r.tier_index, -1), r.step)
     state = {r.tier_index: r.state for r in rows if r.step == step}
     cells = []
@@ -445,6 +446,7 @@ def _ms(seconds: float) -> str:
 def _node_loss_scene(workdir: str, ram: str) -> bool:
     """Lose a node after the newest step left the shared tier behind; resume from peers."""
     from ..api import status
+    from ..step_status import StepStatus
 
     cfg = node_loss_config(workdir, ram)
     names = ["RAM", "bucket"]
@@ -453,7 +455,9 @@ def _node_loss_scene(workdir: str, ram: str) -> bool:
     reports = _run_node_loss(workdir, ram, cfg)
     if reports is None:
         return False
-    bucket = max((r.step for r in status(cfg) if r.tier_index == 1 and r.state == "committed"), default=None)
+    bucket = max(
+        (r.step for r in status(cfg) if r.tier_index == 1 and r.state is StepStatus.COMMITTED), default=None
+    )
     _print_node_loss_resume(cfg, names, reports, bucket)
     problems = _node_loss_problems(cfg, reports, bucket)
     if problems:
@@ -765,10 +769,11 @@ def _wait_for_slower(cfg: Any, steps: int, ended: float | None) -> bool:
 def _print_held(cfg: Any, saved_steps: list[int]) -> None:
     """Each tier: how many of the saved steps it took, and which it holds now."""
     from ..api import status
+    from ..step_status import StepStatus
 
     held: dict[int, list[int]] = {}
     for row in status(cfg):
-        if row.state == "committed":
+        if row.state is StepStatus.COMMITTED:
             held.setdefault(row.tier_index, []).append(row.step)
     print(f"\n  {'tier':<8}{'steps saved':>12}   held now")
     for i, t in enumerate(cfg.tiers):

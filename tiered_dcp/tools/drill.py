@@ -545,6 +545,7 @@ class Drill:
         """The newest step whose save returned on every rank (0: none), or the bucket's newest;
         ``passed``: steps not to count (the drill made them unloadable itself)."""
         from ..api import status
+        from ..step_status import StepStatus
 
         saved = min(self.progress(r) for r in range(WORLD)) - 1
         while saved in passed:
@@ -552,7 +553,7 @@ class Drill:
         bucket = [
             r.step
             for r in status(self.cfg)
-            if r.tier_index == 2 and r.state == "committed" and r.step not in passed
+            if r.tier_index == 2 and r.state is StepStatus.COMMITTED and r.step not in passed
         ]
         return max([saved, *bucket, 0])
 
@@ -786,10 +787,12 @@ class Drill:
 
     def fault_outage(self, event: Event) -> None:
         from ..api import status
+        from ..step_status import StepStatus
 
         def bucket_newest() -> int:
             return max(
-                [r.step for r in status(self.cfg) if r.tier_index == 2 and r.state == "committed"] + [0]
+                [r.step for r in status(self.cfg) if r.tier_index == 2 and r.state is StepStatus.COMMITTED]
+                + [0]
             )
 
         length = self.rng.uniform(3, 6)
