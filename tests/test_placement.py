@@ -46,6 +46,7 @@ def test_node_local_who_commits_each_root():
     per_rank = placement_for(Tier("/ram/{node}/{rank}"))
     assert [r for r in NODES if per_rank.commits_root(r, NODES)] == [0, 1, 2, 3]
     assert not p.commits_in_finish and p.pooled
+    assert p.copies(3) == 3 and p.starts_block_epoch and p.node_owned and not p.skips_unanswered
 
 
 def test_node_local_scan_and_parts_in_root():
@@ -82,3 +83,4 @@ def test_shared_one_root_committed_by_the_coordinator():
     marker = Marker(5, "run", 4, [PartInfo(r, n, 10) for r, n in NODES.items()], 1, 2, replication=[2, 2])
     assert p.parts_in_root(1, 3, marker) == [0, 1, 2, 3]
     assert p.commits_in_finish and not p.pooled
+    assert p.copies(3) == 1 and not p.starts_block_epoch and not p.node_owned and p.skips_unanswered

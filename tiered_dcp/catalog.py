@@ -164,9 +164,9 @@ class TierView:
         ``tier_timeout``; what follows is bounded by the backend's own timeouts (a tier that
         answered may hold many steps: their scan is not cut short). The first failure is
         logged and remembered, and the view asks that tier nothing more. Node-local tiers
-        are this machine's own files: their errors are raised.
+        are this machine's own files: their errors are raised (``Placement.skips_unanswered``).
         """
-        if not self.tier.is_shared:
+        if not self.placement.skips_unanswered:
             return fn()
         try:
             if self.unreachable is None and not self._answered:

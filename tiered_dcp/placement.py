@@ -2,23 +2,29 @@
 
 A tier is either *shared* (one root for the whole job: a bucket, an NFS mount) or
 *node-local* (a root per node, or per rank with ``{rank}``: RAM, a local SSD). That fact
-is the config's (``Tier.is_shared``); what follows from it is this module's, and nothing
-else asks. Each tier gets one ``Placement`` (``placement_for``), and the rest of the code
-asks it the questions whose answers differ:
+is the config's (``Tier.is_shared``); ``placement_for`` is the only code in the library
+that reads it, and what follows from it is this module's. Each tier gets one
+``Placement``, and the rest of the code asks it the questions whose answers differ:
 
-- where a rank's part and its replicas live (``root``, ``holders``, ``parts_written_by``);
-- which roots a process scans for committed steps (``scan_roots``);
+- where a rank's part and its replicas live (``root``, ``holders``, ``parts_written_by``,
+  ``copies``: how many copies of a part the tier holds, which the host memory guard counts);
+- which roots a process scans for committed steps (``scan_roots``), and whether a query
+  that gets no answer skips the tier (``skips_unanswered``: a remote root) or raises;
 - who writes a root's metadata and marker on the save path (``commits_root``,
   ``commits_in_finish``), and by which rule the writer process may commit a root it copied
   into (``copy_commit``, carried out by ``commit.copied_marker``);
+- whether the save path may start a root's block GC epoch (``starts_block_epoch``);
 - what counts as a step whole in one root, which decides what retention keeps
   (``whole_rule``, checked by ``catalog.TierView.whole_here``);
-- how a load sees the tier (``pooled``: each rank its own root, pooled with the others').
+- how a load sees the tier (``pooled``: each rank its own root, pooled with the others'),
+  and whether each root is a node's own (``node_owned``: the demo and the drill wipe it
+  when they simulate losing the node).
 
 Retention always prunes the own root only, after that root's commit, on both kinds.
 A pure decision: no I/O, nothing imported from the modules that read roots. Torch-free:
 the writer process uses it. A new kind of placement (say, one replica on a
-peer node plus a bucket) is a new subclass here and a case in ``placement_for``.
+peer node plus a bucket) is a new subclass here, a case in ``placement_for`` and the
+config's way to name it; it picks its protocols from the enums below.
 """
 
 from __future__ import annotations
@@ -68,6 +74,16 @@ class Placement(ABC):
     whole_rule: WholeRule
     #: When a writer process that copied a step into a root commits it.
     copy_commit: CopyCommit
+    #: A query that gets no answer in time skips the tier (a remote root: a load goes on
+    #: without it), else its error is raised (this machine's own files).
+    skips_unanswered: bool
+    #: The save path may start a root's block GC epoch (few writers per root); else only a
+    #: GC does, as every rank of the job must not write one object at once.
+    starts_block_epoch: bool
+    #: Each root is a node's own (its RAM, its disk): a lost node loses it.
+    node_owned: bool
+    #: What the demo calls it.
+    kind: str
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
@@ -88,6 +104,10 @@ class Placement(ABC):
                 seen.add(url)
                 out.append(r)
         return out
+
+    @abstractmethod
+    def copies(self, replication_factor: int) -> int:
+        """How many copies of a rank's part the tier holds (its own and its replicas)."""
 
     @abstractmethod
     def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
@@ -117,6 +137,13 @@ class SharedPlacement(Placement):
     pooled = False
     whole_rule = WholeRule.LOADABLE
     copy_commit = CopyCommit.EVERY_INDEX
+    skips_unanswered = True
+    starts_block_epoch = False
+    node_owned = False
+    kind = "shared"
+
+    def copies(self, replication_factor: int) -> int:
+        return 1  # replication does not apply: one copy
 
     def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         return self._distinct_roots([rank], nodes)
@@ -142,6 +169,13 @@ class NodeLocalPlacement(Placement):
     pooled = True
     whole_rule = WholeRule.OWN_PARTS
     copy_commit = CopyCommit.SOURCE_PARTS
+    skips_unanswered = False
+    starts_block_epoch = True
+    node_owned = True
+    kind = "node-local"
+
+    def copies(self, replication_factor: int) -> int:
+        return replication_factor  # its own, and its clique peers' replicas
 
     def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         members = [rank] + [m for m in layout.clique(rank) if m != rank]

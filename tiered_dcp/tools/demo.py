@@ -256,6 +256,7 @@ def node_loss_worker(args: argparse.Namespace) -> None:
 
     from .. import TieredWriter, load_latest, shutdown, wait_for
     from ..config import node_of
+    from ..placement import placement_for
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -277,7 +278,7 @@ def node_loss_worker(args: argparse.Namespace) -> None:
     dist.barrier()
     if rank == NL_LOST * NL_LOCAL:  # the lost node's first rank: every node-local tier is gone
         for tier in cfg.tiers:
-            if not tier.is_shared:
+            if placement_for(tier).node_owned:
                 shutil.rmtree(tier.root(NL_LOST, rank), ignore_errors=True)
     dist.barrier()
 
@@ -286,7 +287,7 @@ def node_loss_worker(args: argparse.Namespace) -> None:
     torch.manual_seed(1)
     model, opt = _build(mesh, NL_HIDDEN)
     _train_step(model, opt, 0)  # materialise optimizer state so there is something to load into
-    own = [tier.root(node, rank) for tier in cfg.tiers if not tier.is_shared]
+    own = [tier.root(node, rank) for tier in cfg.tiers if placement_for(tier).node_owned]
     held = any(os.path.isdir(root) and os.listdir(root) for root in own)
     t0 = time.perf_counter()
     sd = _state(model, opt, -1)
@@ -412,6 +413,7 @@ def _ms(seconds: float) -> str:
 def _node_loss_scene(workdir: str, ram: str) -> bool:
     """Lose a node after the newest step left the shared tier behind; resume from peers."""
     from ..api import status, writer_status
+    from ..placement import placement_for
     from ..rundir import job_dir
 
     cfg = node_loss_config(workdir, ram)
@@ -436,7 +438,7 @@ def _node_loss_scene(workdir: str, ram: str) -> bool:
         "each rank's part is also kept by its clique peer on the other node"
     )
     for i, t in enumerate(cfg.tiers):
-        where = "shared" if t.is_shared else "node-local"
+        where = placement_for(t).kind
         print(f"  tier {i} {names[i]:<6} {t.path}  (every {t.every}, keep {t.keep or 'all'}, {where})")
     procs = _launch(workdir, ram, NL_STEPS, phase, False, _free_port(), NL_WORLD, NL_LOCAL, "node-loss")
     deadline = time.time() + 120
