@@ -1,4 +1,4 @@
-"""What is on each tier: committed steps, completeness, the commit, retention and status.
+"""What is on each tier: committed steps, completeness, retention and status.
 
 How a tier root is laid out is ``storage.format``'s business (docs/format.md); where a
 tier keeps a step's parts, replicas, metadata and marker (one shared root, or a root per
@@ -570,18 +570,6 @@ class TierView:
             with contextlib.suppress(FileNotFoundError):
                 notes.append(store.read(f"{sdir}/{name}").decode("utf-8", "replace"))
         return "; ".join(notes) or None
-
-    def commit(self, step: int, blob: bytes, marker: Marker) -> None:
-        """Commit this process's root's copy of ``step`` and prune the root.
-
-        The one commit path (the save path, replication and the writer process all call
-        it): the metadata first, the marker last (the step's durability point in this
-        root), then this tier's retention.
-        """
-        ns = self.config.namespace
-        self.own.write(metadata_key(ns, step), [blob])
-        self.own.write(marker_key(ns, step), [marker.to_bytes()])
-        self.apply_retention(step)
 
 
 def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None = None) -> list[TierView]:

@@ -10,9 +10,10 @@ that reads it, and what follows from it is this module's. Each tier gets one
   ``copies``: how many copies of a part the tier holds, which the host memory guard counts);
 - which roots a process scans for committed steps (``scan_roots``), and whether a query
   that gets no answer skips the tier (``skips_unanswered``: a remote root) or raises;
-- who writes a root's metadata and marker on the save path (``commits_root``,
-  ``commits_in_finish``), and by which rule the writer process may commit a root it copied
-  into (``copy_commit``, carried out by ``commit.copied_marker``);
+- which protocol commits a save (``save_protocol``: the coordinator in DCP's finish, or
+  every root after the store agreement; carried out by ``commit.for_save``), who writes a
+  root's metadata and marker (``commits_root``), and by which rule the writer process may
+  commit a root it copied into (``copy_commit``, carried out by ``commit.commit_copy``);
 - whether the save path may start a root's block GC epoch (``starts_block_epoch``);
 - what counts as a step whole in one root, which decides what retention keeps
   (``whole_rule``, checked by ``catalog.TierView.whole_here``);
@@ -48,6 +49,13 @@ class WholeRule(Enum):
     OWN_PARTS = "own parts"  # every part the root should hold (``parts_in_root``), not the metadata
 
 
+class SaveProtocol(Enum):
+    """How the save path commits a step on its first tier (``commit.for_save``)."""
+
+    COORDINATOR = "coordinator"  # one root: the coordinator commits it in DCP's finish
+    AGREED = "agreed"  # every root, by its lowest rank, once every rank said its part is clean
+
+
 class CopyCommit(Enum):
     """When a writer process commits a root it copied a step into (``commit.copied_marker``)."""
 
@@ -64,9 +72,8 @@ class Placement(ABC):
     """Where one tier keeps a step: pure layout, no I/O (the checks that read a root are
     ``catalog.TierView``'s and ``commit``'s, by the rules named here)."""
 
-    #: The save path commits the tier once, in ``TieredWriter.finish`` on the coordinator
-    #: (else each root is committed by its own writer once every rank is clean: ``replicate``).
-    commits_in_finish: bool
+    #: How the save path commits the tier (``commit.for_save`` carries it out).
+    save_protocol: SaveProtocol
     #: A load sees only each rank's own root and pools the ranks' holdings, reading what
     #: its root lacks from peers (``cluster``); else every rank sees the whole tier.
     pooled: bool
@@ -133,7 +140,7 @@ class Placement(ABC):
 class SharedPlacement(Placement):
     """One root for the whole job: every rank writes its part there, the coordinator commits it."""
 
-    commits_in_finish = True
+    save_protocol = SaveProtocol.COORDINATOR
     pooled = False
     whole_rule = WholeRule.LOADABLE
     copy_commit = CopyCommit.EVERY_INDEX
@@ -155,7 +162,7 @@ class SharedPlacement(Placement):
         return [(node, rank)]  # the only root
 
     def commits_root(self, rank: int, nodes: Nodes) -> bool:
-        return rank == 0  # the coordinator, in TieredWriter.finish
+        return rank == 0  # the coordinator, in DCP's finish
 
     def parts_in_root(self, node: int, rank: int, marker: Marker) -> list[int]:
         return [p.rank for p in marker.parts]
@@ -165,7 +172,7 @@ class NodeLocalPlacement(Placement):
     """A root per node (or rank): each holds its ranks' parts, their clique peers' replicas,
     and its own copy of the metadata and marker (the same bytes everywhere)."""
 
-    commits_in_finish = False
+    save_protocol = SaveProtocol.AGREED
     pooled = True
     whole_rule = WholeRule.OWN_PARTS
     copy_commit = CopyCommit.SOURCE_PARTS
