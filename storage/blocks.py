@@ -357,7 +357,8 @@ class BlockPut:
     """Puts the blocks of one part into a root: each one held there already is skipped.
 
     ``skip`` names blocks another rank of this save writes (the save planner's choice):
-    they are neither checked nor written here.
+    they are neither checked nor written here. ``starts_epoch``: a root without a GC epoch
+    gets one (``remembered``; the tier's placement says whether the save path may).
     """
 
     def __init__(
@@ -367,14 +368,14 @@ class BlockPut:
         encoder: Encoder,
         skip: Iterable[str] = (),
         kept: dict[str, list[Buffer]] | None = None,
-        shared: bool = False,
+        starts_epoch: bool = True,
     ) -> None:
         self.store, self.dir, self.enc = store, blocks_dir(namespace), encoder
         self.skip = set(skip)
         self.kept = kept  # if given: each block file written, as written (the replicas send them)
         self.result = PutResult()
         self._lock = threading.Lock()
-        self.seen = remembered(store, self.dir, not shared)  # after the caller's claim (``dedup.claim``)
+        self.seen = remembered(store, self.dir, starts_epoch)  # after the caller's claim (``dedup.claim``)
 
     def put(self, block: str, raw: Buffer | None, dtype: str | None, fetch=None) -> tuple[int, str]:
         """Ensure ``block`` is in the root; return (stored length, codec) for the record.

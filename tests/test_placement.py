@@ -4,7 +4,7 @@ from tiered_dcp.storage.format import Marker, PartInfo
 
 from tiered_dcp import Tier
 from tiered_dcp.cliques import Layout
-from tiered_dcp.placement import NodeLocalPlacement, SharedPlacement, nodes_of, placement_for
+from tiered_dcp.placement import NodeLocalPlacement, SaveProtocol, SharedPlacement, nodes_of, placement_for
 
 # 4 ranks on 2 nodes (2 per node); cliques of 2 across nodes: {0, 2}, {1, 3}
 NODES = {0: 0, 1: 0, 2: 1, 3: 1}
@@ -45,7 +45,8 @@ def test_node_local_who_commits_each_root():
     assert [r for r in NODES if p.commits_root(r, NODES)] == [0, 2]  # the lowest rank of each node
     per_rank = placement_for(Tier("/ram/{node}/{rank}"))
     assert [r for r in NODES if per_rank.commits_root(r, NODES)] == [0, 1, 2, 3]
-    assert not p.commits_in_finish and p.pooled
+    assert p.save_protocol is SaveProtocol.AGREED and p.pooled
+    assert p.copies(3) == 3 and p.starts_block_epoch and p.node_owned and not p.skips_unanswered
 
 
 def test_node_local_scan_and_parts_in_root():
@@ -81,4 +82,5 @@ def test_shared_one_root_committed_by_the_coordinator():
     assert p.scan_roots(1, 3) == [(1, 3)]
     marker = Marker(5, "run", 4, [PartInfo(r, n, 10) for r, n in NODES.items()], 1, 2, replication=[2, 2])
     assert p.parts_in_root(1, 3, marker) == [0, 1, 2, 3]
-    assert p.commits_in_finish and not p.pooled
+    assert p.save_protocol is SaveProtocol.COORDINATOR and not p.pooled
+    assert p.copies(3) == 1 and not p.starts_block_epoch and not p.node_owned and p.skips_unanswered

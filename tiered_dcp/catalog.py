@@ -1,4 +1,4 @@
-"""What is on each tier: committed steps, their completeness, and the commit.
+"""What is on each tier: committed steps and their completeness.
 
 How a tier root is laid out is ``storage.format``'s business (docs/format.md); where a
 tier keeps a step's parts, replicas, metadata and marker (one shared root, or a root per
@@ -125,9 +125,9 @@ class TierView:
         ``tier_timeout``; what follows is bounded by the backend's own timeouts (a tier that
         answered may hold many steps: their scan is not cut short). The first failure is
         logged and remembered, and the view asks that tier nothing more. Node-local tiers
-        are this machine's own files: their errors are raised.
+        are this machine's own files: their errors are raised (``Placement.skips_unanswered``).
         """
-        if not self.tier.is_shared:
+        if not self.placement.skips_unanswered:
             return fn()
         try:
             if self.unreachable is None and not self._answered:
@@ -330,20 +330,6 @@ class TierView:
             with contextlib.suppress(FileNotFoundError):
                 notes.append(store.read(f"{sdir}/{name}").decode("utf-8", "replace"))
         return "; ".join(notes) or None
-
-    def commit(self, step: int, blob: bytes, marker: Marker) -> None:
-        """Commit this process's root's copy of ``step`` and prune the root.
-
-        The one commit path (the save path, replication and the writer process all call
-        it): the metadata first, the marker last (the step's durability point in this
-        root), then this tier's retention.
-        """
-        ns = self.config.namespace
-        self.own.write(metadata_key(ns, step), [blob])
-        self.own.write(marker_key(ns, step), [marker.to_bytes()])
-        from .retention import apply_retention  # above this module: retention reads the view
-
-        apply_retention(self, step)
 
 
 def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None = None) -> list[TierView]:

@@ -81,7 +81,8 @@ def put_items(
     """
     ns = view.config.namespace
     claim(view, step, rank, (b for it in items.values() for b in it.ids))
-    put = BlockPut(view.own, ns, Encoder(view.tier.compression), skip, kept, view.tier.is_shared)
+    epoch = view.placement.starts_block_epoch
+    put = BlockPut(view.own, ns, Encoder(view.tier.compression), skip, kept, starts_epoch=epoch)
     once: dict[str, Future] = {}  # a block two items use (an alias, a repeat) is put once
 
     def submit(

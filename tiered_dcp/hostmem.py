@@ -30,6 +30,7 @@ from tiered_dcp.storage.format import spare_dir
 from tiered_dcp.storage.local import MEMORY_FS, mount_of
 
 from .config import TieredConfig, here
+from .placement import placement_for
 from .records import Kind, read_records
 
 log = logging.getLogger("tiered_dcp")
@@ -194,7 +195,7 @@ def plan(
                 mount,
             )
         steps = 1 if config.dedup or tier.keep is None else tier.keep + 1
-        copies = 1 if tier.is_shared else config.replication_factor  # with its clique peers' replicas
+        copies = placement_for(tier).copies(config.replication_factor)  # with its clique peers' replicas
         ns_dir = os.path.join(root, config.namespace)
         held = held_bytes(ns_dir) if os.path.isdir(ns_dir) else 0
         nbytes = state_bytes * local * copies * steps

@@ -5,7 +5,7 @@ every later save. For each queued (step, tier) it waits until the step is commit
 tier the save wrote (its source), streams this rank's part from there (every chunk
 verified, recompressed when the tiers differ), writes it under a dirty name, renames it
 clean and writes this rank's index next to it. Whichever rank's writer finds the target
-root holding everything it should (``placement``) commits the step there (``TierView.commit``:
+root holding everything it should (``placement``) commits the step there (``commit.commit_copy``:
 metadata, marker, retention): no collective with the trainers, which may be busy or dead.
 
 Each slower tier has a health the writer judges and publishes (``rundir.TierHealth``):
@@ -45,9 +45,9 @@ from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, wr
 from tiered_dcp.storage.owners import pid_alive
 
 from . import dedup, tierfile
-from .catalog import StepCopy, TierView, read_metadata_blob
+from .catalog import StepCopy, TierView
 from .cliques import Layout
-from .commit import copied_marker
+from .commit import commit_copy
 from .placement import nodes_of
 from .records import Kind, record
 from .retention import apply_retention
@@ -435,10 +435,8 @@ class Persister:
             size += written.size
         if timing is not None:
             timing.update(write_s=round(time.monotonic() - started, 6), bytes=size)
-        marker = copied_marker(src, dst, copy)  # None until the root's last writer
-        if marker is None:
+        if not commit_copy(src, dst, copy):  # until the root's last writer
             return OutcomeState.CLEAN
-        dst.commit(step, read_metadata_blob(copy), marker)
         return OutcomeState.COMMITTED
 
 

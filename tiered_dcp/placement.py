@@ -2,23 +2,30 @@
 
 A tier is either *shared* (one root for the whole job: a bucket, an NFS mount) or
 *node-local* (a root per node, or per rank with ``{rank}``: RAM, a local SSD). That fact
-is the config's (``Tier.is_shared``); what follows from it is this module's, and nothing
-else asks. Each tier gets one ``Placement`` (``placement_for``), and the rest of the code
-asks it the questions whose answers differ:
+is the config's (``Tier.is_shared``); ``placement_for`` is the only code in the library
+that reads it, and what follows from it is this module's. Each tier gets one
+``Placement``, and the rest of the code asks it the questions whose answers differ:
 
-- where a rank's part and its replicas live (``root``, ``holders``, ``parts_written_by``);
-- which roots a process scans for committed steps (``scan_roots``);
-- who writes a root's metadata and marker on the save path (``commits_root``,
-  ``commits_in_finish``), and by which rule the writer process may commit a root it copied
-  into (``copy_commit``, carried out by ``commit.copied_marker``);
+- where a rank's part and its replicas live (``root``, ``holders``, ``parts_written_by``,
+  ``copies``: how many copies of a part the tier holds, which the host memory guard counts);
+- which roots a process scans for committed steps (``scan_roots``), and whether a query
+  that gets no answer skips the tier (``skips_unanswered``: a remote root) or raises;
+- which protocol commits a save (``save_protocol``: the coordinator in DCP's finish, or
+  every root after the store agreement; carried out by ``commit.for_save``), who writes a
+  root's metadata and marker (``commits_root``), and by which rule the writer process may
+  commit a root it copied into (``copy_commit``, carried out by ``commit.commit_copy``);
+- whether the save path may start a root's block GC epoch (``starts_block_epoch``);
 - what counts as a step whole in one root, which decides what retention keeps
-  (``whole_rule``, checked by ``catalog.TierView.whole_here``);
-- how a load sees the tier (``pooled``: each rank its own root, pooled with the others').
+  (``whole_rule``, checked by ``retention.whole_here``);
+- how a load sees the tier (``pooled``: each rank its own root, pooled with the others'),
+  and whether each root is a node's own (``node_owned``: the demo and the drill wipe it
+  when they simulate losing the node).
 
 Retention always prunes the own root only, after that root's commit, on both kinds.
 A pure decision: no I/O, nothing imported from the modules that read roots. Torch-free:
 the writer process uses it. A new kind of placement (say, one replica on a
-peer node plus a bucket) is a new subclass here and a case in ``placement_for``.
+peer node plus a bucket) is a new subclass here, a case in ``placement_for`` and the
+config's way to name it; it picks its protocols from the enums below.
 """
 
 from __future__ import annotations
@@ -36,10 +43,17 @@ Nodes = Mapping[int, int]  # rank -> node, as in the marker's parts (a save's wo
 
 
 class WholeRule(Enum):
-    """What retention counts as a step whole in one root (``TierView.whole_here``)."""
+    """What retention counts as a step whole in one root (``retention.whole_here``)."""
 
     LOADABLE = "loadable"  # the metadata and every part, as a load from this root needs
     OWN_PARTS = "own parts"  # every part the root should hold (``parts_in_root``), not the metadata
+
+
+class SaveProtocol(Enum):
+    """How the save path commits a step on its first tier (``commit.for_save``)."""
+
+    COORDINATOR = "coordinator"  # one root: the coordinator commits it in DCP's finish
+    AGREED = "agreed"  # every root, by its lowest rank, once every rank said its part is clean
 
 
 class CopyCommit(Enum):
@@ -58,9 +72,8 @@ class Placement(ABC):
     """Where one tier keeps a step: pure layout, no I/O (the checks that read a root are
     ``catalog.TierView``'s and ``commit``'s, by the rules named here)."""
 
-    #: The save path commits the tier once, in ``TieredWriter.finish`` on the coordinator
-    #: (else each root is committed by its own writer once every rank is clean: ``replicate``).
-    commits_in_finish: bool
+    #: How the save path commits the tier (``commit.for_save`` carries it out).
+    save_protocol: SaveProtocol
     #: A load sees only each rank's own root and pools the ranks' holdings, reading what
     #: its root lacks from peers (``cluster``); else every rank sees the whole tier.
     pooled: bool
@@ -68,6 +81,16 @@ class Placement(ABC):
     whole_rule: WholeRule
     #: When a writer process that copied a step into a root commits it.
     copy_commit: CopyCommit
+    #: A query that gets no answer in time skips the tier (a remote root: a load goes on
+    #: without it), else its error is raised (this machine's own files).
+    skips_unanswered: bool
+    #: The save path may start a root's block GC epoch (few writers per root); else only a
+    #: GC does, as every rank of the job must not write one object at once.
+    starts_block_epoch: bool
+    #: Each root is a node's own (its RAM, its disk): a lost node loses it.
+    node_owned: bool
+    #: What the demo calls it.
+    kind: str
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
@@ -88,6 +111,10 @@ class Placement(ABC):
                 seen.add(url)
                 out.append(r)
         return out
+
+    @abstractmethod
+    def copies(self, replication_factor: int) -> int:
+        """How many copies of a rank's part the tier holds (its own and its replicas)."""
 
     @abstractmethod
     def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
@@ -113,10 +140,17 @@ class Placement(ABC):
 class SharedPlacement(Placement):
     """One root for the whole job: every rank writes its part there, the coordinator commits it."""
 
-    commits_in_finish = True
+    save_protocol = SaveProtocol.COORDINATOR
     pooled = False
     whole_rule = WholeRule.LOADABLE
     copy_commit = CopyCommit.EVERY_INDEX
+    skips_unanswered = True
+    starts_block_epoch = False
+    node_owned = False
+    kind = "shared"
+
+    def copies(self, replication_factor: int) -> int:
+        return 1  # replication does not apply: one copy
 
     def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         return self._distinct_roots([rank], nodes)
@@ -128,7 +162,7 @@ class SharedPlacement(Placement):
         return [(node, rank)]  # the only root
 
     def commits_root(self, rank: int, nodes: Nodes) -> bool:
-        return rank == 0  # the coordinator, in TieredWriter.finish
+        return rank == 0  # the coordinator, in DCP's finish
 
     def parts_in_root(self, node: int, rank: int, marker: Marker) -> list[int]:
         return [p.rank for p in marker.parts]
@@ -138,10 +172,17 @@ class NodeLocalPlacement(Placement):
     """A root per node (or rank): each holds its ranks' parts, their clique peers' replicas,
     and its own copy of the metadata and marker (the same bytes everywhere)."""
 
-    commits_in_finish = False
+    save_protocol = SaveProtocol.AGREED
     pooled = True
     whole_rule = WholeRule.OWN_PARTS
     copy_commit = CopyCommit.SOURCE_PARTS
+    skips_unanswered = False
+    starts_block_epoch = True
+    node_owned = True
+    kind = "node-local"
+
+    def copies(self, replication_factor: int) -> int:
+        return replication_factor  # its own, and its clique peers' replicas
 
     def holders(self, rank: int, nodes: Nodes, layout: Layout) -> list[int]:
         members = [rank] + [m for m in layout.clique(rank) if m != rank]

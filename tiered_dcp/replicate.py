@@ -1,38 +1,32 @@
-"""The save side of clique replication and of committing a node-local tier on every node.
+"""The save side of clique replication on a node-local tier.
 
 After a rank writes its part to a node-local tier it swaps parts with its clique peers
 (``cliques``) over a gloo group of their own (``transport``): each peer's part lands,
 verified, in this rank's own root, with its index. With dedup a part's large tensors are
 blocks (``dedup``): a peer's root claims those its part uses and receives only the ones
-it lacks, into its own block store. Then the ranks agree through the job's
-store that every part and replica is clean; the coordinator publishes the step's metadata
-and marker, and one rank per root writes both there and prunes that root. Every node thus
-holds the metadata, and a marker on any node means the step was complete everywhere.
+it lacks, into its own block store. The commit that follows, in every root once every
+rank agreed its part and replicas are clean, is ``commit.AgreedCommit``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
-
 from tiered_dcp.storage.base import Buffer, Reservation
 from tiered_dcp.storage.blocks import pool
 from tiered_dcp.storage.codec import ChecksumMismatch, verify_stored
-from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Marker, part_key
+from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, part_key
 from tiered_dcp.storage.format import write_index as write_part_index
 
 from . import dedup, transport
 from .catalog import TierView
 from .cliques import Layout
-from .commit import build_commit
-from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
+from .errors import TieredCheckpointError
 from .metadata import Records, part_index, records_from_json, records_to_json
 from .transport import Group, as_bytes_tensor
 
@@ -231,115 +225,3 @@ class Swap:
         for land in self.landed:
             land.part.discard()
         self.landed.clear()
-
-
-def commit_everywhere(
-    view: TierView,
-    step: int,
-    rank: int,
-    world: list[int],
-    is_coordinator: bool,
-    metadata: Callable[[], Metadata],
-    records: Records,
-    error: BaseException | None,
-    name: str,
-    layout: Layout,
-) -> None:
-    """Commit ``step`` on this node-local tier: in every root, once every rank is clean.
-
-    Every rank publishes whether its part (and the replicas it took) are clean, with its
-    records; the coordinator waits for all of them and publishes the metadata and marker,
-    or the failures; the lowest rank of each root writes them there and prunes the root.
-    """
-    writes_root = view.placement.commits_root(rank, dict(enumerate(world)))
-    if not transport.dist_up() or len(world) == 1:
-        if error is not None:
-            raise error
-        blob, marker = build_commit(view, step, metadata(), world, records, layout)
-        view.commit(step, blob, marker)
-        return
-    store = transport.store()
-    timeout = datetime.timedelta(seconds=view.config.peer_timeout)
-    for key in _OWN_KEYS:  # the previous save ended on every rank: nobody reads these any more
-        store.delete_key(key)
-    _OWN_KEYS.clear()
-    done = f"{name}/done/{rank}"
-    store.set(done, json.dumps(_outcome(error, rank)).encode() + b"\n" + records_to_json(records))
-    _OWN_KEYS.append(done)
-    verdict = f"{name}/commit"
-    if is_coordinator and error is not None:  # the step cannot commit: say so now, not at the timeout
-        _OWN_KEYS.append(verdict)
-        store.set(verdict, json.dumps(_refusal(step, view, [_outcome(error, rank)])))
-    if error is not None:
-        raise error
-    if is_coordinator:
-        _OWN_KEYS.append(verdict)
-        keys = [f"{name}/done/{r}" for r in range(len(world))]
-        try:
-            store.wait(keys, timeout)
-        except Exception as e:
-            late = [r for r, k in enumerate(keys) if not store.check([k])]
-            waited = f"no word from them within peer_timeout={timeout.total_seconds():g} s"
-            err = transport.lost(step, "the commit agreement", e, late, waited)
-            store.set(verdict, json.dumps({"error": str(err), "kind": "PeerLostError", "ranks": late}))
-            raise err from e
-        merged: Records = {}
-        failed = []
-        for key in keys:
-            head, recs = store.get(key).split(b"\n", 1)
-            if json.loads(head)["error"] is not None:
-                failed.append(json.loads(head))
-            merged.update(records_from_json(recs))
-        if failed:
-            refusal = _refusal(step, view, failed)
-            store.set(verdict, json.dumps(refusal))
-            raise _refused(refusal, step)
-        blob, marker = build_commit(view, step, metadata(), world, merged, layout)
-        _OWN_KEYS.append(f"{verdict}/metadata")
-        store.set(f"{verdict}/metadata", blob)  # before the verdict, which says it is there
-        store.set(verdict, json.dumps({"error": None, "marker": marker.to_bytes().decode()}))
-    if not writes_root:
-        return
-    try:  # the coordinator waits ``timeout`` for the slowest rank first: this wait is longer
-        store.wait([verdict], 2 * timeout)
-    except Exception as e:
-        waited = f"no decision from the coordinator within {2 * timeout.total_seconds():g} s"
-        raise transport.lost(step, "the commit agreement", e, [0], waited) from e
-    outcome = json.loads(store.get(verdict))
-    if outcome["error"] is not None:
-        raise _refused(outcome, step)
-    view.commit(step, store.get(f"{verdict}/metadata"), Marker.from_bytes(outcome["marker"].encode()))
-
-
-def _outcome(error: BaseException | None, rank: int) -> dict:
-    """What a rank tells the coordinator about its part: clean (no error), or why not."""
-    if error is None:
-        return {"error": None}
-    ranks = list(error.ranks) if isinstance(error, PeerLostError) else []
-    return {
-        "error": f"rank {rank}: {type(error).__name__}: {error}",
-        "kind": type(error).__name__,
-        "ranks": ranks,
-    }
-
-
-def _refusal(step: int, view: TierView, failed: list[dict]) -> dict:
-    """The coordinator's verdict on a step some rank could not write: every reason, and the
-    class every rank raises for it: ``NonFiniteStateError`` when that is all that failed (the
-    user asked for it), ``PeerLostError`` (with the lost ranks) when a peer was lost."""
-    kinds = {f["kind"] for f in failed}
-    kind = kinds.pop() if len(kinds) == 1 else TieredCheckpointError.__name__
-    if PeerLostError.__name__ in {f["kind"] for f in failed}:
-        kind = PeerLostError.__name__
-    ranks = sorted({r for f in failed for r in f["ranks"]})
-    msg = f"step {step} not committed on {view.tier.path}: " + "; ".join(f["error"] for f in failed)
-    return {"error": msg, "kind": kind, "ranks": ranks}
-
-
-def _refused(outcome: dict, step: int) -> TieredCheckpointError:
-    """The error a refused commit raises on every rank (``_refusal``)."""
-    if outcome.get("kind") == PeerLostError.__name__:
-        return PeerLostError(outcome["error"], step, "the commit agreement", tuple(outcome.get("ranks", ())))
-    if outcome.get("kind") == NonFiniteStateError.__name__:
-        return NonFiniteStateError(outcome["error"])
-    return TieredCheckpointError(outcome["error"])

@@ -1,10 +1,10 @@
 """TieredWriter: the DCP StorageWriter (and async stager) that saves one step.
 
 On the save's path each rank writes its part to the fastest tier taking the step (its
-items' chunks back to back, each checksummed); the coordinator then writes the step's
-metadata and, last, the commit marker, and applies retention: that commit is the step's
-durability point. Each rank then hands the step to its writer process (``persist``),
-which fills in the slower tiers taking it.
+items' chunks back to back, each checksummed); the step is then committed there by the
+protocol the tier's placement names (``commit.for_save``: the step's metadata and, last,
+its marker, then retention): that commit is the step's durability point. Each rank then
+hands the step to its writer process (``persist``), which fills in the slower tiers taking it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,17 +36,16 @@ from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.format import NONFINITE_NAMES, ItemInfo, failed_key, index_key, part_key, pin_key
 from tiered_dcp.storage.local import LocalStorage
 
-from . import dedup, domains, hostmem, preemption, scores, tierfile, transport
+from . import commit, dedup, domains, hostmem, preemption, scores, tierfile, transport
 from .catalog import TierView, bounded
 from .checkpoint_id import new_id, step_id, step_of
 from .cliques import Layout
-from .commit import build_commit
 from .config import TieredConfig, node_of
 from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
 from .leases import owner_record
 from .metadata import Records
 from .records import Kind, record
-from .replicate import SavedPart, Swap, commit_everywhere, write_index
+from .replicate import SavedPart, Swap, write_index
 from .rundir import Job
 from .runtime import MAX_PENDING, writer_handle
 from .staging import POOL, Examined, examine, staged_file
@@ -548,19 +547,14 @@ class TieredWriter(StorageWriter, AsyncStager):
         world = (plan.storage_data or {}).get("world") or [self.node]
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
         try:
-            if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
-                if refused is not None:  # nothing of the step is written; DCP tells every rank
-                    raise refused
-                with _failing_save(first, self.step):
-                    _pin(first, self.step, self.rank, slower)
-                    part = encode_part(first, self.step, self.rank, resolved, aliases)
-                    t0 = time.perf_counter()
-                    write_part(first, self.step, part)
-                    self._write_seconds = time.perf_counter() - t0
-                records = part.sealed()
-            else:
-                _pin(first, self.step, self.rank, slower)
-                records = self._write_node_local(first, resolved, aliases, world, planner, name, refused)
+            committer = commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout)
+            records = committer.write(
+                lambda: self._write_part(first, resolved, aliases, world, name, slower),
+                refused,
+                world,
+                name,
+                _metadata_of(planner, self.storage_meta()),
+            )
         except BaseException as e:
             _abandon(first, self.step, self.rank, slower, e, self.staged_file)
             if isinstance(e, PeerLostError):  # DCP's next collective raises torch's error instead
@@ -580,25 +574,20 @@ class TieredWriter(StorageWriter, AsyncStager):
         fut.set_result(results)
         return fut
 
-    def _write_node_local(
+    def _write_part(
         self,
         first: TierView,
         resolved: Resolved,
         aliases: list[Alias],
         world: list[int],
-        planner: SavePlanner,
         name: str,
-        refused: NonFiniteStateError | None = None,
+        slower: list[int],
     ) -> Records:
-        """Write the part and its replicas, then commit the step in every root (``replicate``).
-
-        ``refused`` (non-finite state under ``on_nonfinite="raise"``) fails the commit on every
-        rank, told through the commit agreement like any failure: the peers are not left
-        waiting in the replica exchange, and no root commits the step."""
-        records: Records = {}
-        error: BaseException | None = None
+        """Pin the step for the slower tiers, then write this rank's part and, where the tier
+        holds replicas, swap parts with the clique (``replicate``) while it is written."""
+        _pin(first, self.step, self.rank, slower)
+        replicated = first.placement.copies(self.config.replication_factor) > 1
         swap = None
-        replicated = self.config.replication_factor > 1
         try:
             part = encode_part(first, self.step, self.rank, resolved, aliases, replicated)
             if replicated:  # the transfer runs while the part is written
@@ -610,37 +599,13 @@ class TieredWriter(StorageWriter, AsyncStager):
             if swap is not None:
                 swap.finish()
                 self.sent_bytes = swap.sent
-            del part
-        except Exception as e:  # told to every rank, so that none waits for this one
-            error = transport.lost(self.step, "the replica exchange", e) if isinstance(e, PeerTimeout) else e
+            return records
+        except BaseException as e:
             if swap is not None:
                 swap.abort()
-        error = error or refused
-
-        def metadata() -> Metadata:
-            md = getattr(planner, "metadata", None)
-            if not isinstance(md, Metadata):
-                raise TieredCheckpointError(
-                    f"TieredWriter needs a SavePlanner that keeps its global Metadata in .metadata "
-                    f"(DefaultSavePlanner and its subclasses do); {type(planner).__name__} does not"
-                )
-            md.storage_meta = self.storage_meta()
-            return md
-
-        with transport.watching_peers(self.step, "the commit agreement"):  # the store may be gone
-            commit_everywhere(
-                first,
-                self.step,
-                self.rank,
-                world,
-                self.is_coordinator,
-                metadata,
-                records,
-                error,
-                name,
-                self._layout(world),
-            )
-        return records
+            if isinstance(e, PeerTimeout):
+                raise transport.lost(self.step, "the replica exchange", e) from e
+            raise
 
     def _layout(self, world: list[int]) -> Layout:
         """The cliques of this save's ``world`` (rank -> node, from the plan): the jump rule
@@ -690,20 +655,36 @@ class TieredWriter(StorageWriter, AsyncStager):
         scores.watch_soon(self.config, self.rank)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit a shared first tier (node-local ones are committed in ``write_data``)."""
+        """DCP's finish, on the coordinator: the step commits here where the first tier's
+        protocol says so (``commit.for_save``: a shared tier; a node-local one committed
+        in ``write_data``)."""
         metadata.storage_meta = self.storage_meta()
         first = self._first()
-        if not first.placement.commits_in_finish:
-            return
         world = self._world if self._world is not None else [self.node]
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         try:
-            with _failing_save(first, self.step):
-                blob, marker = build_commit(first, self.step, metadata, world, records, self._layout(world))
-                first.commit(self.step, blob, marker)
+            commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout).finish(
+                metadata, records, world
+            )
         except BaseException as e:
             _abandon(first, self.step, self.rank, [], e)
             raise
+
+
+def _metadata_of(planner: SavePlanner, storage_meta: StorageMeta) -> Callable[[], Metadata]:
+    """DCP's global Metadata, as the planner keeps it, for the commit that needs it."""
+
+    def metadata() -> Metadata:
+        md = getattr(planner, "metadata", None)
+        if not isinstance(md, Metadata):
+            raise TieredCheckpointError(
+                f"TieredWriter needs a SavePlanner that keeps its global Metadata in .metadata "
+                f"(DefaultSavePlanner and its subclasses do); {type(planner).__name__} does not"
+            )
+        md.storage_meta = storage_meta
+        return md
+
+    return metadata
 
 
 def _refused(step: int, rank: int, items: list[RawItem]) -> NonFiniteStateError | None:
@@ -755,20 +736,6 @@ def _abandon(
         bounded(undo, first.config.tier_timeout)
     except Exception as e:  # noqa: BLE001 - the save's own error is what the user needs
         log.warning("step %d: could not clean up after the failed save on %s: %s", step, first.tier.path, e)
-
-
-@contextlib.contextmanager
-def _failing_save(first: TierView, step: int) -> Iterator[None]:
-    """A shared first tier that fails (down, full, forbidden) fails the save, saying which.
-
-    Its backend bounds every call (retries within a time limit), so this comes in bounded time.
-    """
-    try:
-        yield
-    except OSError as e:
-        raise TieredCheckpointError(
-            f"step {step} was not saved: tier {first.tier.path}, the fastest tier taking it, failed: {e}"
-        ) from e
 
 
 def _current_rank() -> int:

@@ -289,6 +289,7 @@ def node_loss_worker(args: argparse.Namespace) -> None:
 
     from .. import TieredWriter, load_latest, shutdown, wait_for
     from ..config import node_of
+    from ..placement import placement_for
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -310,7 +311,7 @@ def node_loss_worker(args: argparse.Namespace) -> None:
     dist.barrier()
     if rank == NL_LOST * NL_LOCAL:  # the lost node's first rank: every node-local tier is gone
         for tier in cfg.tiers:
-            if not tier.is_shared:
+            if placement_for(tier).node_owned:
                 shutil.rmtree(tier.root(NL_LOST, rank), ignore_errors=True)
     dist.barrier()
 
@@ -319,7 +320,7 @@ def node_loss_worker(args: argparse.Namespace) -> None:
     torch.manual_seed(1)
     model, opt = _build(mesh, NL_HIDDEN)
     _train_step(model, opt, 0)  # materialise optimizer state so there is something to load into
-    own = [tier.root(node, rank) for tier in cfg.tiers if not tier.is_shared]
+    own = [tier.root(node, rank) for tier in cfg.tiers if placement_for(tier).node_owned]
     held = any(os.path.isdir(root) and os.listdir(root) for root in own)
     t0 = time.perf_counter()
     sd = _state(model, opt, -1)
@@ -490,6 +491,8 @@ def _lost_ranks() -> list[int]:
 
 
 def _print_node_loss_setup(cfg: Any, names: list[str]) -> None:
+    from ..placement import placement_for
+
     nodes = NL_WORLD // NL_LOCAL
     layout = ", ".join(f"{n * NL_LOCAL}-{(n + 1) * NL_LOCAL - 1}" for n in range(nodes))
     print(
@@ -501,7 +504,7 @@ def _print_node_loss_setup(cfg: Any, names: list[str]) -> None:
         "each rank's part is also kept by its clique peer on the other node"
     )
     for i, t in enumerate(cfg.tiers):
-        where = "shared" if t.is_shared else "node-local"
+        where = placement_for(t).kind
         print(f"  tier {i} {names[i]:<6} {t.path}  (every {t.every}, keep {t.keep or 'all'}, {where})")
 
 

@@ -361,9 +361,10 @@ def _quarantined(cfg: TieredConfig, rank: int) -> list[list]:
     from ..storage.format import parse_quarantine
 
     marks = set()
-    for i, tier in enumerate(cfg.tiers):
-        if not tier.is_shared:
-            for name in TierView(cfg, i, node_of(rank), rank).own.list(cfg.namespace):
+    for i in range(len(cfg.tiers)):
+        view = TierView(cfg, i, node_of(rank), rank)
+        if view.placement.node_owned:
+            for name in view.own.list(cfg.namespace):
                 mark = parse_quarantine(name)
                 if mark is not None:
                     marks.add(mark)
@@ -741,6 +742,7 @@ class Drill:
     def fault_wipe(self, event: Event) -> None:
         from tiered_dcp.storage.owners import pid_alive
 
+        from ..placement import placement_for
         from ..rundir import RunDir
 
         node = self.rng.randrange(WORLD)  # one rank per node: the node's rank is `node`
@@ -753,7 +755,7 @@ class Drill:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # the node's writer process dies with it
         for tier in self.cfg.tiers:
-            if not tier.is_shared:
+            if placement_for(tier).node_owned:
                 shutil.rmtree(tier.root(node, node), ignore_errors=True)
         shutil.rmtree(rd.path, ignore_errors=True)
         event.detail = f"node {node} lost (ranks killed, its writer killed, its RAM and SSD roots wiped)"
