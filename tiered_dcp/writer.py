@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_dcp.planners.save import ALIASES, Alias, plan_global, tag_local_plan
+from tiered_dcp.planners.save import ALIASES, Alias, plan_global, save_rank, tag_local_plan
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
@@ -474,7 +474,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return tag_local_plan(plan, self.rank, self.node, self._as_blocks(self._first()))
+        # with dedup, large items are stored as blocks (replicas too: a peer gets only the blocks it lacks)
+        return tag_local_plan(plan, self.rank, self.node, self.config.dedup)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The save's world in every plan (``planners.save``); with DCP's plan cache, the
@@ -486,11 +487,6 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def _first(self) -> TierView:
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
-
-    def _as_blocks(self, first: TierView) -> bool:
-        """Whether the save path stores large items as blocks on ``first`` (replicas too:
-        a peer is sent only the blocks it lacks)."""
-        return self.config.dedup
 
     def _wait_for_writer(self, rank: int) -> None:
         """Before this step is staged or written: wait if the writer fell too far behind."""
@@ -535,7 +531,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         first = self._first()
         staged = self._in_file(first)
         policy = self.config.on_nonfinite
-        items = resolve_items(plan, planner, self._as_blocks(first), check_finite=policy != "ignore")
+        items = resolve_items(plan, planner, self.config.dedup, check_finite=policy != "ignore")
         in_file = settle(staged, items) if staged is not None else {}  # first: it moves bytes
         resolved = Resolved(items, fingerprint(items), staged, in_file)  # hashed while written
         refused = None
@@ -545,7 +541,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         aliases = (plan.storage_data or {}).get(ALIASES, [])
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
-        world = (plan.storage_data or {}).get("world") or [self.node]
+        where = save_rank(plan)
+        world = list(where.world) if where is not None and where.world else [self.node]
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
         try:
             if first.placement.commits_in_finish:  # one root: the coordinator commits it in finish()
