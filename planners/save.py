@@ -158,3 +158,25 @@ def _with_world(plan: SavePlan, world: list[int]) -> SavePlan:
         raise ValueError("TieredWriter: a plan in the global plan lacks its SaveRank (prepare_local_plan)")
     tagged = dataclasses.replace(where, world=tuple(world))
     return dataclasses.replace(plan, storage_data={**plan.storage_data, WHERE: tagged})
+
+
+class KnownWorlds:
+    """The world (rank -> node) of the last full global plan, per world size.
+
+    A process-wide cache on purpose, as DCP's own plan cache is (``SavePlanner._cached_*``,
+    class attributes): a save whose plans DCP took from its cache brings no ``SaveRank``,
+    and each save has a writer of its own, so its world is the one remembered here.
+    """
+
+    def __init__(self) -> None:
+        self._worlds: dict[int, list[int]] = {}
+
+    def plan_global(self, plans: list[SavePlan]) -> tuple[list[SavePlan], list[int] | None]:
+        """``plan_global`` with the world of this process's last full plan of this size."""
+        plans, world = plan_global(plans, self._worlds.get(len(plans)))
+        if world is not None:
+            self._worlds[len(plans)] = world
+        return plans, world
+
+
+KNOWN_WORLDS = KnownWorlds()

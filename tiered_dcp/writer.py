@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_dcp.planners.save import ALIASES, Alias, plan_global, save_rank, tag_local_plan
+from tiered_dcp.planners.save import ALIASES, KNOWN_WORLDS, Alias, save_rank, tag_local_plan
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
@@ -383,7 +383,6 @@ class TieredWriter(StorageWriter, AsyncStager):
         else:
             self._wait_for_writer(rank)
         started = time.perf_counter()
-        POOL.slots = self.staging_slots
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
         examined.mark_written()  # on CUDA: the copies wait for this thread's stream, wherever they run
         staged_now = POOL.info()["bytes"]
@@ -391,7 +390,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         copies = 0 if self.staged_file is not None else self.staging_slots  # the tier's step is the copy
         hostmem.guard(self.config, examined.nbytes, copies, self.tier_indexes[0], staged_now)
         if not self.background_staging:
-            staged = POOL.stage(examined, target=self.staged_file)
+            staged = POOL.stage(examined, target=self.staged_file, slots=self.staging_slots)
             self.stage_seconds = time.perf_counter() - started
             self.staging_bytes = POOL.info()["bytes"]
             self._prepare_next(examined)
@@ -402,7 +401,7 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def _stage_then_prepare(self, examined: Examined, reserved: bool) -> STATE_DICT_TYPE:
         """Background staging: the copy, then the next saves' files (``_prepare_next``)."""
-        staged = POOL.stage(examined, reserved, self.staged_file)
+        staged = POOL.stage(examined, reserved, self.staged_file, self.staging_slots)
         self._prepare_next(examined)
         return staged
 
@@ -420,7 +419,6 @@ class TieredWriter(StorageWriter, AsyncStager):
         against the host's memory first (``hostmem.guard``). Optional: without it the first
         save claims its own, and later saves find theirs made in the background."""
         rank = _current_rank()
-        POOL.slots = self.staging_slots
         examined = examine(state_dict)
         first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
         where = tierfile.target(self.config, first.index, first.own, self.step, rank)
@@ -480,9 +478,9 @@ class TieredWriter(StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The save's world in every plan (``planners.save``); with DCP's plan cache, the
         world of this process's last full plan (DCP's cache is per process too)."""
-        plans, world = plan_global(plans, _LAST_WORLD.get(len(plans)))
+        plans, world = KNOWN_WORLDS.plan_global(plans)
         if world is not None:
-            self._world = _LAST_WORLD[len(plans)] = world
+            self._world = world
         return plans
 
     def _first(self) -> TierView:
@@ -775,8 +773,6 @@ def _current_rank() -> int:
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-
-_LAST_WORLD: dict[int, list[int]] = {}  # world size -> the rank -> node layout of the last full plan
 
 _STAGING_THREAD: ThreadPoolExecutor | None = None
 
