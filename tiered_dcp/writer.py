@@ -43,6 +43,7 @@ from .cliques import Layout
 from .commit import build_commit
 from .config import TieredConfig, node_of
 from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
+from .handoff import Handoff
 from .leases import owner_record
 from .metadata import Records
 from .records import Kind, record
@@ -326,9 +327,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.emergency = bool(emergency)
         self._target(step)
         self.save_id = new_id()
-        # the cliques: checked now (a bad layout fails here, before any byte is written);
-        # with failure domains, gathered from every rank at the first writer of the config
-        self.layout = domains.layout_for(config, _world_size(), _current_rank())
+        # the cliques: the jump rule's checked now (a bad layout fails here, before any byte
+        # is written); failure domains are gathered from every rank, a collective, so in
+        # ``set_up_storage_writer``, which every rank of the save runs
+        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -470,6 +472,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.rank = int(rank)
         self.node = node_of(self.rank)
         self.is_coordinator = is_coordinator
+        if self.layout is None:  # failure domains: every rank's, once per process (``domains``)
+            self.layout = domains.layout_for(self.config, _world_size(), _current_rank())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # with dedup, large items are stored as blocks (replicas too: a peer gets only the blocks it lacks)
@@ -488,34 +492,9 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def _wait_for_writer(self, rank: int) -> None:
         """Before this step is staged or written: wait if the writer fell too far behind."""
-        slower = self.tier_indexes[1:]
-        if len(self.config.tiers) > 1:
-            handle = writer_handle(self.config, rank)
-            handle.ensure(self.owner_pid or os.getpid())  # started early, ready by the hand-off
-            handle.report_failures()
-            if slower and not self._skips_lagging():
-                owner = self.owner_pid or os.getpid()
-                before = self._leaving_window()
-                self.handoff_wait += handle.wait_for_room(self.step, slower, owner, self.max_pending, before)
+        handoff = Handoff(self.config, self.step, self.tier_indexes, rank, self.owner_pid, self.max_pending)
+        self.handoff_wait += handoff.wait_for_room()
         self._waited = True
-
-    def _skips_lagging(self) -> bool:
-        """Whether no save waits for the slower tiers (``on_lagging_tier="skip"`` on a RAM
-        first tier): the steps they lag behind on leave it all the same."""
-        first = self._first()
-        return tierfile.drops_pinned(self.config, first.own)
-
-    def _leaving_window(self) -> int | None:
-        """With ``on_lagging_tier="wait"`` on a RAM first tier: the oldest step it keeps now.
-        An older one a slower tier still has queued is waited for before this save stages:
-        its file is the one this save needs, with the kept steps' and this one's making
-        ``keep + 1``."""
-        first = self._first()
-        keep = first.tier.keep
-        if keep is None or not tierfile.recycles(self.config, first.own):
-            return None
-        kept = sorted(s for s in first.committed() if s < self.step)[-keep:]
-        return kept[0] if kept else None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._handoff_later:  # an async save that waits for no writer (``stage``)
@@ -640,14 +619,17 @@ class TieredWriter(StorageWriter, AsyncStager):
     def _layout(self, world: list[int]) -> Layout:
         """The cliques of this save's ``world`` (rank -> node, from the plan): the jump rule
         over its ranks, or the failure domains' layout, which must be of the same ranks."""
-        if not self.layout.groups and not self.layout.domains:
-            return dataclasses.replace(self.layout, world=len(world))
-        if self.layout.world != len(world):
+        layout = self.layout
+        if layout is None:  # set by ``set_up_storage_writer``, which DCP runs before any write
+            raise TieredCheckpointError("TieredWriter: a save wrote before set_up_storage_writer")
+        if not layout.groups and not layout.domains:
+            return dataclasses.replace(layout, world=len(world))
+        if layout.world != len(world):
             raise TieredCheckpointError(
-                f"step {self.step}: the failure domains were gathered from {self.layout.world} rank(s), "
+                f"step {self.step}: the failure domains were gathered from {layout.world} rank(s), "
                 f"but this save has {len(world)}: save with the job's default process group's ranks"
             )
-        return self.layout
+        return layout
 
     def _in_file(self, first: TierView) -> InFile | None:
         """The part file ``stage`` filled, when this save writes that very file (the step and
