@@ -66,7 +66,7 @@ def _save_lose_rack_a_load(rank, world, root, failure_domain):
         dcp.save(state(step, mesh), storage_writer=TieredWriter(cfg, step=step))
     target = _lose_rack_a(rank, root, mesh)
     try:
-        reader = TieredReader(cfg)
+        reader = TieredReader(cfg).open()  # every rank: the step is agreed here
     except NoCheckpointError as e:
         return {"error": str(e)}
     dcp.load(target, storage_reader=reader)
