@@ -158,9 +158,11 @@ def _load_with_a_stalling_server(rank: int, world: int, root: str) -> tuple[int,
             return super()._serve(req)
 
     class StallingReader(TieredReader):
-        def __init__(self, config: TieredConfig) -> None:
-            super().__init__(config)
-            self._reads = StallingReads(self._opened)
+        def open(self) -> TieredReader:  # the step is opened at its first use, on every rank
+            if self._opened is None:
+                super().open()
+                self._step_reads = StallingReads(self._opened)
+            return self
 
     config = _streaming_config(root)
     target = {k: torch.zeros_like(v) for k, v in _own_state(rank).items()}
