@@ -112,10 +112,14 @@ class TieredReader(StorageReader):
                 opened = OpenStep.open(
                     self.config, self._asked, rank=self.rank, with_group=self._dist, exclude=self._exclude
                 )
-            self._opened, self._step_reads = opened, StepReads(opened)
+            self._opened, self._step_reads = opened, self._new_reads(opened)
             if not self._dist:  # metadata refused on every tier: say so here, not as DCP's AssertionError
                 self.read_metadata()
         return self
+
+    def _new_reads(self, opened: OpenStep) -> StepReads:
+        """What executes this reader's load plans (a subclass may time or stall it)."""
+        return StepReads(opened)
 
     def _open_step(self) -> OpenStep:
         opened = self.open()._opened
