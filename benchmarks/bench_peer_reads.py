@@ -74,13 +74,12 @@ class TimedReads(StepReads):
 class TimedReader(TieredReader):
     """A reader whose reads are ``TimedReads``: ``peer_s`` is its last load's peer phase."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._timed = self._reads = TimedReads(self._opened)
+    def _new_reads(self, opened: Any) -> TimedReads:
+        return TimedReads(opened)
 
     @property
     def peer_s(self) -> float:
-        return self._timed.peer_s
+        return self._reads.peer_s  # type: ignore[attr-defined]
 
 
 def slowest(seconds: float) -> float:

@@ -1,8 +1,9 @@
 """The save plan passes: pure functions over DCP's SavePlans, as torch's ``_dedup_save_plans``.
 
 ``TieredWriter.prepare_local_plan`` tags each rank's plan with where it runs
-(``tag_local_plan``); ``prepare_global_plan`` (coordinator) runs ``plan_global`` over every
-rank's plan. Nothing here reads or writes storage: a pass sees plans, returns plans.
+(``tag_local_plan``: a ``SaveRank`` under ``storage_data[WHERE]``); ``prepare_global_plan``
+(coordinator) runs ``plan_global`` over every rank's plan, which puts the save's world in
+each ``SaveRank``. Nothing here reads or writes storage: a pass sees plans, returns plans.
 
 Content-hash dedup across ranks (``dedup_plans``) runs in ``TieredSavePlanner``'s global
 plan, after DCP built the step's Metadata from every item: each local plan carries, in
@@ -26,6 +27,23 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 CONTENT = "content"  # local plans: {MetadataIndex: ContentKey} of every large tensor item the rank holds
 DEDUP = "dedup"  # the writer stores large tensor items as blocks and writes ``ALIASES``
 ALIASES = "aliases"  # global plans: [Alias] whose bytes this rank writes under another item
+WHERE = "where"  # every plan: the rank's ``SaveRank``
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRank:
+    """Where a rank's plan comes from, as the writer tells the coordinator (local plans), and
+    the save's rank -> node layout the coordinator hands back (global plans: ``world``)."""
+
+    rank: int
+    node: int
+    world: tuple[int, ...] | None = None  # index: rank; set by ``plan_global``
+
+
+def save_rank(plan: SavePlan) -> SaveRank | None:
+    """The plan's ``SaveRank`` (None: a plan ``tag_local_plan`` did not tag, e.g. DCP's cached one)."""
+    where = (plan.storage_data or {}).get(WHERE) if isinstance(plan.storage_data, dict) else None
+    return where if isinstance(where, SaveRank) else None
 
 
 class ContentKey(NamedTuple):
@@ -50,16 +68,17 @@ def tag_local_plan(plan: SavePlan, rank: int, node: int, dedup: bool = False) ->
     whether its writer can write aliases (``dedup``); the planner's content keys stay."""
     data = {k: v for k, v in (plan.storage_data or {}).items() if k == CONTENT}  # the planner's
     return dataclasses.replace(
-        plan, storage_data={**data, "rank": rank, "node": node, **({DEDUP: True} if dedup else {})}
+        plan, storage_data={**data, WHERE: SaveRank(rank, node), **({DEDUP: True} if dedup else {})}
     )
 
 
 def world_of(plans: list[SavePlan]) -> list[int]:
     """The save's rank -> node layout (index: rank), checked to come in rank order."""
-    ranks = [p.storage_data["rank"] for p in plans]
+    where = [save_rank(p) for p in plans]
+    ranks = [w.rank if w is not None else None for w in where]
     if ranks != list(range(len(plans))):
         raise ValueError(f"TieredWriter: unexpected rank order {ranks} in the global plan")
-    return [p.storage_data["node"] for p in plans]
+    return [w.node for w in where if w is not None]
 
 
 def dedup_plans(plans: list[SavePlan]) -> list[SavePlan]:
@@ -134,4 +153,30 @@ def plan_global(
 
 
 def _with_world(plan: SavePlan, world: list[int]) -> SavePlan:
-    return dataclasses.replace(plan, storage_data={**plan.storage_data, "world": world})
+    where = save_rank(plan)
+    if where is None:
+        raise ValueError("TieredWriter: a plan in the global plan lacks its SaveRank (prepare_local_plan)")
+    tagged = dataclasses.replace(where, world=tuple(world))
+    return dataclasses.replace(plan, storage_data={**plan.storage_data, WHERE: tagged})
+
+
+class KnownWorlds:
+    """The world (rank -> node) of the last full global plan, per world size.
+
+    A process-wide cache on purpose, as DCP's own plan cache is (``SavePlanner._cached_*``,
+    class attributes): a save whose plans DCP took from its cache brings no ``SaveRank``,
+    and each save has a writer of its own, so its world is the one remembered here.
+    """
+
+    def __init__(self) -> None:
+        self._worlds: dict[int, list[int]] = {}
+
+    def plan_global(self, plans: list[SavePlan]) -> tuple[list[SavePlan], list[int] | None]:
+        """``plan_global`` with the world of this process's last full plan of this size."""
+        plans, world = plan_global(plans, self._worlds.get(len(plans)))
+        if world is not None:
+            self._worlds[len(plans)] = world
+        return plans, world
+
+
+KNOWN_WORLDS = KnownWorlds()

@@ -158,9 +158,8 @@ def _load_with_a_stalling_server(rank: int, world: int, root: str) -> tuple[int,
             return super()._serve(req)
 
     class StallingReader(TieredReader):
-        def __init__(self, config: TieredConfig) -> None:
-            super().__init__(config)
-            self._reads = StallingReads(self._opened)
+        def _new_reads(self, opened):  # at the step's opening, on every rank
+            return StallingReads(opened)
 
     config = _streaming_config(root)
     target = {k: torch.zeros_like(v) for k, v in _own_state(rank).items()}

@@ -1,7 +1,7 @@
 """The save plan passes: rank/node tagging, the world, DCP's cached plans, the dedup hook."""
 
 import pytest
-from tiered_dcp.planners.save import dedup_plans, plan_global, tag_local_plan
+from tiered_dcp.planners.save import WHERE, SaveRank, dedup_plans, plan_global, tag_local_plan
 from torch.distributed.checkpoint.planner import SavePlan
 
 
@@ -9,7 +9,7 @@ def test_global_pass_gives_every_plan_the_world():
     plans = [tag_local_plan(SavePlan([]), r, n) for r, n in enumerate([0, 0, 1, 1])]
     out, world = plan_global(plans)
     assert world == [0, 0, 1, 1]
-    assert [p.storage_data for p in out] == [{"rank": r, "node": r // 2, "world": world} for r in range(4)]
+    assert [p.storage_data for p in out] == [{WHERE: SaveRank(r, r // 2, (0, 0, 1, 1))} for r in range(4)]
     assert dedup_plans(out) == out  # no content keys (no TieredSavePlanner): the identity
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
-from tiered_dcp.planners.save import ALIASES, CONTENT, DEDUP, Alias, ContentKey, dedup_plans
+from tiered_dcp.planners.save import ALIASES, CONTENT, DEDUP, WHERE, Alias, ContentKey, SaveRank, dedup_plans
 from tiered_dcp.storage.format import is_block_id
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -265,7 +265,7 @@ def plan(rank: int, items: list[WriteItem], content: dict[str, str], dedup: bool
         for i in items
         if i.index.fqn in content
     }
-    data = {"rank": rank, "node": 0, CONTENT: keys, **({DEDUP: True} if dedup else {})}
+    data = {WHERE: SaveRank(rank, 0), CONTENT: keys, **({DEDUP: True} if dedup else {})}
     return SavePlan(items, storage_data=data)
 
 

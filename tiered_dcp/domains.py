@@ -3,10 +3,12 @@
 With ``TieredConfig(failure_domain=...)`` each rank reads its own domain (an environment
 variable, or the config's function of its rank), and the job gathers every rank's (node,
 domain) in one collective: a gloo group of our own over every rank (``transport.Group``,
-so it works whatever backend the training uses), at the first ``TieredWriter`` of the
-config. Every rank then lays out the same cliques (``cliques.by_domain``) or raises the same
-ValueError, before any byte of the save is written. The layout is kept for the process's
-life (``layout_for``): a node's rack does not change under a running job.
+so it works whatever backend the training uses), in the first save of the config
+(``TieredWriter.set_up_storage_writer``, which every rank of the save runs; a writer's
+constructor gathers nothing, so one rank alone may build one). Every rank then lays
+out the same cliques (``cliques.by_domain``) or raises the same ValueError, before any byte of
+the save is written. The layout is kept for the process's life (``LAYOUTS``): a node's rack
+does not change under a running job.
 """
 
 from __future__ import annotations
@@ -19,26 +21,48 @@ from . import transport
 from .cliques import Layout, by_domain, check_cliques
 from .config import TieredConfig, node_of
 
-_LAYOUTS: dict[tuple[Any, ...], Layout] = {}
+
+class Layouts:
+    """The failure domains' layouts this process gathered: a process-wide cache on purpose
+    (a node's rack does not change under a running job, and every writer of the config would
+    otherwise gather again), keyed by what a layout depends on: the config's namespace and
+    domain source, the world size, the replication factor and jump."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[Any, ...], Layout] = {}
+
+    def get(self, config: TieredConfig, world: int, rank: int) -> Layout:
+        """The layout, gathered from every rank the first time (a collective)."""
+        fd = config.failure_domain
+        factor, jump = config.replication_factor, config.replication_jump
+        key = (config.namespace, fd if isinstance(fd, str) else id(fd), world, factor, jump)
+        if key not in self._found:
+            found = _gather(config, world, rank)
+            errors = [f["error"] for f in found if f["error"]]
+            if errors:
+                raise ValueError("; ".join(errors))
+            nodes = [int(f["node"]) for f in found]
+            self._found[key] = by_domain(factor, nodes, [f["domain"] for f in found], source(config), jump)
+        return self._found[key]
+
+
+LAYOUTS = Layouts()
+
+
+def layout_unless_gathered(config: TieredConfig, world: int) -> Layout | None:
+    """The jump rule's cliques (checked: a bad layout raises ValueError here), or None when
+    the layout comes from failure domains, which only every rank together can gather."""
+    factor, jump = config.replication_factor, config.replication_jump
+    if config.failure_domain is not None and factor > 1:
+        return None
+    check_cliques(world, factor, jump)
+    return Layout(world, factor, jump)
 
 
 def layout_for(config: TieredConfig, world: int, rank: int) -> Layout:
     """The cliques a save of ``config`` by ``world`` ranks uses: the jump rule (checked, as
     before), or, with a failure domain, the domains gathered from every rank once."""
-    fd = config.failure_domain
-    factor, jump = config.replication_factor, config.replication_jump
-    if fd is None or factor == 1:  # no replicas to place: nothing to gather
-        check_cliques(world, factor, jump)
-        return Layout(world, factor, jump)
-    key = (config.namespace, fd if isinstance(fd, str) else id(fd), world, factor, jump)
-    if key not in _LAYOUTS:
-        found = _gather(config, world, rank)
-        errors = [f["error"] for f in found if f["error"]]
-        if errors:
-            raise ValueError("; ".join(errors))
-        nodes = [int(f["node"]) for f in found]
-        _LAYOUTS[key] = by_domain(factor, nodes, [f["domain"] for f in found], source(config), jump)
-    return _LAYOUTS[key]
+    return layout_unless_gathered(config, world) or LAYOUTS.get(config, world, rank)
 
 
 def source(config: TieredConfig) -> str:

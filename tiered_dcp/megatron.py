@@ -245,7 +245,7 @@ class TieredLoadStrategy(TorchDistLoadShardedStrategy):
         step = self._step(checkpoint_dir)
         reader, self._reader = self._reader, None
         if reader is None or reader.step != step:
-            reader = TieredReader(self.config, step)  # collective: every rank
+            reader = TieredReader(self.config, step).open()  # collective: every rank
         flexible = [t for t in _sharded_tensors(sharded_state_dict) if not t.allow_shape_mismatch]
         mismatch = {t.key: t for t in _sharded_tensors(sharded_state_dict) if t.allow_shape_mismatch}
         flat, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)

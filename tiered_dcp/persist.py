@@ -48,6 +48,7 @@ from . import dedup, tierfile
 from .catalog import StepCopy, TierView
 from .cliques import Layout
 from .commit import commit_copy
+from .config import TieredConfig
 from .placement import nodes_of
 from .records import Kind, record
 from .retention import apply_retention
@@ -153,17 +154,26 @@ class Health:
 
 
 class Persister:
-    """The writer process's main loop: one worker thread per slower tier with work queued."""
+    """The writer process's main loop: one worker thread per slower tier with work queued.
 
-    def __init__(self, rd: RunDir) -> None:
+    Built from what it was given (``open`` reads them from the run directory)."""
+
+    def __init__(self, rd: RunDir, config: TieredConfig) -> None:
         self.rd = rd
-        self.config = rd.read_config()
+        self.config = config
         self.threads: dict[int, threading.Thread] = {}
         self.owner_gone_since: float | None = None
         self.lock = threading.Lock()  # the queue: a tier thread taking a job vs the trimmer
         self.active: dict[int, Job] = {}  # tier -> the job its thread works on
         self.health: dict[int, Health] = {}
-        rd.health.clear()  # a former writer's verdicts: judged anew
+
+    @classmethod
+    def open(cls, rd: RunDir) -> Persister:
+        """The loop for ``rd``'s rank: its config read, a former writer's tier verdicts
+        cleared (judged anew)."""
+        persister = cls(rd, rd.read_config())
+        rd.health.clear()
+        return persister
 
     def owner_alive(self) -> bool:
         owner = self.rd.owner()
@@ -454,7 +464,7 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError):
         os.nice(5)  # the trainer's own work comes first
     try:
-        Persister(rd).run()
+        Persister.open(rd).run()
     finally:
         rd.writer.clear_pid()
         logging.shutdown()

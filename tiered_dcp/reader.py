@@ -1,8 +1,10 @@
 """TieredReader: the DCP StorageReader that loads a step from the best tier holding it.
 
-This module is the DCP glue only. The step is opened when the reader is constructed
-(``opening.OpenStep``: chosen, agreed by every rank when a process group is up, leased,
-its metadata shared), so a missing step raises NoCheckpointError before ``dcp.load``.
+This module is the DCP glue only. The step is opened (``opening.OpenStep``: chosen, agreed
+by every rank when a process group is up, leased, its metadata shared) by ``open``: at
+construction when no other rank takes part (a missing step raises NoCheckpointError before
+``dcp.load``), else at the first use (``step``, ``open()``, DCP's ``read_metadata``), which
+every rank reaches together, so one rank may construct a reader alone.
 ``read_data`` executes DCP's load plan (``reading.StepReads``): each item from its sources
 in fallback order (``planners.load``), every chunk verified, an item whose copy is damaged
 read from its next source with a warning naming the bad file.
@@ -47,14 +49,15 @@ def _dist_rank() -> tuple[int, bool]:
 class TieredReader(StorageReader):
     """Loads ``step`` (default: the newest complete step anywhere) of ``config``.
 
-    Construct it on every rank, as ``dcp.load`` is called on every rank: the ranks agree
-    on the step here. With a process group, each rank reads only its own root of each
-    node-local tier and the ranks pool what they hold (``cluster``): a step counts when
-    every part survives on some node, and items this rank's root lacks come from a peer
-    holding them, else from a shared tier. The newest step complete in the cluster is
-    compared with the newest on a shared tier and the newer is loaded (the cluster's on a
-    tie). ``no_dist=True`` skips the agreement (one process reading alone, seeing every
-    path it can reach).
+    Use it on every rank, as ``dcp.load`` is called on every rank: the ranks agree on the
+    step when it is opened (``open``: at the first use, or at construction without a process
+    group); constructing one is local, so one rank may build one alone. With a process
+    group, each rank reads only its own root of each node-local tier and the ranks pool what
+    they hold (``cluster``): a step counts when every part survives on some node, and items
+    this rank's root lacks come from a peer holding them, else from a shared tier. The
+    newest step complete in the cluster is compared with the newest on a shared tier and the
+    newer is loaded (the cluster's on a tie). ``no_dist=True`` skips the agreement (one
+    process reading alone, seeing every path it can reach).
 
     Without ``step``, steps that are quarantined (an earlier load found an item with no good
     copy left) or non-finite (saved holding NaN/Inf) are passed over (``step_choice``),
@@ -86,22 +89,63 @@ class TieredReader(StorageReader):
             raise ValueError(f"TieredReader: spread must be True or False, got {spread!r}")
         self.config = config
         self.spread = spread
+        self._asked = step  # the step asked for (None: the newest good one)
+        self._exclude = exclude
         self._started = time.perf_counter()  # a load's duration is recorded (``records``)
         self.load_id = new_id()  # DCP's StorageMeta.load_id of the metadata it reads
         rank, up = _dist_rank()
         self.rank, self.node = rank, node_of(rank)
         self._dist = up and not no_dist
-        with transport.watching_peers(step, "opening a step to load"):  # a lost rank: PeerLostError
-            opened = OpenStep.open(config, step, rank=rank, with_group=self._dist, exclude=exclude)
-        self._opened, self._reads = opened, StepReads(opened)
-        self.step, self.skipped = opened.step, opened.skipped
-        if not self._dist:  # metadata refused on every tier: say so here, not as DCP's AssertionError
-            self.read_metadata()
+        self._opened: OpenStep | None = None  # ``open``'s
+        self._step_reads: StepReads | None = None
+        self._open_failed: BaseException | None = None  # ``read_metadata``'s, raised in set-up
+        if not self._dist:  # this process alone: found here, as the contract says (no collective)
+            self.open()
+
+    def open(self) -> TieredReader:
+        """Choose the step, agreed by every rank with a process group (a collective: every rank
+        calls it, or the first of ``step``/``skipped``/``tiers`` or DCP's ``read_metadata``);
+        without one, the metadata refused on every tier raises here too. Once; returns self."""
+        if self._opened is None:
+            # a lost rank: PeerLostError
+            with transport.watching_peers(self._asked, "opening a step to load"):
+                opened = OpenStep.open(
+                    self.config, self._asked, rank=self.rank, with_group=self._dist, exclude=self._exclude
+                )
+            self._opened, self._step_reads = opened, self._new_reads(opened)
+            if not self._dist:  # metadata refused on every tier: say so here, not as DCP's AssertionError
+                self.read_metadata()
+        return self
+
+    def _new_reads(self, opened: OpenStep) -> StepReads:
+        """What executes this reader's load plans (a subclass may time or stall it)."""
+        return StepReads(opened)
+
+    def _open_step(self) -> OpenStep:
+        opened = self.open()._opened
+        assert opened is not None
+        return opened
+
+    @property
+    def step(self) -> int:
+        """The chosen step (opening it: with a process group, every rank asks together)."""
+        return self._open_step().step
+
+    @property
+    def skipped(self) -> dict[int, str]:
+        """The newer steps passed over, and why (``planners.choice``)."""
+        return self._open_step().skipped
 
     @property
     def tiers(self) -> list[int]:
         """Indexes of the tiers holding the chosen step complete, fastest first."""
-        return self._opened.tiers
+        return self._open_step().tiers
+
+    @property
+    def _reads(self) -> StepReads:
+        self.open()
+        assert self._step_reads is not None
+        return self._step_reads
 
     @property
     def _failures(self) -> dict[int, list[Failure]]:
@@ -116,19 +160,23 @@ class TieredReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A new load; ``checkpoint_id`` (from ``dcp.load``), if given, names the step to load.
 
-        Another step than the one chosen is chosen again as the constructor does (agreed by
-        every rank; ``NoCheckpointError`` if it is not complete anywhere). Anything but a
-        step (``checkpoint_id.step_of``) raises ValueError.
+        Another step than the one chosen is chosen again as ``open`` does (agreed by every
+        rank; ``NoCheckpointError`` if it is not complete anywhere). Anything but a step
+        (``checkpoint_id.step_of``) raises ValueError.
         """
         self.load_id = new_id()
-        if checkpoint_id is not None:
-            step = step_of(self.config.namespace, checkpoint_id, "TieredReader")
-            if step != self.step:
-                self._opened.release()  # the step chosen before is not read after all
-                exclude = self._opened.exclude  # error messages' next choice passes them over still
-                self.__init__(  # type: ignore[misc]
-                    self.config, step, no_dist=not self._dist, exclude=exclude, spread=self.spread
-                )
+        if checkpoint_id is None:
+            return
+        step = step_of(self.config.namespace, checkpoint_id, "TieredReader")
+        opened = self._opened
+        if opened is not None and step == opened.step:
+            return
+        if opened is not None:
+            opened.release()  # the step chosen before is not read after all
+            self._exclude = opened.exclude  # error messages' next choice passes them over still
+        self._asked, self._opened, self._step_reads, self._open_failed = step, None, None, None
+        self._started = time.perf_counter()
+        self.open()
 
     @contextlib.contextmanager
     def held(self) -> Iterator[TieredReader]:
@@ -136,12 +184,13 @@ class TieredReader(StorageReader):
         reading it file by file, one process): otherwise each load's end gives the leases
         back, and retention beside may remove the step before the next. They go when the
         block ends."""
-        self._opened.held = True
+        opened = self._open_step()
+        opened.held = True
         try:
             yield self
         finally:
-            self._opened.held = False
-            self._opened.release()
+            opened.held = False
+            opened.release()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -156,19 +205,31 @@ class TieredReader(StorageReader):
         return md
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        opened = self._opened
+        """The step's metadata, opening the step first if no use opened it yet. An error
+        opening it is raised by ``set_up_storage_reader`` (DCP would turn it into a bare
+        AssertionError here, losing its class, and ask again: a second collective)."""
+        if self._open_failed is not None:
+            return Metadata(state_dict_metadata={})
+        try:
+            opened = self._open_step()
+        except Exception as e:  # noqa: BLE001 - raised, with its class, by set_up_storage_reader
+            self._open_failed = e
+            return Metadata(state_dict_metadata={})
         return self._with_load_id(opened.metadata.first(opened.copies, opened.quarantine))
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        failed, self._open_failed = self._open_failed, None
+        if failed is not None:  # DCP wraps it in its CheckpointException, keeping it whole
+            raise failed
         self.is_coordinator = is_coordinator
         self._metadata = metadata
 
     def _spreads(self) -> bool:
         """Whether this load is spread over the job (``spread.py``): a step read from a
         shared tier alone (no node-local copy pooled), by more than one rank."""
-        opened = self._opened
+        opened = self._open_step()
         return (
             self.spread
             and self._dist
@@ -216,7 +277,7 @@ class TieredReader(StorageReader):
             everyone = False
             raise
         finally:
-            self._opened.read_done(wait_for_all=everyone)
+            self._open_step().read_done(wait_for_all=everyone)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

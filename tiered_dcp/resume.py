@@ -67,7 +67,7 @@ def resume(
     skipped: dict[int, str] = {}
     while True:
         try:
-            reader = TieredReader(config, exclude=failed, no_dist=no_dist)
+            reader = TieredReader(config, exclude=failed, no_dist=no_dist).open()  # every rank
         except CheckpointCorruptError as e:  # the cluster's metadata of the chosen step is bad
             if e.step is None or e.step in failed:
                 raise

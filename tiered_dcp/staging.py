@@ -6,7 +6,8 @@ hands them to its subprocess without another copy, and are pinned (with the devi
 on a side stream) when the state is on CUDA. A fresh allocation per save runs at a
 fraction of a warm copy's speed; reuse is what makes the stall one warm copy.
 
-Memory is bounded: at most ``slots`` staged copies exist per process. A slot is busy from
+Memory is bounded: at most ``slots`` staged copies exist per process (each save passes its
+writer's ``staging_slots``: the pool is the process's, the bound is the save's). A slot is busy from
 ``stage`` until DCP drops the staged dict, which it does when that save's upload ends
 (success or failure); a save that finds every slot busy waits for the oldest upload.
 
@@ -49,6 +50,7 @@ from .tierfile import TierFile
 
 log = logging.getLogger("tiered_dcp")
 
+SLOTS = 2  # a save's bound on staged copies when it names none (``TieredWriter(staging_slots=)``)
 MAPPED_FILES = 8  # idle part-file slots kept mapped (their files kept steps), the newest first
 
 # The arena of each staged part file by its dirty path, in every process holding one (the
@@ -266,6 +268,7 @@ class _Slot:
     busy: bool = False
     prepared: bool = False  # a part file made ahead, with no name yet (``tierfile.prepare``)
     generation: int = 0
+    limit: int = SLOTS  # the bound of the save that took it last (``StagingPool.stage``'s ``slots``)
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -361,7 +364,6 @@ class StagingPool:
     def __init__(self) -> None:
         self._slots: list[_Slot] = []
         self._cond = threading.Condition(threading.RLock())
-        self.slots = 2
         self._closing = False
         self._reserved = 0  # saves counted in flight whose background staging has no slot yet
         self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
@@ -375,13 +377,18 @@ class StagingPool:
         return True
 
     def stage(
-        self, state: Mapping[str, Any] | Examined, reserved: bool = False, target: TierFile | None = None
+        self,
+        state: Mapping[str, Any] | Examined,
+        reserved: bool = False,
+        target: TierFile | None = None,
+        slots: int = SLOTS,
     ) -> StagedStateDict:
         """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early);
-        with ``target``, in that part file of the RAM tier (``tierfile``)."""
+        with ``target``, in that part file of the RAM tier (``tierfile``). ``slots``: the
+        staged copies this save lets the process hold (it waits for an upload beyond)."""
         try:
             examined = state if isinstance(state, Examined) else examine(state)
-            slot = self._acquire(examined, target if examined.nbytes else None)
+            slot = self._acquire(examined, target if examined.nbytes else None, slots)
         finally:
             if reserved:
                 with self._cond:
@@ -487,7 +494,7 @@ class StagingPool:
 
         return self._preparer.submit(run)
 
-    def _acquire(self, ex: Examined, target: TierFile | None) -> _Slot:
+    def _acquire(self, ex: Examined, target: TierFile | None, slots: int) -> _Slot:
         signature = ex.signature
         started = time.monotonic()
         warned = False
@@ -496,7 +503,7 @@ class StagingPool:
             while True:
                 slot = self._reusable(signature, target)
                 if slot is not None:
-                    return self._take(slot)
+                    return self._take(slot, slots)
                 if target is not None and self._preparing:  # one is on its way: no page faulted here
                     self._cond.wait(timeout=0.05)
                     continue
@@ -506,17 +513,17 @@ class StagingPool:
                 if idle:  # the state changed shape, or saves go to part files now
                     self._drop(idle[0])
                     counted.remove(idle[0])
-                if len(counted) < self.slots:
+                if len(counted) < slots:
                     slot = _allocate(ex, target)
                     self._slots.insert(0, slot)
-                    return self._take(slot)
+                    return self._take(slot, slots)
                 if not warned and time.monotonic() - started > 5:
                     warned = True
                     log.warning(
                         "all %d staging slots are held by saves still uploading; this save waits "
                         "for the oldest (wait for each async_save's future before the next save "
                         "to avoid this)",
-                        self.slots,
+                        slots,
                     )
                 self._cond.wait(timeout=1.0)
 
@@ -555,8 +562,9 @@ class StagingPool:
             if i >= MAPPED_FILES or tierfile.gone(slot.fd):  # type: ignore[arg-type]
                 self._drop(slot)
 
-    def _take(self, slot: _Slot) -> _Slot:
+    def _take(self, slot: _Slot, slots: int) -> _Slot:
         slot.busy = True
+        slot.limit = slots
         slot.generation += 1
         return slot
 
@@ -565,7 +573,7 @@ class StagingPool:
             if slot.busy and slot.generation == generation:
                 slot.busy = False
                 counted = sum(s.busy or s.fd is None for s in self._slots)
-                if self._closing or (slot.fd is None and counted > self.slots):
+                if self._closing or (slot.fd is None and counted > slot.limit):
                     self._drop(slot)
                 self._cond.notify_all()
 
@@ -595,7 +603,7 @@ class StagingPool:
                 "busy": sum(s.busy for s in self._slots),
                 "bytes": sum(s.nbytes for s in self._slots if s.fd is None),  # tier files not counted
                 "files": sum(s.fd is not None for s in self._slots),
-                "max_slots": self.slots,
+                "max_slots": max((s.limit for s in self._slots), default=SLOTS),
             }
 
     def prepared_bytes(self) -> int:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_dcp.planners.save import ALIASES, Alias, plan_global, tag_local_plan
+from tiered_dcp.planners.save import ALIASES, KNOWN_WORLDS, Alias, save_rank, tag_local_plan
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
@@ -42,6 +42,7 @@ from .checkpoint_id import new_id, step_id, step_of
 from .cliques import Layout
 from .config import TieredConfig, node_of
 from .errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
+from .handoff import Handoff
 from .leases import owner_record
 from .metadata import Records
 from .records import Kind, record
@@ -325,9 +326,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.emergency = bool(emergency)
         self._target(step)
         self.save_id = new_id()
-        # the cliques: checked now (a bad layout fails here, before any byte is written);
-        # with failure domains, gathered from every rank at the first writer of the config
-        self.layout = domains.layout_for(config, _world_size(), _current_rank())
+        # the cliques: the jump rule's checked now (a bad layout fails here, before any byte
+        # is written); failure domains are gathered from every rank, a collective, so in
+        # ``set_up_storage_writer``, which every rank of the save runs
+        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -382,7 +384,6 @@ class TieredWriter(StorageWriter, AsyncStager):
         else:
             self._wait_for_writer(rank)
         started = time.perf_counter()
-        POOL.slots = self.staging_slots
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
         examined.mark_written()  # on CUDA: the copies wait for this thread's stream, wherever they run
         staged_now = POOL.info()["bytes"]
@@ -390,7 +391,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         copies = 0 if self.staged_file is not None else self.staging_slots  # the tier's step is the copy
         hostmem.guard(self.config, examined.nbytes, copies, self.tier_indexes[0], staged_now)
         if not self.background_staging:
-            staged = POOL.stage(examined, target=self.staged_file)
+            staged = POOL.stage(examined, target=self.staged_file, slots=self.staging_slots)
             self.stage_seconds = time.perf_counter() - started
             self.staging_bytes = POOL.info()["bytes"]
             self._prepare_next(examined)
@@ -401,7 +402,7 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def _stage_then_prepare(self, examined: Examined, reserved: bool) -> STATE_DICT_TYPE:
         """Background staging: the copy, then the next saves' files (``_prepare_next``)."""
-        staged = POOL.stage(examined, reserved, self.staged_file)
+        staged = POOL.stage(examined, reserved, self.staged_file, self.staging_slots)
         self._prepare_next(examined)
         return staged
 
@@ -419,7 +420,6 @@ class TieredWriter(StorageWriter, AsyncStager):
         against the host's memory first (``hostmem.guard``). Optional: without it the first
         save claims its own, and later saves find theirs made in the background."""
         rank = _current_rank()
-        POOL.slots = self.staging_slots
         examined = examine(state_dict)
         first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
         where = tierfile.target(self.config, first.index, first.own, self.step, rank)
@@ -471,56 +471,29 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.rank = int(rank)
         self.node = node_of(self.rank)
         self.is_coordinator = is_coordinator
+        if self.layout is None:  # failure domains: every rank's, once per process (``domains``)
+            self.layout = domains.layout_for(self.config, _world_size(), _current_rank())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return tag_local_plan(plan, self.rank, self.node, self._as_blocks(self._first()))
+        # with dedup, large items are stored as blocks (replicas too: a peer gets only the blocks it lacks)
+        return tag_local_plan(plan, self.rank, self.node, self.config.dedup)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The save's world in every plan (``planners.save``); with DCP's plan cache, the
         world of this process's last full plan (DCP's cache is per process too)."""
-        plans, world = plan_global(plans, _LAST_WORLD.get(len(plans)))
+        plans, world = KNOWN_WORLDS.plan_global(plans)
         if world is not None:
-            self._world = _LAST_WORLD[len(plans)] = world
+            self._world = world
         return plans
 
     def _first(self) -> TierView:
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
 
-    def _as_blocks(self, first: TierView) -> bool:
-        """Whether the save path stores large items as blocks on ``first`` (replicas too:
-        a peer is sent only the blocks it lacks)."""
-        return self.config.dedup
-
     def _wait_for_writer(self, rank: int) -> None:
         """Before this step is staged or written: wait if the writer fell too far behind."""
-        slower = self.tier_indexes[1:]
-        if len(self.config.tiers) > 1:
-            handle = writer_handle(self.config, rank)
-            handle.ensure(self.owner_pid or os.getpid())  # started early, ready by the hand-off
-            handle.report_failures()
-            if slower and not self._skips_lagging():
-                owner = self.owner_pid or os.getpid()
-                before = self._leaving_window()
-                self.handoff_wait += handle.wait_for_room(self.step, slower, owner, self.max_pending, before)
+        handoff = Handoff(self.config, self.step, self.tier_indexes, rank, self.owner_pid, self.max_pending)
+        self.handoff_wait += handoff.wait_for_room()
         self._waited = True
-
-    def _skips_lagging(self) -> bool:
-        """Whether no save waits for the slower tiers (``on_lagging_tier="skip"`` on a RAM
-        first tier): the steps they lag behind on leave it all the same."""
-        first = self._first()
-        return tierfile.drops_pinned(self.config, first.own)
-
-    def _leaving_window(self) -> int | None:
-        """With ``on_lagging_tier="wait"`` on a RAM first tier: the oldest step it keeps now.
-        An older one a slower tier still has queued is waited for before this save stages:
-        its file is the one this save needs, with the kept steps' and this one's making
-        ``keep + 1``."""
-        first = self._first()
-        keep = first.tier.keep
-        if keep is None or not tierfile.recycles(self.config, first.own):
-            return None
-        kept = sorted(s for s in first.committed() if s < self.step)[-keep:]
-        return kept[0] if kept else None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._handoff_later:  # an async save that waits for no writer (``stage``)
@@ -534,7 +507,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         first = self._first()
         staged = self._in_file(first)
         policy = self.config.on_nonfinite
-        items = resolve_items(plan, planner, self._as_blocks(first), check_finite=policy != "ignore")
+        items = resolve_items(plan, planner, self.config.dedup, check_finite=policy != "ignore")
         in_file = settle(staged, items) if staged is not None else {}  # first: it moves bytes
         resolved = Resolved(items, fingerprint(items), staged, in_file)  # hashed while written
         refused = None
@@ -544,7 +517,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         aliases = (plan.storage_data or {}).get(ALIASES, [])
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
-        world = (plan.storage_data or {}).get("world") or [self.node]
+        where = save_rank(plan)
+        world = list(where.world) if where is not None and where.world else [self.node]
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
         try:
             committer = commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout)
@@ -610,14 +584,17 @@ class TieredWriter(StorageWriter, AsyncStager):
     def _layout(self, world: list[int]) -> Layout:
         """The cliques of this save's ``world`` (rank -> node, from the plan): the jump rule
         over its ranks, or the failure domains' layout, which must be of the same ranks."""
-        if not self.layout.groups and not self.layout.domains:
-            return dataclasses.replace(self.layout, world=len(world))
-        if self.layout.world != len(world):
+        layout = self.layout
+        if layout is None:  # set by ``set_up_storage_writer``, which DCP runs before any write
+            raise TieredCheckpointError("TieredWriter: a save wrote before set_up_storage_writer")
+        if not layout.groups and not layout.domains:
+            return dataclasses.replace(layout, world=len(world))
+        if layout.world != len(world):
             raise TieredCheckpointError(
-                f"step {self.step}: the failure domains were gathered from {self.layout.world} rank(s), "
+                f"step {self.step}: the failure domains were gathered from {layout.world} rank(s), "
                 f"but this save has {len(world)}: save with the job's default process group's ranks"
             )
-        return self.layout
+        return layout
 
     def _in_file(self, first: TierView) -> InFile | None:
         """The part file ``stage`` filled, when this save writes that very file (the step and
@@ -745,8 +722,6 @@ def _current_rank() -> int:
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-
-_LAST_WORLD: dict[int, list[int]] = {}  # world size -> the rank -> node layout of the last full plan
 
 _STAGING_THREAD: ThreadPoolExecutor | None = None
 
