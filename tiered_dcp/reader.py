@@ -99,8 +99,7 @@ class TieredReader(StorageReader):
         self._opened: OpenStep | None = None  # ``open``'s
         self._step_reads: StepReads | None = None
         self._open_failed: BaseException | None = None  # ``read_metadata``'s, raised in set-up
-        if not self._dist:  # this process alone: found here, as the contract says (no collective)
-            self.open()
+        self.open()  # DESIGN §1: the step is found at construction (with a group: every rank's)
 
     def open(self) -> TieredReader:
         """Choose the step, agreed by every rank with a process group (a collective: every rank

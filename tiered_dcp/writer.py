@@ -326,10 +326,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.emergency = bool(emergency)
         self._target(step)
         self.save_id = new_id()
-        # the cliques: the jump rule's checked now (a bad layout fails here, before any byte
-        # is written); failure domains are gathered from every rank, a collective, so in
-        # ``set_up_storage_writer``, which every rank of the save runs
-        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size())
+        # the cliques, checked now: bad configuration fails at construction (DESIGN §1), a
+        # layout of failure domains too, which every rank's writer gathers together once
+        # per process (``domains.LAYOUTS``; the one collective a constructor runs)
+        self.layout: Layout = domains.layout_for(config, _world_size(), _current_rank())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -471,8 +471,6 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.rank = int(rank)
         self.node = node_of(self.rank)
         self.is_coordinator = is_coordinator
-        if self.layout is None:  # failure domains: every rank's, once per process (``domains``)
-            self.layout = domains.layout_for(self.config, _world_size(), _current_rank())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # with dedup, large items are stored as blocks (replicas too: a peer gets only the blocks it lacks)
@@ -585,8 +583,6 @@ class TieredWriter(StorageWriter, AsyncStager):
         """The cliques of this save's ``world`` (rank -> node, from the plan): the jump rule
         over its ranks, or the failure domains' layout, which must be of the same ranks."""
         layout = self.layout
-        if layout is None:  # set by ``set_up_storage_writer``, which DCP runs before any write
-            raise TieredCheckpointError("TieredWriter: a save wrote before set_up_storage_writer")
         if not layout.groups and not layout.domains:
             return dataclasses.replace(layout, world=len(world))
         if layout.world != len(world):
