@@ -49,7 +49,7 @@ from common import MiB, make_state, report  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, wait_for, writer_status
-from tiered_dcp.rundir import job_dir
+from tiered_dcp.writer_process.run_dir import job_dir
 
 warnings.filterwarnings("ignore")
 
@@ -131,7 +131,7 @@ def series_child(args: argparse.Namespace) -> None:
     """One trainer: the memcpy, then ``--saves`` async saves back to back; JSON on stdout."""
     import logging
 
-    from tiered_dcp import hostmem
+    from tiered_dcp.save import host_memory
 
     logging.getLogger("tiered_dcp").setLevel(logging.ERROR)
     state = make_state(args.mib, args.tensors)
@@ -150,7 +150,7 @@ def series_child(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0
 
     copies = [memcpy() for _ in range(3)]
-    hostmem._GUARDED.clear()
+    host_memory._GUARDED.clear()
     open(os.path.join(work, "ready"), "w").close()
     time.sleep(0.2)  # the sampler takes its baseline
     stalls: list[float] = []

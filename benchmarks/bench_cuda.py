@@ -50,7 +50,7 @@ On the H100 (``scripts/gpu_check.sh``): ``train`` about 2.5 min, the others abou
 ``--device cpu`` is a dry run of every part (small sizes; no pinned memory, timings
 meaningless). Needs CUDA otherwise; a 1-rank gloo group is started for DCP's collectives.
 Run it from outside the repository's root where tiered-dcp is not installed (the writer
-process, ``python -m tiered_dcp.persist``, would import the uninstalled tree).
+process, ``python -m tiered_dcp.writer_process.process``, would import the uninstalled tree).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from common import MiB, files, new_bytes
 from tiered_dcp.storage.codec import Encoder
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, wait_for
-from tiered_dcp.rundir import RunDir
+from tiered_dcp.writer_process.run_dir import RunDir
 
 warnings.filterwarnings("ignore")
 

@@ -5,7 +5,7 @@
 A stock ``FileSystemWriter`` directory of ``--mib`` MiB (32 float32 tensors) is imported as
 a step of a one-tier config on the local disk (``tiered_dcp.import_dcp``: its tensors copied
 by the kernel into the part file, checked against their CRC-32, checksummed and committed;
-see ``tiered_dcp/importing.py``), and, in the same run, its files are copied with
+see ``tiered_dcp/ops/import_dcp.py``), and, in the same run, its files are copied with
 ``shutil.copytree`` (each fsynced, as a save's are: the kernel copies page cache to page
 cache, ``copy_file_range``), and read into memory and written back with ``write()``
 (``rewrite_synced``: the way open to anything that changes the bytes, as an import does).

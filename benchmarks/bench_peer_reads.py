@@ -11,7 +11,7 @@ node 1's root is deleted. Timed per load, the slowest rank's time (all_reduce MA
 
 - ``load``: the whole load, ``TieredReader(config)`` (choosing, agreeing on and leasing
   the step) and ``dcp.load`` with it;
-- ``peer phase``: ``reading.StepReads._read_from_peers`` alone (agreeing on the wish lists
+- ``peer phase``: ``step_reads.StepReads._read_from_peers`` alone (agreeing on the wish lists
   and moving the items).
 
 Printed is the median, the minimum and the maximum over the loads, after one discarded
@@ -49,8 +49,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common import make_state, spawn_ranks
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, transport
-from tiered_dcp.reading import StepReads
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
+from tiered_dcp.load.step_reads import StepReads
+from tiered_dcp.ranks import transport
 
 WORLD = 4
 RANKS_PER_NODE = 2

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from common import MiB, make_state
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, status, wait_for, writer_status
-from tiered_dcp.rundir import RunDir
+from tiered_dcp.writer_process.run_dir import RunDir
 
 warnings.filterwarnings("ignore")
 TARGETS = {"rss_mb": 100.0, "first_step_s": 1.0}  # the design's targets for the writer process

@@ -28,7 +28,7 @@ repo=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 df -h /dev/shm /tmp | tee -a "$OUT/gpu.txt"  # the RAM tiers and the disk tiers
 # from outside the checkout: the installed package, not the tree (the writer process is
-# started as python -m tiered_dcp.persist and would import the tree's tiered_dcp/)
+# started as python -m tiered_dcp.writer_process.process and would import the tree's tiered_dcp/)
 cd /tmp || exit 1
 # a step past its cap gets SIGINT (its cleanup runs), then SIGKILL 15 s later; what it left
 # in /dev/shm and /tmp is removed before the next step

@@ -1,6 +1,6 @@
 """Who wrote a lease or a pin, and whether it still holds: one record, one rule.
 
-Reader leases and writer pins (``tiered_dcp.leases``) and the block GC's lease
+Reader leases and writer pins (``tiered_dcp.steps.leases``) and the block GC's lease
 (``blocks``) all carry ``{"host", "pid", "expires"}``. Seen from the writer's own host the
 record holds while its pid runs (a SIGKILLed process frees what it held at once); seen
 from another host (a shared tier), until ``expires``, which a long holder renews.

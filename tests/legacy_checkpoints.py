@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, root: str, port: int) -> None:
     try:
         from tiered_dcp.storage.format import FORMAT_VERSION
     except ImportError:  # formats 1 and 2 kept it in catalog
-        from tiered_dcp.catalog import FORMAT_VERSION
+        from tiered_dcp.steps.catalog import FORMAT_VERSION
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))

@@ -182,7 +182,7 @@ def test_rm_and_prune_remove_steps_safely(tmp_path):
     from tiered_dcp.storage.format import pin_key
 
     from tiered_dcp import Tier, TieredConfig, TieredWriter, latest_step, status
-    from tiered_dcp.leases import owner_record
+    from tiered_dcp.steps.leases import owner_record
 
     cfg = TieredConfig("run", [Tier(str(tmp_path / "ssd"))], dedup=True)
     for step in range(1, 6):  # each step has a block of its own (and shares none)
@@ -216,7 +216,7 @@ def test_a_stock_dcp_checkpoint_is_imported_as_a_step(tmp_path):
     taken step number, a directory that is no checkpoint and one with a file cut short are
     each refused in one line."""
     from tiered_dcp import Tier, TieredConfig, TieredReader, import_dcp, shutdown
-    from tiered_dcp.verify import verify_step
+    from tiered_dcp.ops.verify import verify_step
 
     stock = tmp_path / "stock"
     dcp.save(value_kinds(7), storage_writer=dcp.FileSystemWriter(str(stock)))
@@ -309,7 +309,8 @@ def test_cli_exports_safetensors_and_refuses_what_it_cannot_do(tmp_path):
     assert r.returncode == 2 and "no item under 'modle.'" in r.stderr and "model, optim" in r.stderr
     assert not (tmp_path / "x").exists()
     blocked = (
-        "import sys; sys.modules['safetensors'] = None; from tiered_dcp.cli import main; sys.exit(main())"
+        "import sys; sys.modules['safetensors'] = None\n"
+        "from tiered_dcp.cli.main import main; sys.exit(main())"
     )
     r = subprocess.run(
         [sys.executable, "-c", blocked, "export", *args, "--format", "safetensors", "--to", str(dest) + "2"],
@@ -336,7 +337,7 @@ def test_an_imported_tensor_is_copied_as_it_lies_and_checked_against_its_crc(tmp
     from tiered_dcp.storage.format import step_dir
 
     from tiered_dcp import CheckpointCorruptError, Tier, TieredConfig, TieredReader, import_dcp
-    from tiered_dcp.importing import _plain_records, _stock_reader
+    from tiered_dcp.ops.import_dcp import _plain_records, _stock_reader
 
     state = {**value_kinds(5), "t": torch.randn(64, 32).t()}
     stock = tmp_path / "stock"
@@ -368,7 +369,7 @@ def test_an_imported_tensor_is_copied_as_it_lies_and_checked_against_its_crc(tmp
 def test_cli_storage_options_take_json_for_nested_values():
     """`-o KEY=VALUE`: a VALUE starting with { or [ is JSON (s3fs's config_kwargs is a dict);
     a bad one is refused in one line naming the key, anything else stays a string."""
-    from tiered_dcp.cli import key_values
+    from tiered_dcp.cli.main import key_values
 
     got = key_values(['config_kwargs={"read_timeout": 5, "retries": {"max_attempts": 1}}', "key=a=b"], "-o")
     assert got == {"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 1}}, "key": "a=b"}
@@ -460,7 +461,7 @@ def test_a_step_exported_file_by_file_stays_leased_while_a_job_saves_beside(tmp_
     from safetensors.torch import load_file
 
     from tiered_dcp import Tier, TieredConfig, TieredWriter
-    from tiered_dcp.exporting import format_named, run_export
+    from tiered_dcp.ops.export import format_named, run_export
 
     cfg = TieredConfig("run", [Tier(str(tmp_path / "ssd"), keep=1)])
     model = {f"l{i}": torch.full((64, 64), float(i)) for i in range(3)}  # 16 KiB each

@@ -7,8 +7,8 @@ import pytest
 from dist_utils import run_ranks
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter
-from tiered_dcp.cliques import Layout, by_domain, check_cliques
-from tiered_dcp.domains import layout_for, own_domain
+from tiered_dcp.ranks.cliques import Layout, by_domain, check_cliques
+from tiered_dcp.ranks.domains import layout_for, own_domain
 
 
 def test_clique_members():

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from tiered_dcp import NonFiniteStateError, PeerLostError, Tier, TieredCheckpointError, TieredConfig
-from tiered_dcp.catalog import TierView
-from tiered_dcp.commit import AgreedCommit, CoordinatorCommit, _outcome, _refusal, _refused, for_save
+from tiered_dcp.steps.catalog import TierView
+from tiered_dcp.steps.commit import AgreedCommit, CoordinatorCommit, _outcome, _refusal, _refused, for_save
 
 
 def test_the_save_protocol_is_the_one_the_placement_names(tmp_path):

@@ -57,9 +57,9 @@ from tiered_dcp import (
     shutdown,
     writer_status,
 )
-from tiered_dcp.rundir import Job
-from tiered_dcp.verify import verify_step
-from tiered_dcp.writer import writer_handle
+from tiered_dcp.ops.verify import verify_step
+from tiered_dcp.save.writer import writer_handle
+from tiered_dcp.writer_process.run_dir import Job
 
 NS = "run"
 N = 4096  # values of "w": 16 KiB, one chunk, kept in the part file (no dedup)

@@ -19,7 +19,7 @@ from tiered_dcp.storage.codec import checksum
 from tiered_dcp.storage.format import is_block_id
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, status, wait_for
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
 
 MiB = 1 << 20
 HERE = os.path.dirname(__file__)
@@ -164,8 +164,8 @@ def test_writer_process_skips_blocks_the_slower_tier_holds(tmp_path):
 GC_CHILD = """
 import sys, time
 from tiered_dcp import Tier, TieredConfig
-from tiered_dcp.catalog import TierView
-from tiered_dcp.retention import apply_retention
+from tiered_dcp.steps.catalog import TierView
+from tiered_dcp.steps.retention import apply_retention
 from tiered_dcp.storage.local import LocalStorage
 real = LocalStorage.delete
 def slow_delete(self, key):

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from tiered_dcp import CheckpointCorruptError, Tier, TieredConfig, TieredReader, TieredWriter, shutdown
-from tiered_dcp.device_reads import HostCopier, Ring
+from tiered_dcp.load.device_reads import HostCopier, Ring
 
 MiB = 1 << 20
 

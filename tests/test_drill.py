@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from tiered_dcp.tools.drill import FAULTS, Drill, DrillReport, Event, print_report, run_drill
+from tiered_dcp.cli.drill import FAULTS, Drill, DrillReport, Event, print_report, run_drill
 
 
 def test_a_short_drill_loses_nothing_and_lets_nothing_escape(tmp_path, capsys):

@@ -32,7 +32,7 @@ from tiered_dcp.storage.format import (
 from tiered_dcp.storage.local import LocalStorage
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

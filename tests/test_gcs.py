@@ -34,7 +34,7 @@ from tiered_dcp.storage import (
 )
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, export, latest_step, status, wait_for
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
 
 KiB, MiB = 1 << 10, 1 << 20
 # small pieces, so that the test states (a 12 MiB item) are uploaded as composed pieces on

@@ -11,7 +11,8 @@ from dist_utils import run_ranks
 from test_cli_export import cli
 
 from tiered_dcp import TieredReader, TieredWriter, shutdown, wait_for
-from tiered_dcp.goodput import (
+from tiered_dcp.cli.jobconfig import load_job_config
+from tiered_dcp.metrics.goodput import (
     TierCosts,
     analyze,
     best_every,
@@ -21,7 +22,6 @@ from tiered_dcp.goodput import (
     measure_job,
     young_interval,
 )
-from tiered_dcp.jobconfig import load_job_config
 
 
 def test_young_and_daly_by_hand():
@@ -173,7 +173,7 @@ def test_the_plot_is_readable(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tiered_dcp.goodput import figure
+    from tiered_dcp.metrics.goodput import figure
 
     tiers = [
         TierCosts("/dev/shm/tdcp/{node}", 0.05, 5, 3600, 0.3, every=1),

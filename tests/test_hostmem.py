@@ -14,8 +14,9 @@ import torch.distributed.checkpoint as dcp
 from test_writer_process import full_disk  # noqa: F401  (a fixture: a real 1 MiB tmpfs)
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tiered_dcp import Tier, TieredConfig, TieredWriter, hostmem, shutdown
-from tiered_dcp.staging import POOL
+from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown
+from tiered_dcp.save import host_memory
+from tiered_dcp.save.staging import POOL
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
@@ -36,7 +37,7 @@ def state() -> dict:
 
 def too_many_steps() -> int:
     """A keep whose steps of the state are more than this host's memory and /dev/shm."""
-    most = max(hostmem.mem_available() or 0, hostmem.free_bytes("/dev/shm"))
+    most = max(host_memory.mem_available() or 0, host_memory.free_bytes("/dev/shm"))
     return 2 * most // (STATE_MIB << 20)
 
 
@@ -74,16 +75,16 @@ def test_what_a_configuration_holds(shm, tmp_path, monkeypatch):
         replication_factor=2,
         replication_jump=4,
     )
-    p = hostmem.plan(cfg, n, staging_copies=2)
+    p = host_memory.plan(cfg, n, staging_copies=2)
     (ram,) = p.tiers
     assert (ram.index, ram.steps, ram.copies, ram.nbytes) == (0, 3, 2, n * 4 * 2 * 3)
     assert ram.mount == "/dev/shm" and p.staging == n * 2 * 4 and not p.shortfalls()
     dedup = TieredConfig("plan", [Tier(f"{shm}/ram", keep=2)], dedup=True)
-    assert hostmem.plan(dedup, n, 0).tiers[0].steps == 1
+    assert host_memory.plan(dedup, n, 0).tiers[0].steps == 1
     os.makedirs(f"{shm}/ram/0/plan/step_000000000001")
     with open(f"{shm}/ram/0/plan/step_000000000001/rank_00000.part", "wb") as f:
         f.write(b"x" * 4096)
-    assert hostmem.plan(cfg, n, 0).tiers[0].held == 4096
+    assert host_memory.plan(cfg, n, 0).tiers[0].held == 4096
 
 
 def test_the_fastest_tier_on_a_full_tmpfs_is_refused_a_slower_one_is_not(tmp_path, full_disk):  # noqa: F811
@@ -94,7 +95,7 @@ def test_the_fastest_tier_on_a_full_tmpfs_is_refused_a_slower_one_is_not(tmp_pat
     with pytest.raises(CheckpointException, match=f"{full_disk} needs 3.00 MiB|{full_disk} needs 0.00 GiB"):
         dcp.save(big, storage_writer=TieredWriter(first, step=1))
     slower = TieredConfig("tiny", [Tier(str(tmp_path / "ram"), keep=2), Tier(str(full_disk), keep=2)])
-    p = hostmem.plan(slower, 1 << 20, 0, first=0)
+    p = host_memory.plan(slower, 1 << 20, 0, first=0)
     assert [t.written_here for t in p.tiers] == [False] and not p.shortfalls()
 
 

@@ -10,7 +10,7 @@ from conftest import settle
 from test_save_load import flip_byte, save
 
 from tiered_dcp import Tier, TieredConfig
-from tiered_dcp.jobconfig import config_from_dict, load_job_config
+from tiered_dcp.cli.jobconfig import config_from_dict, load_job_config
 
 TOML = """namespace = "run"
 replication_factor = 1
@@ -42,7 +42,11 @@ def write_toml(tmp_path):
 
 def cli(*args, check=True, cwd=None):
     r = subprocess.run(
-        [sys.executable, "-m", "tiered_dcp.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+        [sys.executable, "-m", "tiered_dcp.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
     )
     if check:
         assert r.returncode == 0, r.stdout + r.stderr

@@ -18,14 +18,16 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
 
 def test_the_writer_and_the_torch_free_modules_import_no_torch():
     r = _fresh(
-        "import sys, tiered_dcp.persist\n"
-        "assert 'tiered_dcp.runtime' not in sys.modules  # the trainer's side of the run directory\n"
-        "import tiered_dcp.api, tiered_dcp.cli, tiered_dcp.storage.format\n"
-        "import tiered_dcp.catalog, tiered_dcp.runtime, tiered_dcp.rundir, tiered_dcp.records\n"
-        "import tiered_dcp.cliques, tiered_dcp.storage.codec\n"
+        "import sys, tiered_dcp.writer_process.process\n"
+        "assert 'tiered_dcp.writer_process.client' not in sys.modules  # the trainer's side\n"
+        "import tiered_dcp.api, tiered_dcp.cli.main, tiered_dcp.storage.format, tiered_dcp.storage.codec\n"
+        "import tiered_dcp.writer_process.client, tiered_dcp.writer_process.run_dir\n"
+        "import tiered_dcp.writer_process.timings, tiered_dcp.ranks.cliques\n"
+        "from tiered_dcp.steps import catalog, choice, commit, leases, part_file\n"
+        "from tiered_dcp.steps import placement, retention, status as step_status\n"
         "from tiered_dcp import Tier, TieredConfig, status, latest_step\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'\n"
-        "               or m in ('tiered_dcp.writer', 'tiered_dcp.reader', 'tiered_dcp.replicate'))\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m in\n"
+        "               ('tiered_dcp.save.writer', 'tiered_dcp.load.reader', 'tiered_dcp.save.replicate'))\n"
         "assert not heavy, heavy\n"
     )
     assert r.returncode == 0, r.stderr
@@ -36,7 +38,7 @@ def test_public_names_load_on_first_use():
         "import sys, tiered_dcp\n"
         "assert 'torch' not in sys.modules\n"
         "from tiered_dcp import TieredWriter, TieredReader, export\n"
-        "assert 'torch' in sys.modules and TieredWriter.__module__ == 'tiered_dcp.writer'\n"
+        "assert 'torch' in sys.modules and TieredWriter.__module__ == 'tiered_dcp.save.writer'\n"
         "assert all(getattr(tiered_dcp, n) is not None for n in tiered_dcp.__all__)\n"
         "assert set(tiered_dcp.__all__) <= set(dir(tiered_dcp))\n"
         "try:\n    tiered_dcp.nope\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n"
@@ -61,7 +63,7 @@ def test_a_real_writer_process_maps_no_torch_library(tmp_path):
     assert any("python" in lib for lib in libraries)  # it is the writer's own map we read
     assert not [lib for lib in libraries if "torch" in os.path.basename(lib) or "/torch/" in lib]
     with open(f"/proc/{w.pid}/cmdline", "rb") as f:
-        assert b"tiered_dcp.persist" in f.read()
+        assert b"tiered_dcp.writer_process.process" in f.read()
     target = {"w": torch.zeros(1 << 20), "step": 0}
     dcp.load(target, storage_reader=TieredReader(TieredConfig("lean", [cfg.tiers[1]]), step=1))
     assert torch.equal(target["w"], state["w"]) and target["step"] == 1

@@ -15,8 +15,8 @@ from dist_utils import run_ranks
 from legacy_checkpoints import NAMESPACE, config, full_state, rank_state
 
 from tiered_dcp import TieredConfig, TieredReader, latest_step
-from tiered_dcp.cli import main as cli_main
-from tiered_dcp.verify import verify_step
+from tiered_dcp.cli.main import main as cli_main
+from tiered_dcp.ops.verify import verify_step
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FORMATS = [1, 2]

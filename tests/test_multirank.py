@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, export, wait_for
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
 
 
 def make_config(root: str) -> TieredConfig:
@@ -277,7 +277,7 @@ def test_a_sharded_state_exports_to_safetensors_whole_and_exact(tmp_path):
 
     from safetensors.torch import load_file
 
-    from tiered_dcp.exporting import INDEX_FILE, format_named, run_export
+    from tiered_dcp.ops.export import INDEX_FILE, format_named, run_export
 
     saved = run_ranks(_save_model_for_export, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1})[0]
     expect = torch.load(io.BytesIO(saved))

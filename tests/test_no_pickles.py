@@ -33,8 +33,8 @@ from tiered_dcp import (
     TieredReader,
     TieredWriter,
 )
-from tiered_dcp.cluster import PeerRequest
-from tiered_dcp.metadata import item_key, records_from_json, records_to_json
+from tiered_dcp.load.peer_exchange import PeerRequest
+from tiered_dcp.steps.metadata import item_key, records_from_json, records_to_json
 
 HERE = os.path.dirname(__file__)
 STEP = "run/step_000000000004"

@@ -20,8 +20,9 @@ from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import IndexCache, part_key
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, cluster, wait_for
-from tiered_dcp.reading import StepReads
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, wait_for
+from tiered_dcp.load import peer_exchange
+from tiered_dcp.load.step_reads import StepReads
 
 
 def _saved(root: str, compression: str | None = None) -> tuple[dict, object, dict]:
@@ -45,14 +46,14 @@ def test_a_raw_item_is_served_from_the_buffer_it_is_read_into(tmp_path):
     rec = next(r for k, r in index.records.items() if k.fqn == "big")
     tracemalloc.start()  # Python-level buffers (a bytearray scratch) are traced; the sent tensor is not
     try:
-        sent = cluster.read_raw(store, rec)
+        sent = peer_exchange.read_raw(store, rec)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < (1 << 20), f"{peak} bytes of scratch for a 4 MiB raw item"  # read in place
     assert torch.equal(sent.view(torch.float32), big)
     for fqn, rec in records.items():
-        sent = cluster.read_raw(store, rec)
+        sent = peer_exchange.read_raw(store, rec)
         assert sent.dtype == torch.uint8 and sent.numel() == rec.info.raw_length
         assert torch.equal(sent.view(torch.float32), state[fqn])
 
@@ -67,20 +68,20 @@ def test_a_damaged_raw_item_is_not_served(tmp_path):
         f.seek(rec.offset + 8)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ChecksumMismatch):
-        cluster.read_raw(store, rec)
-    assert torch.equal(cluster.read_raw(store, records["w0"]).view(torch.float32), torch.arange(1000.0))
+        peer_exchange.read_raw(store, rec)
+    assert torch.equal(peer_exchange.read_raw(store, records["w0"]).view(torch.float32), torch.arange(1000.0))
 
 
 def test_a_compressed_item_is_served_decoded(tmp_path):
     state, store, records = _saved(str(tmp_path), compression="zstd")
     assert any(r.codec != "raw" or r.codecs is not None for r in records.values())
     for fqn, rec in records.items():
-        assert torch.equal(cluster.read_raw(store, rec).view(torch.float32), state[fqn])
+        assert torch.equal(peer_exchange.read_raw(store, rec).view(torch.float32), state[fqn])
     assert os.path.getsize(store.path(part_key("serve", 1, 0))) > 0
 
 
 def _posted_one_by_one(rank: int, world: int) -> list[list[float]]:
-    from tiered_dcp.transport import Group
+    from tiered_dcp.ranks.transport import Group
 
     group = Group("test/posted-one-by-one", [0, 1], rank, timeout=20)
     try:

@@ -3,8 +3,14 @@
 from tiered_dcp.storage.format import Marker, PartInfo
 
 from tiered_dcp import Tier
-from tiered_dcp.cliques import Layout
-from tiered_dcp.placement import NodeLocalPlacement, SaveProtocol, SharedPlacement, nodes_of, placement_for
+from tiered_dcp.ranks.cliques import Layout
+from tiered_dcp.steps.placement import (
+    NodeLocalPlacement,
+    SaveProtocol,
+    SharedPlacement,
+    nodes_of,
+    placement_for,
+)
 
 # 4 ranks on 2 nodes (2 per node); cliques of 2 across nodes: {0, 2}, {1, 3}
 NODES = {0: 0, 1: 0, 2: 1, 3: 1}

@@ -32,7 +32,7 @@ from conftest import settle
 from tiered_dcp.storage.format import part_key
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, status, writer_status
-from tiered_dcp.staging import POOL
+from tiered_dcp.save.staging import POOL
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -19,8 +19,8 @@ from conftest import settle
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown
-from tiered_dcp.private_dir import UnsafeDirectoryError, ensure_private
-from tiered_dcp.rundir import Job, RunDir, config_json, runtime_root
+from tiered_dcp.writer_process.private_dir import UnsafeDirectoryError, ensure_private
+from tiered_dcp.writer_process.run_dir import Job, RunDir, config_json, runtime_root
 
 NOBODY = 65534
 

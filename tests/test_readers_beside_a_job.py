@@ -18,7 +18,7 @@ from test_writer_process import full_disk, small_state  # noqa: F401  (full_disk
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tiered_dcp import NoCheckpointError, Tier, TieredConfig, TieredReader, TieredWriter, status
-from tiered_dcp.leases import HOST, owner_alive
+from tiered_dcp.steps.leases import HOST, owner_alive
 
 JOB = """
 import sys, torch, torch.distributed.checkpoint as dcp

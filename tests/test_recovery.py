@@ -376,7 +376,7 @@ def test_on_nonfinite_raise_on_one_rank_fails_the_save_on_every_rank(tmp_path):
 
 
 def test_an_excluded_step_is_passed_over_with_the_reason_its_caller_gives():
-    from tiered_dcp.step_choice import Choice, StepMarks, choose
+    from tiered_dcp.steps.choice import Choice, StepMarks, choose
 
     steps = {s: StepMarks(s) for s in (1, 2, 3)}
     assert choose(steps, exclude={3}).skipped == {3: "it failed to load just now"}

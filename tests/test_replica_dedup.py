@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
 
 NODES = {"LOCAL_WORLD_SIZE": 1}
 WORLD = 2
@@ -86,7 +86,7 @@ def _save(rank, world, root, steps, changing=False, keep=None):
     the save. With ``keep``, the last step is loaded at the end."""
     import torch.distributed as dist
 
-    from tiered_dcp.records import Kind, read_records
+    from tiered_dcp.writer_process.timings import Kind, read_records
 
     cfg = make_config(root, keep)
     mesh = init_device_mesh("cpu", (world,))

@@ -260,7 +260,7 @@ def _load_counting(rank, world, root, loads):
     """``loads`` loads; after each, the step, the groups this rank opened, the store's key count."""
     import torch.distributed as dist
 
-    from tiered_dcp import transport
+    from tiered_dcp.ranks import transport
 
     out = []
     for _ in range(loads):
@@ -285,7 +285,7 @@ def _save_counting(rank, world, root, steps):
     """Save ``steps``; after each, the store's key count (every rank done saving)."""
     import torch.distributed as dist
 
-    from tiered_dcp import transport
+    from tiered_dcp.ranks import transport
 
     out = []
     for step in steps:
@@ -325,7 +325,7 @@ def _save_load_three_nodes(rank, world, root):
     copy of rank 4's part; load, and say which groups this rank opened."""
     import torch.distributed as dist
 
-    from tiered_dcp import transport
+    from tiered_dcp.ranks import transport
 
     cfg = TieredConfig(
         "job", [Tier(f"{root}/ram/{{node}}", keep=1)], replication_factor=3, replication_jump=2

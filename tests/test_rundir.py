@@ -8,8 +8,16 @@ import uuid
 import pytest
 
 from tiered_dcp.config import Tier, TieredConfig
-from tiered_dcp.records import Kind, TimingRecord, read_records, record
-from tiered_dcp.rundir import Job, Outcome, OutcomeState, RunDir, TierHealth, TierState, job_dir
+from tiered_dcp.writer_process.run_dir import (
+    Job,
+    Outcome,
+    OutcomeState,
+    RunDir,
+    TierHealth,
+    TierState,
+    job_dir,
+)
+from tiered_dcp.writer_process.timings import Kind, TimingRecord, read_records, record
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from tiered_dcp import (
     latest_step,
     status,
 )
-from tiered_dcp.step_status import StepStatus
+from tiered_dcp.steps.status import StepStatus
 
 
 def save(cfg, step, sd=None):

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredSavePlanner, TieredWriter, wait_for
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
 
 MiB = 1 << 20
 

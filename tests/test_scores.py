@@ -15,8 +15,7 @@ from dist_utils import run_ranks
 from test_goodput import cli
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, wait_for
-from tiered_dcp.records import Kind, TimingRecord, record
-from tiered_dcp.scores import (
+from tiered_dcp.metrics.scores import (
     FLOOR_SECONDS,
     MIN_SAVES,
     THRESHOLD,
@@ -26,6 +25,7 @@ from tiered_dcp.scores import (
     slow_ranks,
     watch,
 )
+from tiered_dcp.writer_process.timings import Kind, TimingRecord, record
 
 
 def rec(rank, step, seconds, tier=1, nbytes=1000, kind=Kind.PERSIST):
@@ -119,7 +119,7 @@ def test_a_rank_whose_tier_is_slow_is_flagged_and_the_other_is_not(tmp_path):
     assert score["relative"] == pytest.approx(slow.relative) and score["slow"] is True
 
 
-# Real records, written as the writer processes write them (``records.record``), then read
+# Real records, written as the writer processes write them (``timings.record``), then read
 # back by the check a save runs (``watch``) and by ``slow_ranks``.
 
 

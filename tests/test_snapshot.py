@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from tiered_dcp import SnapshotError, Tier, TieredConfig, TieredReader, TieredWriter, latest_step
-from tiered_dcp.staging import POOL, StagingPool
+from tiered_dcp.save.staging import POOL, StagingPool
 
 MODES = ["thread", "process", "background-thread", "background-process"]
 

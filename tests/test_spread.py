@@ -19,7 +19,7 @@ from tiered_dcp.storage.format import step_dir
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from tiered_dcp.spread import RankFacts, plan_spread
+from tiered_dcp.load.spread import RankFacts, plan_spread
 
 HERE = Path(__file__).parent
 

@@ -29,8 +29,8 @@ from tiered_dcp.storage.local import LocalStorage
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, latest_step, status
-from tiered_dcp.staging import POOL
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
+from tiered_dcp.save.staging import POOL
 
 MiB = 1 << 20
 

@@ -36,7 +36,7 @@ from tiered_dcp import (
     wait_for,
     writer_status,
 )
-from tiered_dcp.rundir import RunDir
+from tiered_dcp.writer_process.run_dir import RunDir
 
 
 def dead_endpoint() -> tuple[socket.socket, str]:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorag
 from torch215_checkpoint import STEP, config, state
 
 from tiered_dcp import TieredConfig, TieredReader, export
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "torch215")
 KNOWS_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}

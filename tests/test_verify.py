@@ -16,7 +16,7 @@ from test_save_load import flip_byte, save
 from tiered_dcp.storage.format import pin_key
 
 from tiered_dcp import Tier, TieredConfig, wait_for
-from tiered_dcp.verify import verify_step
+from tiered_dcp.ops.verify import verify_step
 
 
 def three_tiers(tmp_path) -> tuple[TieredConfig, list[str]]:
@@ -91,7 +91,10 @@ def test_a_damaged_replica_is_named_as_such_and_a_wiped_root_is_no_damage(tmp_pa
 
 def _dead_owner() -> bytes:
     """An owner record (pin) of a process that has ended: what a SIGKILLed save leaves."""
-    code = "import sys; from tiered_dcp.leases import owner_record; sys.stdout.buffer.write(owner_record())"
+    code = (
+        "import sys\nfrom tiered_dcp.steps.leases import owner_record\n"
+        "sys.stdout.buffer.write(owner_record())"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout
 
 

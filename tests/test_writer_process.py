@@ -28,10 +28,10 @@ from tiered_dcp import (
     wait_for,
     writer_status,
 )
-from tiered_dcp.persist import KEEP_RESULTS
-from tiered_dcp.rundir import Job, Outcome, OutcomeState, RunDir
-from tiered_dcp.staging import POOL
-from tiered_dcp.writer import writer_handle
+from tiered_dcp.save.staging import POOL
+from tiered_dcp.save.writer import writer_handle
+from tiered_dcp.writer_process.process import KEEP_RESULTS
+from tiered_dcp.writer_process.run_dir import Job, Outcome, OutcomeState, RunDir
 
 HERE = os.path.dirname(__file__)
 MiB = 1 << 20
@@ -68,7 +68,7 @@ def writer_pids(cfg: TieredConfig) -> list[int]:
                     zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
             except OSError:
                 continue
-            if b"tiered_dcp.persist" in cmd and needle in cmd and not zombie:
+            if b"tiered_dcp.writer_process.process" in cmd and needle in cmd and not zombie:
                 pids.append(int(entry))
     return pids
 
@@ -287,7 +287,9 @@ def test_wait_for_and_cli_show_the_queue(tmp_path, monkeypatch):
     with pytest.raises(TimeoutError, match="not committed on"):
         wait_for(cfg, 1, tier=1, timeout=0.2)
     r = subprocess.run(
-        [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "cli", *tiers], capture_output=True, text=True
+        [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "cli", *tiers],
+        capture_output=True,
+        text=True,
     )
     assert "committed" in r.stdout and "queued: step 1 -> tier 1" in r.stdout, r.stdout
     with pytest.raises(ValueError, match="unknown tier"):

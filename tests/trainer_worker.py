@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, latest_step
-from tiered_dcp.staging import POOL
+from tiered_dcp.save.staging import POOL
 
 MiB = 1 << 20
 

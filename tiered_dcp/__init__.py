@@ -12,6 +12,10 @@ torch-free parts (the writer process, ``tiered_dcp.storage``) never imports torc
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .config import Tier, TieredConfig
@@ -36,28 +40,28 @@ if TYPE_CHECKING:
         wait_for,
         writer_status,
     )
-    from .hostmem import HostMemory
+    from .load.reader import TieredReader
+    from .load.resume import load_latest
     from .planners.tiered_save import TieredSavePlanner
-    from .preemption import on_preemption, preemption_requested
-    from .reader import TieredReader
-    from .resume import load_latest
-    from .step_status import StepState
-    from .writer import TieredWriter
+    from .save.host_memory import HostMemory
+    from .save.preemption import on_preemption, preemption_requested
+    from .save.writer import TieredWriter
+    from .steps.status import StepState
 
 _LAZY = {
-    "HostMemory": ".hostmem",
-    "StepState": ".step_status",
-    "TieredReader": ".reader",
+    "HostMemory": ".save.host_memory",
+    "StepState": ".steps.status",
+    "TieredReader": ".load.reader",
     "TieredSavePlanner": ".planners.tiered_save",
-    "TieredWriter": ".writer",
+    "TieredWriter": ".save.writer",
     "WriterInfo": ".api",
     "export": ".api",
     "host_memory": ".api",
     "import_dcp": ".api",
     "latest_step": ".api",
-    "load_latest": ".resume",
-    "on_preemption": ".preemption",
-    "preemption_requested": ".preemption",
+    "load_latest": ".load.resume",
+    "on_preemption": ".save.preemption",
+    "preemption_requested": ".save.preemption",
     "shutdown": ".api",
     "status": ".api",
     "wait_for": ".api",
@@ -94,7 +98,41 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+# Module paths the docs named before the library was grouped into sub-packages: each still
+# imports, as the very module at its new path (one module object: its classes stay the same).
+MOVED = {
+    "tiered_dcp.goodput": "tiered_dcp.metrics.goodput",
+    "tiered_dcp.hostmem": "tiered_dcp.save.host_memory",
+    "tiered_dcp.private_dir": "tiered_dcp.writer_process.private_dir",
+    "tiered_dcp.scores": "tiered_dcp.metrics.scores",
+    "tiered_dcp.tools": "tiered_dcp.cli",
+    "tiered_dcp.tools.drill": "tiered_dcp.cli.drill",
+    "tiered_dcp.verify": "tiered_dcp.ops.verify",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves an old path in ``MOVED`` to the module at its new one."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass  # the module ran under its own name
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModules())  # before the path finders: one module object
+
+
 def __getattr__(name: str) -> Any:
+    if f"{__name__}.{name}" in MOVED:  # tiered_dcp.verify.verify_step after a bare import
+        return importlib.import_module(MOVED[f"{__name__}.{name}"])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

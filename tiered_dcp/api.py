@@ -15,15 +15,15 @@ from typing import Any
 from tiered_dcp.storage import blocks, open_storage
 from tiered_dcp.storage.format import parse_step_dir, step_dir
 
-from . import runtime
-from .catalog import TierView, views
 from .config import Tier, TieredConfig, here, is_namespace
 from .errors import TieredCheckpointError
-from .hostmem import HostMemory, held
-from .retention import drop
-from .rundir import OutcomeState, RunDir, TierState
-from .step_choice import newest_loadable
-from .step_status import StepState, StepStatus, tier_states
+from .save.host_memory import HostMemory, held
+from .steps.catalog import TierView, views
+from .steps.choice import newest_loadable
+from .steps.retention import drop
+from .steps.status import StepState, StepStatus, tier_states
+from .writer_process import client
+from .writer_process.run_dir import OutcomeState, RunDir, TierState
 
 
 def latest_step(config: TieredConfig) -> int | None:
@@ -250,11 +250,11 @@ def shutdown(wait: bool = True, timeout: float | None = None) -> bool:
     remove their runtime directories unless a failure is recorded there. Without it, they
     still finish their queues in the background, then exit.
     """
-    staging = sys.modules.get("tiered_dcp.staging")  # not imported: this process staged nothing
+    staging = sys.modules.get("tiered_dcp.save.staging")  # not imported: this process staged nothing
     if staging is not None:
         staging.POOL.close()
     ok = True
-    for handle in runtime.handles():
+    for handle in client.handles():
         ok = handle.stop(wait, timeout) and ok
     return ok
 
@@ -279,7 +279,7 @@ def export(
     (``model.l.weight`` -> ``l.weight``). A step with no good copy of some item raises
     ``CheckpointCorruptError``; ``dest`` is left as it was on any failure. See ``exporting``.
     """
-    from .exporting import format_named, run_export
+    from .ops.export import format_named, run_export
 
     return run_export(config, step, dest, format_named(format, max_shard_size), only).dest
 
@@ -309,7 +309,7 @@ def import_dcp(
     stored unreplicated (one copy in this node's roots, plus the slower tiers'), which a
     replicated job loads like any step whose replicas are gone.
     """
-    from .importing import run_import
+    from .ops.import_dcp import run_import
 
     if any(step in v.committed() for v in views(config, *here())):
         raise ValueError(f"step {step} of {config.namespace!r} exists: remove it first (tiered-dcp rm)")

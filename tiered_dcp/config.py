@@ -11,6 +11,7 @@ import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from tiered_dcp.storage import check_url
@@ -236,7 +237,7 @@ class TieredConfig:
         """Every field, the tiers as dicts: plain data, as the writer process receives it.
 
         Generic over the fields, so a field added later travels without edits here; its
-        value must be JSON data (``runtime`` says which when it is not). A callable
+        value must be JSON data (``client`` says which when it is not). A callable
         ``failure_domain`` travels as None: the writer process takes each step's cliques
         from its marker, and a function is no data.
         """
@@ -273,3 +274,16 @@ def node_of(rank: int) -> int:
     if lws and int(lws) > 0:
         return rank // int(lws)
     return 0
+
+
+class StrEnum(str, Enum):
+    """A state (a step's, a tier's, a job's) stored as its plain string (the JSON on disk is
+    the value), shown as it too:
+    ``str()``, ``%s`` and f-strings give ``failing``, not ``TierState.FAILING`` (what
+    ``enum.StrEnum`` does from Python 3.11; this package still runs on 3.10)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)

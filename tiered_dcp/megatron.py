@@ -73,13 +73,13 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from tiered_dcp.storage.owners import pid_alive
 
-from . import transport
 from .config import TieredConfig
-from .discovery import broadcast_bytes
 from .errors import NoCheckpointError
-from .reader import TieredReader
-from .resume import resume
-from .writer import TieredWriter
+from .load.discovery import broadcast_bytes
+from .load.reader import TieredReader
+from .load.resume import resume
+from .ranks import transport
+from .save.writer import TieredWriter
 
 POINTER = "tiered_dcp.json"  # in ckpt_dir: which namespace and step were saved there
 COMMON_KEY = ShardedObject("common_state", None, (1,), (0,)).unique_key  # Megatron's own key

@@ -16,7 +16,7 @@ from tiered_dcp.storage.format import part_key, read_index
 from tiered_dcp.storage.local import LocalStorage
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown
-from tiered_dcp.device_reads import RING_SLOTS, ring_for
+from tiered_dcp.load.device_reads import RING_SLOTS, ring_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

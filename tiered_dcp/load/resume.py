@@ -1,0 +1,118 @@
+"""``load_latest``: the resume call, which loads the newest step that loads completely.
+
+A resume is where a checkpoint library earns its keep, so it never stops at a bad step
+while a good one exists: a step whose load finds an item with no good copy left is
+quarantined by that load (``TieredReader``), and the choice is made again without it
+(``steps.choice``); quarantined and non-finite steps are passed over from the start.
+Every rank sees the same failures (DCP gathers them into one ``CheckpointException``), so
+every rank excludes the same steps and the readers agree on the next one.
+
+``resume`` is that loop, for any way of loading the chosen step: ``load_latest`` loads it
+with ``dcp.load``, ``tiered_dcp.megatron.load_latest`` through its Megatron checkpoint
+directory (and passes over a step that has none).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..config import TieredConfig
+from ..errors import CheckpointCorruptError, NoCheckpointError
+from ..ranks import transport
+from ..steps.choice import describe_skipped
+from .reader import TieredReader
+
+log = logging.getLogger("tiered_dcp")
+
+T = TypeVar("T")
+
+
+def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwargs: Any) -> int:
+    """Load the newest step that loads completely into ``state_dict``, on every rank the same
+    step, and return it; raise ``NoCheckpointError`` when there is none.
+
+    Steps that are quarantined or non-finite, and steps that fail to load here (no good copy
+    of an item on any tier or peer), are passed over; one warning names each, and why.
+    ``dcp_load_kwargs`` go to ``dcp.load`` (``planner``, ``process_group``...); an error that
+    is not about the step's data (a state_dict that does not match, say) is raised as is.
+    """
+    step, _ = resume(config, lambda reader: dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs))
+    return step
+
+
+def resume(
+    config: TieredConfig,
+    load: Callable[[TieredReader], T],
+    *,
+    caller: str = "load_latest",
+    unusable: Callable[[int], str | None] | None = None,
+    no_dist: bool = False,
+) -> tuple[int, T]:
+    """Choose the newest good step (``TieredReader(config)``), ``load(reader)`` it, and on a
+    failure for the step's data exclude it and choose again; return the step loaded and what
+    ``load`` returned. ``unusable(step)``, when given, is asked first: a reason passes the
+    step over without loading it. Every rank must call this with the same arguments, and
+    ``unusable`` must answer the same on every rank (its answer may come from a collective:
+    every rank asks about the same steps in the same order). One warning (rank 0, naming
+    ``caller``) lists the newer steps passed over; ``NoCheckpointError`` when none loads.
+    ``no_dist``: this process alone (``TieredReader``'s), whatever process group there is.
+    """
+    failed: dict[int, str] = {}  # steps excluded here, and why
+    skipped: dict[int, str] = {}
+    while True:
+        try:
+            reader = TieredReader(config, exclude=failed, no_dist=no_dist).open()  # every rank
+        except CheckpointCorruptError as e:  # the cluster's metadata of the chosen step is bad
+            if e.step is None or e.step in failed:
+                raise
+            failed[e.step] = str(e)
+            continue
+        skipped.update(reader.skipped)
+        why = unusable(reader.step) if unusable is not None else None
+        if why:
+            failed[reader.step] = why
+            continue
+        try:
+            with transport.watching_peers(reader.step, "the load"):  # DCP's collectives raise torch's
+                loaded = load(reader)
+        except (CheckpointException, CheckpointCorruptError, NoCheckpointError) as e:
+            why = _data_failure(e)
+            if why is None or reader.step in failed:
+                raise
+            failed[reader.step] = why
+            continue
+        _warn(caller, reader.step, {**skipped, **failed})
+        return reader.step, loaded
+
+
+def unwrapped(e: CheckpointException) -> CheckpointException | CheckpointCorruptError:
+    """Our error about the step's data that DCP wrapped in its ``CheckpointException`` (one
+    line, what to do), else ``e`` itself."""
+    why = _data_failure(e)
+    return e if why is None else CheckpointCorruptError(why)
+
+
+def failures_of(e: BaseException) -> list[BaseException]:
+    """The ranks' exceptions DCP wrapped in its ``CheckpointException`` (else ``[e]``)."""
+    failures = getattr(e, "failures", None)  # rank -> exception (torch >= 2.7: (exception, traceback))
+    errors = list(failures.values()) if isinstance(failures, dict) and failures else [e]
+    return [f[0] if isinstance(f, tuple) and f else f for f in errors]
+
+
+def _data_failure(e: BaseException) -> str | None:
+    """Why the load failed, when it failed for the step's data (another step may load);
+    None when it failed for any other reason."""
+    ours = [f for f in failures_of(e) if isinstance(f, CheckpointCorruptError | NoCheckpointError)]
+    return "; ".join(dict.fromkeys(str(f) for f in ours)) if ours else None
+
+
+def _warn(caller: str, step: int, passed: dict[int, str]) -> None:
+    newer = {s: why for s, why in passed.items() if s > step}
+    if newer and (not transport.dist_up() or dist.get_rank() == 0):
+        log.warning("%s loaded step %d, passing over %s", caller, step, describe_skipped(newer))

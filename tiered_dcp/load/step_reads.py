@@ -1,0 +1,543 @@
+"""Executing a load plan: each item read from its route's sources, in fallback order.
+
+``planners.load`` routes every item of DCP's ``LoadPlan`` (``plan_routes``, once per load,
+from the opened step's ``sources``: ``opening``) to its sources. ``StepReads`` reads each
+item's leading own sources (this rank's own root of each node-local tier holding the
+item's part, fastest first; alone, every tier holding the step), then runs the peer
+exchange (``peer_exchange.PeerExchange``, collective) with what is still missing, serving what
+peers ask of its own roots, then the remaining sources (shared tiers). An item is read
+where its part's index in that root says (read once per opened step), straight into the
+destination tensor when the stored chunk is exactly what is asked, else into a scratch
+tensor that is narrowed. Every chunk is verified before the planner sees it; a failure
+moves the item to its next source, with a warning naming the bad file. An item left with
+no good copy fails the load, and quarantines the step (``OpenStep.quarantine``) when the
+failures prove damage.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from tiered_dcp.planners.load import ItemRoute, ReadSource, plan_routes
+from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
+from tiered_dcp.storage import Storage
+from tiered_dcp.storage.codec import ChecksumMismatch, chunk_spans, read_chunks, read_item
+from tiered_dcp.storage.format import BadIndex, ItemInfo, ItemKey, PartIndex, Record, part_key
+
+from ..errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
+from ..ranks import transport
+from ..ranks.transport import PeerTimeout
+from ..steps import metadata as md_blob
+from ..steps.catalog import StepCopy, TierView
+from ..tensors import byte_tensor, byte_view, dtype_from_name
+from . import device_reads, user_values
+from .open_step import OpenStep
+from .peer_exchange import PeerExchange, PeerRequest, check_raw, read_raw
+from .spread import KeepRaw, SpreadPlan, Transfer, exchange
+
+log = logging.getLogger("tiered_dcp")
+
+
+class Failed(Enum):
+    """How one read of an item failed (its value: what the messages say)."""
+
+    REMOVED = "was removed (the step is no longer committed there: another job's retention?)"
+    DAMAGED = "is damaged"
+    UNREADABLE = "could not be read"
+    DAMAGED_IN_TRANSIT = "sent it damaged"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed read of an item: where from, how, and the error's words."""
+
+    where: str
+    kind: Failed
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.where} {self.kind.value}: {self.error}"
+
+
+@dataclass
+class _Attempt:
+    """One item's read from one source: ``finish`` completes and commits it (raising what
+    failed), ``settle`` waits for its work in flight without committing; ``nbytes`` is
+    what it moves ahead of its ``finish`` (a device read's)."""
+
+    finish: Callable[[], None]
+    settle: Callable[[], None] = lambda: None
+    nbytes: int = 0
+    src: ReadSource | None = field(default=None, init=False)
+    rec: Record | None = field(default=None, init=False)
+    store: Storage | None = field(default=None, init=False)
+
+
+def _row_bytes(dtype: torch.dtype, shape: list[int]) -> int:
+    """Bytes of one row (dim 0) of a stored item; a scalar's one element."""
+    return dtype.itemsize * math.prod(shape[1:])
+
+
+def cuda_ring(device: torch.device) -> device_reads.Ring | None:
+    """The ring a target on ``device`` is read through: CUDA's; none for the host (or
+    another device, read through the host)."""
+    return device_reads.ring_for(device) if device.type == "cuda" else None
+
+
+class StepReads:
+    """The reads of one opened step (``open_step.OpenStep``): ``read_all`` executes a load plan.
+
+    The parts' indexes it reads are kept for the step's later loads; ``failures`` (item ->
+    what failed where) and the items no failure proved damaged are the last load's.
+    """
+
+    def __init__(self, opened: OpenStep) -> None:
+        self._opened = opened
+        self.config, self.rank, self.step = opened.config, opened.rank, opened.step
+        self._views = opened.views
+        self._metadata = opened.metadata
+        self._held: dict[tuple[str, int, int], PartIndex | None] = {}  # (root, tier, part) -> index
+        self.failures: dict[int, list[Failure]] = {}  # id(item) -> its failed reads, this load
+        self._unproven: set[int] = set()  # items a failure other than damage kept from a source
+        self.peer_reads = 0  # items this rank read from its own roots for peers, the last load
+        # the ring a target's device is read through, None: the host path (tests put CPU
+        # targets through a host ring, the device flow without a GPU)
+        self.ring_for: Callable[[torch.device], device_reads.Ring | None] = cuda_ring
+
+    def _routes(self, plan: LoadPlan) -> list[ItemRoute]:
+        """The load plan (``planners.load``): every item's sources in fallback order."""
+        md = self._metadata.cluster
+
+        def part(req: ReadItem) -> int | None:
+            info = None if md is None else md_blob.item_info(md, req.storage_index)
+            return None if info is None else info.rank
+
+        return plan_routes(self._opened.sources, ((req.storage_index, part(req)) for req in plan.items))
+
+    def _part_index(
+        self, view: TierView, store: Storage, copy: StepCopy, part: int, md: Metadata
+    ) -> PartIndex | None:
+        """Part's records in ``store``, or None when the root lacks it whole."""
+        key = (store.url, view.index, part)
+        if key not in self._held:
+            index = None
+            if view.part_present(store, copy.marker, part):
+                index = view.part_index(store, copy.marker, part)
+                if index is None and not copy.marker.has_indexes:  # format 1/2: the metadata's records
+                    index = self._legacy_index(store, md, part)
+            self._held[key] = index
+        return self._held[key]
+
+    def _legacy_index(self, store: Storage, md: Metadata, part: int) -> PartIndex | None:
+        """Part's records in a format 1/2 step's metadata; None (damage) where one of them
+        names what is no object of the layout (``PartIndex.check_names``)."""
+        try:
+            return md_blob.legacy_index(md, self.config.namespace, self.step, part)
+        except BadIndex as e:
+            log.warning("step %d: rank %d's part in %s counts as absent: %s", self.step, part, store.url, e)
+            return None
+
+    def _locate(self, src: ReadSource, req: ReadItem) -> tuple[Record, Storage] | None:
+        copy = self._opened.copy_at[src.tier]
+        md = self._metadata.of(copy)
+        info = None if md is None else md_blob.item_info(md, req.storage_index)
+        if md is None or info is None:
+            return None
+        view: TierView = self._views[copy.tier_index]
+        # own root named: only it (peers serve what it lacks); else the root holding the part
+        own_only = src.kind == "own" and src.root is not None
+        store = view.own if own_only else view.part_store(copy.marker, info.rank)
+        index = self._part_index(view, store, copy, info.rank, md)
+        rec = None if index is None else index.records.get(md_blob.item_key(req.storage_index))
+        return None if rec is None else (rec, store)
+
+    def _start(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> _Attempt:
+        """Start reading ``req`` from ``rec`` in ``store``: onto a CUDA target through its
+        device's ring (``device_reads``), started now; else read on ``finish``."""
+        if req.type == LoadItemType.BYTE_IO:
+            return _Attempt(functools.partial(self._read_bytes, req, planner, rec, store))
+        target = planner.resolve_tensor(req).detach()
+        dtype, shape = dtype_from_name(rec.info.dtype or ""), list(rec.info.shape or ())
+        ring = self.ring_for(target.device)
+        if ring is None:
+            return _Attempt(
+                functools.partial(self._read_host, req, planner, rec, store, target, dtype, shape)
+            )
+        land = device_reads.landing(req, target, dtype, shape)
+        read = device_reads.DeviceRead(ring, store, rec, land, _row_bytes(dtype, shape))
+
+        def finish() -> None:
+            read.finish()
+            planner.commit_tensor(req, target)
+
+        return _Attempt(finish, read.settle, read.nbytes)
+
+    def _read_bytes(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
+        raw = bytearray(rec.info.raw_length)
+        read_item(store, rec, memoryview(raw))
+        planner.load_bytes(req, user_values.checked(raw))
+
+    def _read_host(
+        self,
+        req: ReadItem,
+        planner: LoadPlanner,
+        rec: Record,
+        store: Storage,
+        target: torch.Tensor,
+        dtype: torch.dtype,
+        shape: list[int],
+    ) -> None:
+        """Read ``req`` into a host (or non-CUDA) target: the stored item straight into the
+        target's bytes when the target is it; else the chunks holding the rows asked for
+        into a scratch tensor (one pass; the checksum reads it while it is warm), whose
+        piece is copied into the target (the second)."""
+        if (
+            whole_item_request(req, shape)
+            and target.dtype == dtype
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and list(target.shape) == shape
+        ):
+            read_item(store, rec, byte_view(target))
+            planner.commit_tensor(req, target)
+            return
+        (r0, r1), inner = device_reads.rows_asked(req, shape)
+        row = _row_bytes(dtype, shape)
+        spans = chunk_spans(rec)
+        lo, hi = r0 * row, r1 * row
+        wanted = [i for i, (at, n, _) in enumerate(spans) if at < hi and at + n > lo] or [0]
+        base = spans[wanted[0]][0]
+        end = spans[wanted[-1]][0] + spans[wanted[-1]][1]
+        scratch = torch.empty(end - base, dtype=torch.uint8)
+        read_chunks(store, rec, wanted[0], wanted[-1] + 1, byte_view(scratch))
+        rows = scratch[lo - base : hi - base].view(dtype).reshape(device_reads.rows_shape((r0, r1), shape))
+        target.copy_(device_reads.narrowed(rows, inner, target))
+        planner.commit_tensor(req, target)
+
+    def _place(self, req: ReadItem, planner: LoadPlanner, full: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the requested piece of a whole stored item into the target and commit it."""
+        piece = narrow_to_request(full, req)
+        if piece.size() != target.size():
+            raise TieredCheckpointError(
+                f"item {req.storage_index.fqn}: stored piece {tuple(piece.size())} does not "
+                f"fit the target {tuple(target.size())}"
+            )
+        target.copy_(piece)
+        planner.commit_tensor(req, target)
+
+    def _next_attempt(
+        self, req: ReadItem, planner: LoadPlanner, sources: Iterator[ReadSource]
+    ) -> _Attempt | None:
+        """The read of ``req`` from the next of ``sources`` that holds it, started."""
+        for src in sources:
+            located = self._locate(src, req)
+            if located is not None:
+                attempt = self._start(req, planner, *located)
+                attempt.src, attempt.rec, attempt.store = src, *located
+                return attempt
+        return None
+
+    def _failed(self, req: ReadItem, attempt: _Attempt, e: Exception) -> None:
+        """Note why ``attempt`` failed, in the words the load's error and warnings use."""
+        assert attempt.src is not None and attempt.rec is not None and attempt.store is not None
+        where = attempt.store.describe(attempt.rec.file)
+        view = self._views[attempt.src.tier]
+        if isinstance(e, FileNotFoundError) and view.read_marker(attempt.store, self.step) is None:
+            kind = Failed.REMOVED
+            self._unproven.add(id(req))
+        elif isinstance(e, ChecksumMismatch | FileNotFoundError):  # missing from a committed copy
+            kind = Failed.DAMAGED
+        else:  # a tier that failed to answer proves nothing about the bytes
+            kind = Failed.UNREADABLE
+            self._unproven.add(id(req))
+        self.failures.setdefault(id(req), []).append(Failure(where, kind, str(e)))
+        log.warning(
+            "step %d: item %r in %s %s (%s); trying another copy",
+            self.step,
+            req.storage_index.fqn,
+            where,
+            kind.value,
+            e,
+        )
+
+    def _read_direct(
+        self, reqs: list[ReadItem], planner: LoadPlanner, sources: dict[int, tuple[ReadSource, ...]]
+    ) -> list[ReadItem]:
+        """Read each of ``reqs`` from the first of its ``sources`` (none a peer) that is good;
+        return those left unread, in plan order.
+
+        Reads onto a device are started ahead, up to ``device_reads.LOOKAHEAD_BYTES`` of
+        them, and finished (committed) in plan order; a failed one starts the next source at
+        once. Whatever happens, no read is still running when this returns.
+        """
+        left: list[ReadItem] = []
+        started: deque[tuple[ReadItem, Iterator[ReadSource], _Attempt | None]] = deque()
+        ahead = 0
+
+        def finish_first() -> None:
+            nonlocal ahead
+            req, rest, attempt = started.popleft()
+            ahead -= attempt.nbytes if attempt is not None else 0
+            while attempt is not None:
+                try:
+                    attempt.finish()
+                    return
+                except (ChecksumMismatch, OSError) as e:
+                    self._failed(req, attempt, e)
+                    attempt = self._next_attempt(req, planner, rest)
+            left.append(req)
+
+        try:
+            for req in reqs:
+                rest = iter(sources[id(req)])
+                attempt = self._next_attempt(req, planner, rest)
+                started.append((req, rest, attempt))
+                ahead += attempt.nbytes if attempt is not None else 0
+                while ahead > device_reads.LOOKAHEAD_BYTES:
+                    finish_first()
+            while started:
+                finish_first()
+        finally:
+            for _, _, attempt in started:  # a load failing on its way: nothing lands after it
+                if attempt is not None:
+                    attempt.settle()
+        order = {id(r): i for i, r in enumerate(reqs)}
+        return sorted(left, key=lambda r: order[id(r)])
+
+    # -- peers --------------------------------------------------------------------------
+
+    def _next_peer(self, req: ReadItem, peers: Iterator[ReadSource]) -> tuple[int, PeerRequest] | None:
+        """The next holder of ``req`` in its route's order (``planners.load``), as a request."""
+        assert self._metadata.cluster is not None
+        info = md_blob.item_info(self._metadata.cluster, req.storage_index)
+        src = next(peers, None)
+        if info is None or src is None or src.holder is None:
+            return None
+        return src.holder, PeerRequest(src.tier, info.rank, req.storage_index, info.raw_length)
+
+    def _serve(self, req: PeerRequest) -> torch.Tensor | None:
+        self.peer_reads += 1
+        view = self._views[req.tier_index]
+        try:
+            own = self._opened.own[req.tier_index]  # asked only of ranks whose own root holds the part
+            md = self._metadata.of(own)
+            index = None if md is None else self._part_index(view, view.own, own, req.part, md)
+            if index is None:
+                raise KeyError("its part is not whole here")
+            return read_raw(view.own, index.records[md_blob.item_key(req.index)])
+        except (ChecksumMismatch, OSError, KeyError) as e:
+            log.warning(
+                "step %d: cannot serve item %r of rank %d's part from %s to a peer: %s",
+                self.step,
+                req.index.fqn,
+                req.part,
+                view.own.describe(part_key(self.config.namespace, self.step, req.part)),
+                e,
+            )
+            return None
+
+    def _read_from_peers(
+        self, pending: list[ReadItem], planner: LoadPlanner, routes: dict[int, ItemRoute]
+    ) -> list[ReadItem]:
+        """Fetch items from peers that hold them, round by round; return those still missing.
+
+        Every rank takes part (it may have to serve) until no rank wants anything; an
+        intact load ends after one round of store operations, no group opened. A peer
+        that does not answer within ``peer_timeout`` ends the exchange for this rank: what
+        is left is read from a shared tier holding the step.
+        """
+        assert self._metadata.cluster is not None
+        peers = {id(r): iter(routes[id(r)].peers) for r in pending}  # each tried once, in order
+        exchange = PeerExchange(
+            self._opened.group_name, self.rank, dist.get_world_size(), self.config.peer_timeout
+        )
+        try:
+            while True:
+                wanted: dict[int, list[PeerRequest]] = {}
+                order: dict[int, list[ReadItem]] = {}
+                for req in pending:
+                    found = self._next_peer(req, peers[id(req)])
+                    if found is not None:
+                        holder, peer_req = found
+                        wanted.setdefault(holder, []).append(peer_req)
+                        order.setdefault(holder, []).append(req)
+                arrived = exchange.round(wanted, self._serve)
+                if arrived is None:
+                    return pending
+                reqs = [r for holder in wanted for r in order[holder]]
+                done = set()
+                try:  # each item checked and placed as it arrives
+                    for (holder, _, buf), req in zip(arrived, reqs, strict=True):
+                        info = md_blob.item_info(self._metadata.cluster, req.storage_index)
+                        assert info is not None  # asked for only when the metadata knows it
+                        try:
+                            check_raw(info, buf)
+                            self._deliver(req, planner, info, buf)
+                        except ChecksumMismatch as e:
+                            self.failures.setdefault(id(req), []).append(
+                                Failure(f"rank {holder}", Failed.DAMAGED_IN_TRANSIT, str(e))
+                            )
+                            log.warning(
+                                "step %d: item %r from rank %d arrived damaged (%s)",
+                                self.step,
+                                req.storage_index.fqn,
+                                holder,
+                                e,
+                            )
+                            continue
+                        done.add(id(req))
+                finally:  # a peer that stops answering mid-round: what arrived stays read
+                    pending = [r for r in pending if id(r) not in done]
+        except PeerTimeout as e:
+            self._unproven.update(id(r) for r in pending)  # a peer that did not answer may hold them
+            if pending:
+                log.warning(
+                    "step %d: a peer did not answer within %.0f s (%s); reading the %d item(s) "
+                    "still missing from a shared tier",
+                    self.step,
+                    self.config.peer_timeout,
+                    e,
+                    len(pending),
+                )
+            return pending
+
+    def _deliver(self, req: ReadItem, planner: LoadPlanner, info: ItemInfo, buf: torch.Tensor) -> None:
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, user_values.checked(buf.numpy().tobytes()))
+            return
+        target = planner.resolve_tensor(req).detach()
+        full = buf.view(dtype_from_name(info.dtype or "")).reshape(info.shape or ())
+        self._place(req, planner, full, target)
+
+    def _read_spread(
+        self,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        spread: SpreadPlan,
+        split: dict[int, tuple[tuple[ReadSource, ...], tuple[ReadSource, ...]]],
+    ) -> list[ReadItem]:
+        """A load spread over the job (``spread.py``): this rank's own items and the items it
+        reads for others (each read whole, once, its raw bytes kept until sent), then the
+        exchange, then a read of its own of any item that arrived damaged. Returns the
+        items left with no good copy."""
+        sources = {key: s[0] + s[1] for key, s in split.items()}
+        receiving, reading = spread.receives(self.rank), spread.reads_for_others(self.rank)
+        asks: dict[ItemKey, list[ReadItem]] = {}
+        for req in plan.items:
+            asks.setdefault(md_blob.item_key(req.storage_index), []).append(req)
+        keep = KeepRaw(planner, asks, self._item_info, self._place)
+        wholes = [keep.whole(key) for key in sorted(reading, key=lambda k: (k.fqn, k.offset or ()))]
+        for whole in wholes:
+            sources[id(whole)] = sources[id(asks[md_blob.item_key(whole.storage_index)][0])]
+        elsewhere = receiving | reading
+        own = [r for r in plan.items if md_blob.item_key(r.storage_index) not in elsewhere]
+        pending = self._read_direct(own, planner, sources) + self._read_direct(wholes, keep, sources)
+        damaged: list[ReadItem] = []
+
+        def outgoing(t: Transfer) -> torch.Tensor:
+            raw = keep.raw.pop(t.key, None)  # held only until its window is sent
+            return (
+                raw
+                if raw is not None and raw.numel() == t.nbytes
+                else torch.zeros(t.nbytes, dtype=torch.uint8)
+            )
+
+        def landing(t: Transfer) -> torch.Tensor:
+            target = keep.exact(t.key)
+            return torch.empty(t.nbytes, dtype=torch.uint8) if target is None else byte_tensor(target)
+
+        def landed(t: Transfer, buf: torch.Tensor) -> None:
+            info = self._item_info(t.key)
+            try:
+                check_raw(info, buf)
+                for req in asks[t.key]:
+                    target = planner.resolve_tensor(req).detach() if req.type == LoadItemType.TENSOR else None
+                    if target is not None and target.data_ptr() == buf.data_ptr():  # it landed there
+                        planner.commit_tensor(req, target)
+                    else:
+                        self._deliver(req, planner, info, buf)
+            except ChecksumMismatch as e:
+                log.warning(
+                    "step %d: item %r from rank %d arrived damaged or unread (%s); reading it here",
+                    self.step,
+                    t.key.fqn,
+                    t.reader,
+                    e,
+                )
+                damaged.extend(asks[t.key])
+
+        try:
+            exchange(
+                self._opened.group_name,
+                self.rank,
+                spread,
+                self.config.peer_timeout,
+                outgoing,
+                landing,
+                landed,
+            )
+        except PeerTimeout as e:  # every rank's load fails: name the rank that stopped answering
+            raise transport.lost(self.step, "the spread of the load's items", e) from e
+        return pending + self._read_direct(damaged, planner, sources)
+
+    def _item_info(self, key: ItemKey) -> ItemInfo:
+        """What the metadata says of a stored item (one the plan asks for: it knows it)."""
+        md = self._metadata.first(self._opened.copies, self._opened.quarantine)
+        info = md_blob.item_info(md, md_blob.index_of(key))
+        assert info is not None
+        return info
+
+    def read_all(self, plan: LoadPlan, planner: LoadPlanner, spread: SpreadPlan | None = None) -> None:
+        """Execute the load plan: each item from its route's sources, in order.
+
+        Its own roots first; then every rank takes part in the peer exchange (collective, so
+        once for all items, whenever a node-local tier is pooled; it picks each item's
+        holders in the route's order itself) with what is still missing; then the rest.
+        With a ``spread`` (``spread.py``: a step on a shared tier, several ranks asking for
+        the same items), this rank reads only the items no other rank reads for it, sends
+        those it reads for others, and takes the rest from their readers.
+        An item left with no good copy raises ``NoCheckpointError`` when every failure was a
+        removal, else ``CheckpointCorruptError``, and quarantines the step unless a tier or
+        peer failed to answer or a copy was removed (no proof of damage).
+        """
+        self.failures = {}
+        self._unproven = set()
+        self.peer_reads = 0
+        routes = {id(req): r for req, r in zip(plan.items, self._routes(plan), strict=True)}
+        split = {key: r.split_at_exchange() for key, r in routes.items()}
+        if spread is not None:
+            pending = self._read_spread(plan, planner, spread, split)
+        else:
+            pending = self._read_direct(plan.items, planner, {key: s[0] for key, s in split.items()})
+            if self._opened.cluster:
+                pending = self._read_from_peers(pending, planner, routes)
+            pending = self._read_direct(pending, planner, {key: s[1] for key, s in split.items()})
+        if pending:
+            req = pending[0]
+            failures = self.failures.get(id(req), [])
+            detail = "; ".join(map(str, failures)) or "no tier or peer holds it"
+            if failures and all(f.kind is Failed.REMOVED for f in failures):
+                raise NoCheckpointError(
+                    f"step {self.step} was removed from every tier it was being read from (a lease that "
+                    f"expired, or another job's retention on a shared tier): {detail}"
+                )
+            why = (
+                f"step {self.step}: no good copy of item {req.storage_index.fqn!r} "
+                f"(offset {list(req.storage_index.offset or [])}) left"
+                f"{f' (and {len(pending) - 1} more)' if len(pending) > 1 else ''}: {detail}"
+            )
+            if failures and not self._unproven.intersection(id(r) for r in pending):
+                raise self._opened.quarantine(why)
+            # a tier or peer that did not answer is no proof of damage: nothing is quarantined
+            raise CheckpointCorruptError(f"{why}; {self._opened.next_choice()}", step=self.step)

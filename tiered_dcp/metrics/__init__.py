@@ -1,0 +1,1 @@
+"""What the timings say: goodput per tier, slow-rank scores."""

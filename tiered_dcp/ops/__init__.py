@@ -1,0 +1,1 @@
+"""Operations on saved steps: export, import of stock DCP checkpoints, verify."""

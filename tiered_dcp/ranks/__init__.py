@@ -1,0 +1,1 @@
+"""Ranks and the job: clique layout, failure domains, gloo groups between ranks."""

@@ -1,0 +1,626 @@
+"""Reusable staging buffers: the one copy an async save costs the training loop.
+
+``stage`` copies the state into host buffers that are allocated once per state layout and
+reused by every later save. The buffers live in shared memory, so DCP's PROCESS mode
+hands them to its subprocess without another copy, and are pinned (with the device copies
+on a side stream) when the state is on CUDA. A fresh allocation per save runs at a
+fraction of a warm copy's speed; reuse is what makes the stall one warm copy.
+
+Memory is bounded: at most ``slots`` staged copies exist per process (each save passes its
+writer's ``staging_slots``: the pool is the process's, the bound is the save's). A slot is busy from
+``stage`` until DCP drops the staged dict, which it does when that save's upload ends
+(success or failure); a save that finds every slot busy waits for the oldest upload.
+
+Where the save's first tier is in memory, a slot's buffer is the step's part file there
+(``part_file``): the staged copy is the tier's copy. Such a slot stays mapped after its
+save, its file a kept step, and is staged into again once retention has made that file a
+spare (or the save that staged it failed before writing it); one whose file was deleted
+is let go. Pieces are laid out largest element first, back to back, so each is aligned to
+its element and no byte of the arena is padding.
+
+No page is faulted, allocated or registered on the training thread once saves run: after
+a save has staged, the pool prepares in the background (``prepare_soon``) the part files
+the next saves will stage into, up to ``keep + 1`` per layout (what the RAM tier holds at
+most: its kept steps and the one being written): each made ahead with no name
+(``part_file.prepare``), mapped, every page touched and, on CUDA, registered; a save names
+one (``part_file.adopt``) when no spare of its own is there to take. ``prepare`` does the
+same before the first save (``TieredWriter.prepare``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import SnapshotError
+from ..steps import part_file
+from ..steps.part_file import TierFile
+from .snapshot import KINDS, Kind, refused
+from .snapshot import examine as examine_leaf
+
+log = logging.getLogger("tiered_dcp")
+
+SLOTS = 2  # a save's bound on staged copies when it names none (``TieredWriter(staging_slots=)``)
+MAPPED_FILES = 8  # idle part-file slots kept mapped (their files kept steps), the newest first
+
+# The arena of each staged part file by its dirty path, in every process holding one (the
+# trainer, DCP's background process): what the save's write finds its staged bytes in.
+STAGED_FILES: dict[str, torch.Tensor] = {}
+
+
+class StagedStateDict(dict):
+    """The staged copy handed to DCP; weak-referenceable so its slot frees when dropped.
+
+    Pickled (DCP's PROCESS mode sends it to its background process) as its arena, one
+    shared-memory handle, plus each leaf's recipe (``snapshot.Kind.recipe``): the receiving
+    process maps the same pages and builds the leaves over them again, so nothing is
+    copied (torch would copy every piece, a view into the arena, into a segment of its own).
+    """
+
+    __slots__ = ("__weakref__", "_ship")
+
+    def __reduce__(self) -> tuple:
+        ship = getattr(self, "_ship", None)
+        if ship is None:
+            return (StagedStateDict, (dict(self),))
+        return (_received, ship)
+
+
+def _received(
+    arena: torch.Tensor, spans: list[tuple], template: Any, leaves: list[tuple], file: str | None
+) -> StagedStateDict:
+    """A shipped ``StagedStateDict`` again, over the same shared memory (``__reduce__``)."""
+    views = arena_views(arena.untyped_storage(), spans)
+    values = [KINDS[name].rebuild(facts, views[a:b]) for name, facts, a, b in leaves]
+    staged = StagedStateDict(_fill(template, values))
+    if file is not None:
+        _register(staged, file, arena)
+    return staged
+
+
+def _register(staged: StagedStateDict, file: str, arena: torch.Tensor) -> None:
+    """Make ``arena`` the staged part file ``file``'s, for as long as ``staged`` lives."""
+    STAGED_FILES[file] = arena
+    weakref.finalize(staged, STAGED_FILES.pop, file, None)
+
+
+@contextlib.contextmanager
+def registered(file: str, arena: torch.Tensor) -> Iterator[None]:
+    """``arena`` as the part file ``file``'s while a save that filled it without staging (an
+    import: ``importing``) writes it."""
+    STAGED_FILES[file] = arena
+    try:
+        yield
+    finally:
+        STAGED_FILES.pop(file, None)
+
+
+def staged_file(file: str) -> torch.Tensor | None:
+    """The arena a save staged into its part file ``file`` (its dirty path), in this process."""
+    return STAGED_FILES.get(file)
+
+
+def arena_views(storage: torch.UntypedStorage, spans: list[tuple]) -> list[torch.Tensor]:
+    """A tensor over each span (offset, bytes, dtype, shape) of ``storage``.
+
+    Each over a storage of its own (offset 0): DTensor mis-reports the data pointer of a
+    local tensor at a storage offset, which breaks its pickling."""
+    return [
+        torch.empty(0, dtype=dtype).set_(storage[off : off + n], 0, shape, _strides(shape))
+        for off, n, dtype, shape in spans
+    ]
+
+
+class _Hole:
+    """Where leaf ``index`` sits in the template of a state dict."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Refusal(Exception):
+    """A leaf ``examine`` could not stage."""
+
+    def __init__(self, value: Any, why: Exception) -> None:
+        self.value, self.why = value, why
+
+
+def _flatten(obj: Any, ex: Examined) -> Any:
+    """A template of ``obj`` with every leaf replaced by a ``_Hole``; leaves examined in order."""
+    if isinstance(obj, Mapping):
+        return {k: _flatten(v, ex) for k, v in obj.items()}
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        items = [_flatten(v, ex) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    try:
+        kind, pieces, layout = examine_leaf(obj)
+    except Exception as e:
+        raise _Refusal(obj, e) from e
+    values = ex.values
+    values.append(obj)
+    ex.kinds.append(kind)
+    ex.pieces.append(pieces)
+    ex.flat_pieces += pieces
+    ex.layouts.append(layout)
+    if kind.refresh is not None:
+        ex.refresh.append(len(values) - 1)
+    return _Hole(len(values) - 1)
+
+
+def _fill(template: Any, values: list[Any]) -> Any:
+    if isinstance(template, _Hole):
+        return values[template.index]
+    if isinstance(template, dict):
+        return {k: _fill(v, values) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_fill(v, values) for v in template]
+    if isinstance(template, tuple):
+        return tuple(_fill(v, values) for v in template)
+    return template
+
+
+def _path(tree: Any, found: Callable[[Any], bool]) -> str | None:
+    """The dotted key (as DCP names it) of the first leaf of ``tree`` that is ``found``."""
+    if isinstance(tree, Mapping) or (isinstance(tree, list | tuple) and not hasattr(tree, "_fields")):
+        for k, v in tree.items() if isinstance(tree, Mapping) else enumerate(tree):
+            sub = _path(v, found)
+            if sub is not None:
+                return f"{k}.{sub}" if sub else str(k)
+        return None
+    return "" if found(tree) else None
+
+
+@dataclass
+class Examined:
+    """A state dict taken apart: its containers (a template) and its leaves, per leaf:
+    the value, its kind, the tensors to copy and its layout (see ``snapshot``)."""
+
+    template: Any = None
+    values: list[Any] = field(default_factory=list)
+    kinds: list[Kind] = field(default_factory=list)
+    pieces: list[list[torch.Tensor]] = field(default_factory=list)
+    flat_pieces: list[torch.Tensor] = field(default_factory=list)  # every leaf's, in order
+    layouts: list[tuple] = field(default_factory=list)
+    refresh: list[int] = field(default_factory=list)  # the leaves with a per-save part
+    written: dict[Any, Any] = field(default_factory=dict)  # CUDA device -> event (``mark_written``)
+
+    def mark_written(self) -> None:
+        """Record, per CUDA device of the state, an event on the caller's current stream:
+        the state's last writes, which the copies wait for. Called on the training thread,
+        so that a copy made later on another (``background_staging``) waits for its
+        stream, not for that thread's own."""
+        for device in {p.device for p in self.flat_pieces if p.device.type == "cuda"}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.written[device] = event
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a staged copy of this state takes (its arena: no padding)."""
+        return sum(_nbytes(p) for p in self.flat_pieces)
+
+    @property
+    def signature(self) -> tuple:
+        """What decides the buffers' layout: every leaf's kind, pieces and static metadata."""
+        return tuple(self.layouts)
+
+    def refused(self, index: int, why: Exception) -> SnapshotError:
+        path = _path(self.template, lambda hole: hole.index == index)
+        return refused(path or "?", self.values[index], why)
+
+    def owner(self, piece: int) -> int:
+        """The leaf whose pieces include the ``piece``-th of ``flat_pieces``."""
+        for leaf, pieces in enumerate(self.pieces):
+            piece -= len(pieces)
+            if piece < 0:
+                return leaf
+        return len(self.pieces) - 1
+
+
+def examine(state_dict: Mapping[str, Any]) -> Examined:
+    """Classify every leaf; raises ``SnapshotError`` (naming its key) for one of no kind."""
+    ex = Examined()
+    try:
+        ex.template = _flatten(state_dict, ex)
+    except _Refusal as r:
+        value = r.value
+        path = _path(state_dict, lambda leaf: leaf is value)
+        raise refused(path or "?", value, r.why) from r.why
+    return ex
+
+
+def _pin(ptr: int, nbytes: int) -> None:
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # cudaHostRegisterPortable
+    if rc != 0:
+        raise RuntimeError(f"pinning {nbytes} staging bytes failed with cudaError {rc}")
+
+
+def _unpin(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+@dataclass(eq=False)  # one slot is one set of buffers: compared by identity, never by its tensors
+class _Slot:
+    """One staged copy's buffers: a single shared-memory arena and the views into it."""
+
+    signature: tuple
+    arena: torch.Tensor
+    flat_targets: list[torch.Tensor]  # the arena view of each piece, in ``Examined.flat_pieces`` order
+    spans: list[tuple]  # per piece: (offset in the arena, bytes, dtype, shape)
+    staged: list[Any]  # per leaf: the staged value built over those views (see ``snapshot``)
+    kinds: list[Kind]  # per leaf
+    counts: list[int]  # per leaf: how many pieces it has
+    pinned: bool
+    fd: int | None = None  # a part file's (``part_file``); None: shared memory of its own
+    file: TierFile | None = None  # where the part file was put last
+    busy: bool = False
+    prepared: bool = False  # a part file made ahead, with no name yet (``part_file.prepare``)
+    generation: int = 0
+    limit: int = SLOTS  # the bound of the save that took it last (``StagingPool.stage``'s ``slots``)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.arena.numel()
+
+    def free(self) -> None:
+        if self.pinned:
+            _unpin(self.arena.data_ptr())
+            self.pinned = False
+        self.flat_targets, self.staged = [], []
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def arena_layout(pieces: list[torch.Tensor]) -> list[tuple]:
+    """Per piece, in order: (offset in the arena, bytes, dtype, shape). Largest element
+    first, back to back: each piece is aligned to its element size (powers of two) and no
+    byte is padding, so a part file staged this way holds only its items' bytes."""
+    spans: list[tuple] = [()] * len(pieces)
+    off = 0
+    for i in sorted(range(len(pieces)), key=lambda i: -pieces[i].element_size()):
+        p = pieces[i]
+        spans[i] = (off, _nbytes(p), p.dtype, p.shape)
+        off += _nbytes(p)
+    return spans
+
+
+def _allocate(ex: Examined, target: TierFile | None, prepared: int | None = None) -> _Slot:
+    """A slot for ``ex``: shared memory of its own, the part file ``target`` (claimed now),
+    or the prepared file open as ``prepared`` (``part_file.prepare``, which it then owns)."""
+    total = ex.nbytes
+    fd = prepared
+    if target is None and fd is None:
+        storage = torch.UntypedStorage._new_shared(max(total, 1), device="cpu")
+    else:
+        if fd is None:
+            assert target is not None
+            fd = part_file.create(target, total)
+        try:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, total)  # maps it (a dup of fd)
+        except BaseException:
+            os.close(fd)
+            if target is not None:
+                part_file.discard(target)
+            raise
+    arena = torch.empty(0, dtype=torch.uint8).set_(storage)
+    if target is None:
+        arena.fill_(0)  # touch every page now, not during a save's copy
+    on_cuda = any(p.device.type == "cuda" for pieces in ex.pieces for p in pieces)
+    if on_cuda:
+        _pin(arena.data_ptr(), arena.numel())
+    spans = arena_layout(ex.flat_pieces)
+    targets = arena_views(storage, spans)
+    staged: list[Any] = []
+    first = 0
+    for value, kind, pieces in zip(ex.values, ex.kinds, ex.pieces, strict=True):
+        staged.append(kind.build(value, targets[first : first + len(pieces)]))
+        first += len(pieces)
+    counts = [len(p) for p in ex.pieces]
+    slot = _Slot(ex.signature, arena, targets, spans, staged, list(ex.kinds), counts, on_cuda, fd)
+    slot.nbytes = total
+    slot.file = target
+    slot.prepared = prepared is not None
+    return slot
+
+
+def _recipes(slot: _Slot, values: list[Any]) -> list[tuple]:
+    """Per leaf: its kind's name, its recipe and the range of its pieces (``_received``)."""
+    out, first = [], 0
+    for kind, value, n in zip(slot.kinds, values, slot.counts, strict=True):
+        out.append((kind.name, kind.recipe(value), first, first + n))
+        first += n
+    return out
+
+
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+class StagingPool:
+    """The process's staging slots (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._slots: list[_Slot] = []
+        self._cond = threading.Condition(threading.RLock())
+        self._closing = False
+        self._reserved = 0  # saves counted in flight whose background staging has no slot yet
+        self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
+        self._preparer: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, Any] = {}  # device -> the side stream its copies run on
+
+    def reserve(self) -> bool:
+        """Count a save as in flight before its background staging has taken a slot."""
+        with self._cond:
+            self._reserved += 1
+        return True
+
+    def stage(
+        self,
+        state: Mapping[str, Any] | Examined,
+        reserved: bool = False,
+        target: TierFile | None = None,
+        slots: int = SLOTS,
+    ) -> StagedStateDict:
+        """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early);
+        with ``target``, in that part file of the RAM tier (``part_file``). ``slots``: the
+        staged copies this save lets the process hold (it waits for an upload beyond)."""
+        try:
+            examined = state if isinstance(state, Examined) else examine(state)
+            slot = self._acquire(examined, target if examined.nbytes else None, slots)
+        finally:
+            if reserved:
+                with self._cond:
+                    self._reserved -= 1
+        try:
+            values = self._copy_into(slot, examined)
+        except BaseException:
+            if slot.fd is not None and target is not None:
+                part_file.discard(target)
+            self._release(slot, slot.generation)
+            raise
+        staged = StagedStateDict(_fill(examined.template, values))
+        file = slot.file.dirty if slot.fd is not None and slot.file is not None else None
+        staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values), file)
+        if file is not None:
+            _register(staged, file, slot.arena)
+        weakref.finalize(staged, self._release, slot, slot.generation)
+        return staged
+
+    @torch.no_grad()
+    def _copy_into(self, slot: _Slot, ex: Examined) -> list[Any]:
+        """Copy every piece into its arena view; then the per-save part of each leaf."""
+        stream = self._side_stream(ex) if slot.pinned else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        nb = stream is not None
+        i = 0
+        try:
+            with ctx:
+                for i, (src, dst) in enumerate(zip(ex.flat_pieces, slot.flat_targets, strict=True)):  # noqa: B007
+                    dst.copy_(src, non_blocking=nb)
+            if stream is not None:
+                stream.synchronize()
+        except Exception as e:
+            raise ex.refused(ex.owner(i), e) from e
+        values = list(slot.staged)
+        for i in ex.refresh:
+            try:
+                values[i] = ex.kinds[i].refresh(ex.values[i], values[i])
+            except Exception as e:
+                raise ex.refused(i, e) from e
+        return values
+
+    def _side_stream(self, ex: Examined) -> Any:
+        """The stream the device-to-host copies run on, one per device and kept: ordered
+        after the state's last writes by their events (``Examined.mark_written``), so the
+        training stream (the next step's kernels) is never queued behind the copies."""
+        device = next(p.device for p in ex.flat_pieces if p.device.type == "cuda")
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        if not ex.written:
+            ex.mark_written()
+        for event in ex.written.values():
+            stream.wait_event(event)
+        return stream
+
+    def prepare(self, ex: Examined, where: TierFile | None, files: int) -> int:
+        """Make ready what the next saves of ``ex``'s layout stage into, so that none faults,
+        allocates or registers a page: part files in ``where``'s tier (with no name yet,
+        ``part_file.prepare``) until ``files`` of this layout are mapped (``MAPPED_FILES`` at
+        most), or, without ``where``, one shared-memory buffer. Each page is touched (and
+        registered on CUDA) here. Returns the bytes made."""
+        signature = ex.signature
+        with self._cond:
+            if where is None:
+                have = sum(s.fd is None and s.signature == signature for s in self._slots)
+                need = 0 if have or not ex.nbytes else 1
+            else:
+                mine = [s for s in self._slots if s.fd is not None]
+                have = sum(s.signature == signature for s in mine)
+                others = part_file.unmapped(where, {os.fstat(s.fd).st_ino for s in mine})  # type: ignore[arg-type]
+                need = max(0, min(files, MAPPED_FILES) - have - others - self._preparing)
+            self._preparing += need
+        made = 0
+        try:
+            for _ in range(need):
+                fd = part_file.prepare(where, ex.nbytes) if where is not None else None
+                slot = _allocate(ex, None, fd)
+                with self._cond:
+                    self._preparing -= 1
+                    need -= 1
+                    self._slots.append(slot)  # behind the mapped kept steps: their spares go first
+                    self._cond.notify_all()
+                made += slot.nbytes
+        finally:
+            with self._cond:
+                self._preparing -= need
+                self._cond.notify_all()
+        return made
+
+    def prepare_soon(self, ex: Examined, where: TierFile | None, files: int) -> Future[int]:
+        """``prepare`` on the pool's own thread, off the training thread; a failure (a full
+        tier) is logged, and the save that finds nothing prepared claims its file itself."""
+        if self._preparer is None:
+            self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-prepare")
+
+        def run() -> int:
+            try:
+                return self.prepare(ex, where, files)
+            except Exception as e:  # noqa: BLE001 - the next save claims its file itself
+                log.warning("preparing the next saves' part files failed (they make their own): %s", e)
+                return 0
+
+        return self._preparer.submit(run)
+
+    def _acquire(self, ex: Examined, target: TierFile | None, slots: int) -> _Slot:
+        signature = ex.signature
+        started = time.monotonic()
+        warned = False
+        with self._cond:
+            self._closing = False
+            while True:
+                slot = self._reusable(signature, target)
+                if slot is not None:
+                    return self._take(slot, slots)
+                if target is not None and self._preparing:  # one is on its way: no page faulted here
+                    self._cond.wait(timeout=0.05)
+                    continue
+                self._let_go_of_files(signature)
+                counted = [s for s in self._slots if s.busy or s.fd is None]
+                idle = [s for s in counted if not s.busy]
+                if idle:  # the state changed shape, or saves go to part files now
+                    self._drop(idle[0])
+                    counted.remove(idle[0])
+                if len(counted) < slots:
+                    slot = _allocate(ex, target)
+                    self._slots.insert(0, slot)
+                    return self._take(slot, slots)
+                if not warned and time.monotonic() - started > 5:
+                    warned = True
+                    log.warning(
+                        "all %d staging slots are held by saves still uploading; this save waits "
+                        "for the oldest (wait for each async_save's future before the next save "
+                        "to avoid this)",
+                        slots,
+                    )
+                self._cond.wait(timeout=1.0)
+
+    def _reusable(self, signature: tuple, target: TierFile | None) -> _Slot | None:
+        """An idle slot of this layout: shared memory for a save without ``target``, else a
+        part file that ``part_file.reclaim`` could move to ``target`` (still mapped here), else
+        a prepared one (``part_file.adopt``)."""
+        idle = [
+            s
+            for s in self._slots
+            if not s.busy and s.signature == signature and (s.fd is None) == (target is None)
+        ]
+        if target is None:
+            return idle[0] if idle else None
+        for slot in idle:
+            assert slot.fd is not None
+            if slot.file is not None and part_file.reclaim(slot.fd, slot.file, target, slot.nbytes):
+                slot.file = target
+                return slot
+        for slot in idle:
+            if slot.prepared:
+                assert slot.fd is not None
+                part_file.adopt(slot.fd, target, slot.nbytes)
+                slot.prepared, slot.file = False, target
+                return slot
+        return None
+
+    def _let_go_of_files(self, signature: tuple) -> None:
+        """Unmap idle part-file slots whose file was deleted, and the oldest beyond
+        ``MAPPED_FILES`` (their files are kept steps, held by the tier, not by the map);
+        prepared ones of another layout go (the state changed shape)."""
+        for slot in [s for s in self._slots if s.prepared and not s.busy and s.signature != signature]:
+            self._drop(slot)
+        files = [s for s in self._slots if s.fd is not None and not s.busy and not s.prepared]
+        for i, slot in enumerate(files):
+            if i >= MAPPED_FILES or part_file.gone(slot.fd):  # type: ignore[arg-type]
+                self._drop(slot)
+
+    def _take(self, slot: _Slot, slots: int) -> _Slot:
+        slot.busy = True
+        slot.limit = slots
+        slot.generation += 1
+        return slot
+
+    def _release(self, slot: _Slot, generation: int) -> None:
+        with self._cond:
+            if slot.busy and slot.generation == generation:
+                slot.busy = False
+                counted = sum(s.busy or s.fd is None for s in self._slots)
+                if self._closing or (slot.fd is None and counted > slot.limit):
+                    self._drop(slot)
+                self._cond.notify_all()
+
+    def _drop(self, slot: _Slot) -> None:
+        self._slots.remove(slot)
+        slot.free()
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return self._reserved + sum(s.busy for s in self._slots)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no staged save is uploading; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.in_flight():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=min(left, 0.5))
+        return True
+
+    def info(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "slots": len(self._slots),
+                "busy": sum(s.busy for s in self._slots),
+                "bytes": sum(s.nbytes for s in self._slots if s.fd is None),  # tier files not counted
+                "files": sum(s.fd is not None for s in self._slots),
+                "max_slots": max((s.limit for s in self._slots), default=SLOTS),
+            }
+
+    def prepared_bytes(self) -> int:
+        """The bytes of part files prepared for coming saves (in the RAM tier's memory, but
+        named by no step yet: no listing of the tier shows them)."""
+        with self._cond:
+            return sum(s.nbytes for s in self._slots if s.prepared)
+
+    def close(self) -> None:
+        """Free the idle slots now and the busy ones as their uploads end; part files that
+        no step holds (a spare, or one whose save never wrote it) are deleted."""
+        with self._cond:
+            for slot in [s for s in self._slots if not s.busy]:
+                if slot.fd is not None and slot.file is not None:
+                    part_file.delete_unused(slot.fd, slot.file)
+                self._drop(slot)
+            self._closing = True
+
+
+POOL = StagingPool()

@@ -1,0 +1,186 @@
+"""The job's measured costs: one JSON line per save, copy and load, per rank, on this node.
+
+The trainer (``TieredWriter``: stall, part write, commit), the writer process (``persist``:
+the copy to each slower tier) and ``TieredReader`` (a load's duration and the tiers it read)
+each append one line to their rank's file, so that ``goodput --from-job`` and the save-time
+scores (``scores``) work from what a real run measured::
+
+    <job_dir>/records/rank_<rank>.jsonl      (rotated to .1 past 1 MiB)
+
+Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
+
+- ``save``: ``tier`` (the fastest tier taking the step), ``bytes`` (this rank's part),
+  ``stage_s`` (the copy ``async_save`` waits for; absent for a sync save), ``write_s`` (the
+  part written to that tier), ``commit_s`` (``write_data`` to the step's commit there, or to
+  the part being written on a shared tier), ``handoff_s`` (waits for a writer that fell behind),
+  ``sent`` (bytes sent to clique peers for their replicas: part files and the blocks they lacked),
+  ``staged`` (the host memory the trainer's staging buffers held once the step was staged:
+  0 when it staged into the RAM tier's part file, which the tier's figure counts);
+- ``persist``: ``tier`` (the slower tier), ``bytes``, ``write_s`` (this rank's parts copied),
+  ``latency_s`` (from the save's hand-off to the outcome), ``state``;
+- ``load``: ``tiers`` (read from), ``seconds`` (reader constructed to last item read).
+
+Lines are read back as ``TimingRecord`` (``read_records``), the one reader of their JSON:
+``scores`` and ``goodput`` use its attributes. A line that is not a well-formed record (cut
+by a crash, from a version that wrote another kind) is skipped.
+
+Recording never fails a save or a load: an unwritable directory is logged once and ignored.
+The directory lives with the writer processes' runtime dirs (``run_dir.job_dir``), outside
+the ``rank_*`` dirs that ``shutdown`` tidies up. Appends are single ``write`` calls of one
+short line, so the trainer and its writer process can append to one file at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import StrEnum, TieredConfig, node_of
+from .private_dir import mkdir_private
+from .run_dir import is_int, is_number, is_str, job_dir, one_of, optional, valid_record
+
+log = logging.getLogger("tiered_dcp")
+
+ROTATE_BYTES = 1 << 20
+_warned = False
+
+
+class Kind(StrEnum):
+    """What a line measured (its ``kind``)."""
+
+    SAVE = "save"  # the trainer's save of a step to its fastest tier
+    PERSIST = "persist"  # the writer process's copy of it to a slower tier
+    LOAD = "load"
+
+
+@dataclass(frozen=True)
+class TimingRecord:
+    """One line: what every line has, then the fields of its kind (None where absent)."""
+
+    kind: Kind
+    rank: int
+    node: int
+    step: int
+    time: float  # time.time() when it was recorded
+    tier: int | None = None  # save: the fastest tier taking the step; persist: the slower tier
+    bytes: int | None = None  # this rank's part(s)
+    write_s: float | None = None
+    stage_s: float | None = None  # save: the copy async_save waits for (absent: a sync save)
+    commit_s: float | None = None  # save
+    handoff_s: float | None = None  # save: waits for a writer that fell behind
+    sent: int | None = None  # save: bytes sent to clique peers
+    staged: int | None = None  # save: bytes in the trainer's staging buffers
+    latency_s: float | None = None  # persist: hand-off to outcome
+    state: str | None = None  # persist: the outcome's state (``run_dir.OutcomeState``'s strings)
+    tiers: tuple[int, ...] | None = None  # load: the tiers read from
+    seconds: float | None = None  # load: reader constructed to last item read
+
+    _CHECKS = {
+        "kind": one_of(Kind),
+        "rank": is_int,
+        "node": is_int,
+        "step": is_int,
+        "time": is_number,
+        "tier": optional(is_int),
+        "bytes": optional(is_int),
+        "write_s": optional(is_number),
+        "stage_s": optional(is_number),
+        "commit_s": optional(is_number),
+        "handoff_s": optional(is_number),
+        "sent": optional(is_int),
+        "staged": optional(is_int),
+        "latency_s": optional(is_number),
+        "state": optional(is_str),
+        "tiers": optional(lambda v: isinstance(v, list) and all(is_int(t) for t in v)),
+        "seconds": optional(is_number),
+    }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> TimingRecord | None:
+        """The record one line holds; None if it is not one (keys it does not know are ignored)."""
+        if not valid_record(d, cls._CHECKS, {"kind", "rank", "node", "step", "time"}):
+            return None
+        known = {k: d[k] for k in cls._CHECKS if k in d}
+        known["kind"] = Kind(d["kind"])
+        if known.get("tiers") is not None:
+            known["tiers"] = tuple(known["tiers"])
+        return cls(**known)
+
+
+def records_dir(config: TieredConfig) -> Path:
+    return job_dir(config) / "records"
+
+
+def record(config: TieredConfig, kind: Kind, rank: int, step: int, **fields: Any) -> None:
+    """Append one measurement for ``rank`` (best effort: never raises).
+
+    ``fields``: the optional fields of ``TimingRecord`` that ``kind`` has, written in the
+    order given (the line is the JSON of a plain dict, as it always was).
+    """
+    global _warned
+    line = {
+        "kind": str(kind),
+        "rank": rank,
+        "node": node_of(rank),
+        "step": step,
+        "time": time.time(),
+        **fields,
+    }
+    path = records_dir(config) / f"rank_{rank:05d}.jsonl"
+    try:
+        mkdir_private(path.parent)  # the runtime directory's rule: 0700, files 0600
+        try:
+            if path.stat().st_size > ROTATE_BYTES:
+                os.replace(path, path.with_name(path.name + ".1"))
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, (json.dumps(line) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if not _warned:
+            _warned = True
+            log.warning("cannot record save/load timings in %s: %s", path.parent, e)
+
+
+def _read(path: Path, tail_bytes: int | None) -> str:
+    with open(path, "rb") as f:
+        if tail_bytes is not None:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - tail_bytes))
+        return f.read().decode(errors="replace")
+
+
+def read_records(
+    config: TieredConfig, kind: Kind | None = None, tail_bytes: int | None = None
+) -> list[TimingRecord]:
+    """The recorded lines of the job on this node (all ranks), oldest first.
+
+    ``tail_bytes``: only the newest lines of each rank's file (its rotated half not read).
+    """
+    out: list[TimingRecord] = []
+    rdir = records_dir(config)
+    if not rdir.is_dir():
+        return out
+    paths = sorted(rdir.glob("rank_*.jsonl" if tail_bytes is not None else "rank_*.jsonl*"))
+    for path in paths:
+        try:
+            text = _read(path, tail_bytes)
+        except OSError:
+            continue
+        for line in text.splitlines():
+            try:
+                rec = TimingRecord.from_dict(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a crash
+            if rec is not None and (kind is None or rec.kind == kind):
+                out.append(rec)
+    out.sort(key=lambda r: r.time)
+    return out
