@@ -143,7 +143,7 @@ BLOCK_MAGIC = b"TDBLOCK1"  # a block file: magic, its codec (8 ASCII bytes, NUL-
 BLOCK_HEADER = 16
 
 
-SPARE_DIR = "spare"  # a memory tier's recycled part files, each named by its inode (``tierfile``)
+SPARE_DIR = "spare"  # a memory tier's recycled part files, each named by its inode (``steps.part_file``)
 
 
 def spare_dir(namespace: str) -> str:

@@ -277,7 +277,7 @@ def export(
     ``max_shard_size`` bytes (default 5 GB), one file's tensors in memory at a time.
     ``only="model"``: just the items named ``model.*``, named without that prefix
     (``model.l.weight`` -> ``l.weight``). A step with no good copy of some item raises
-    ``CheckpointCorruptError``; ``dest`` is left as it was on any failure. See ``exporting``.
+    ``CheckpointCorruptError``; ``dest`` is left as it was on any failure. See ``ops.export``.
     """
     from .ops.export import format_named, run_export
 

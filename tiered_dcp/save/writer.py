@@ -4,7 +4,7 @@ On the save's path each rank writes its part to the fastest tier taking the step
 items' chunks back to back, each checksummed); the step is then committed there by the
 protocol the tier's placement names (``commit.for_save``: the step's metadata and, last,
 its marker, then retention): that commit is the step's durability point. Each rank then
-hands the step to its writer process (``persist``), which fills in the slower tiers taking it.
+hands the step to its writer process (``writer_process.process``), which fills in the slower tiers taking it.
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     ``dcp.save`` (and an ``async_save`` future) completes once the step is committed on the
     fastest tier taking it, on every rank. The slower tiers taking it are written by this
-    rank's long-lived writer process (see ``persist``), off the training path.
+    rank's long-lived writer process (see ``writer_process.process``), off the training path.
 
     As DCP's stager for ``async_save``, it copies the state into reusable shared-memory
     buffers (``staging``): that copy is the loop's only stall. ``background_staging=True``

@@ -9,7 +9,7 @@ process, the status call and the CLI alike::
         owner             pid of the trainer the writer serves (each new trainer rewrites it)
         writer.lock       held (flock) by the live writer for its whole life
         writer.pid        the live writer's pid
-        writer.log        the writer's log (``persist`` rotates it)
+        writer.log        the writer's log (``process`` rotates it)
         writer.out        the writer's stdout and stderr (a crash's traceback)
         stop              asks the writer to exit once its queue is empty
         queue/t<tier>_s<step>.json     a step waiting to be written to a slower tier (``Job``)
