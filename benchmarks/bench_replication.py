@@ -43,7 +43,6 @@ import logging
 import os
 import queue
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -59,6 +58,7 @@ import torch.multiprocessing as mp
 from common import MiB, make_state, report  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for, writer_status
+from tiered_dcp.cli.fakegcs import free_port
 
 warnings.filterwarnings("ignore")
 
@@ -211,12 +211,6 @@ def rank_main(rank: int, world: int, port: int, root: str, args: dict, results: 
         raise
     finally:
         results.put((rank, "warnings", captured.lines))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(root: str, args: dict, timeout: float) -> tuple[dict, dict]:

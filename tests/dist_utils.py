@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -12,11 +11,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tiered_dcp.cli.fakegcs import free_port
 
 
 def _child(fn: Callable, rank: int, world: int, port: int, env: dict, args: tuple, q: Any) -> None:

@@ -39,6 +39,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .fakegcs import free_port
+
 WORLD = 2
 NAMES = ["RAM", "SSD", "bucket"]
 STOCK_SAVES = 3  # stock FileSystemWriter async saves timed at the start of each phase
@@ -389,14 +391,6 @@ def _launch(
     return procs
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _read_progress(workdir: str, rank: int) -> int:
     try:
         with open(f"{workdir}/progress.rank{rank}") as f:
@@ -514,7 +508,7 @@ def _run_node_loss(workdir: str, ram: str, cfg: Any) -> list[dict] | None:
     from ..writer_process.run_dir import job_dir
 
     phase = "nodeloss"
-    procs = _launch(workdir, ram, NL_STEPS, phase, False, _free_port(), NL_WORLD, NL_LOCAL, "node-loss")
+    procs = _launch(workdir, ram, NL_STEPS, phase, False, free_port(), NL_WORLD, NL_LOCAL, "node-loss")
     deadline = time.time() + 120
     try:
         while any(p.poll() is None for p in procs):
@@ -668,7 +662,7 @@ def _print_demo_setup(cfg: Any, steps: int) -> None:
 def _kill_phase(workdir: str, ram: str, steps: int, kill_at: int) -> int | None:
     """Phase 1: train, and kill rank 1 while it saves step ``kill_at``; an exit code if it failed."""
     t_start = time.perf_counter()
-    procs = _launch(workdir, ram, steps, "1", False, _free_port())
+    procs = _launch(workdir, ram, steps, "1", False, free_port())
     while _read_progress(workdir, 1) < kill_at:
         if any(p.poll() not in (None, 0) for p in procs):
             return _fail(procs, workdir, "1", "a worker died before the planned kill")
@@ -699,7 +693,7 @@ def _resume_phase(
     """Phase 2: restart, resume from the newest complete step, finish training, and note the
     slower tiers filling in behind the saves. (the ranks' reports, the notes, when the last
     save was committed on RAM), or an exit code if it failed."""
-    procs = _launch(workdir, ram, steps, "2", True, _free_port())
+    procs = _launch(workdir, ram, steps, "2", True, free_port())
     deadline = time.time() + 300
     slower = range(1, len(cfg.tiers))
     last = _last_steps(cfg, steps)

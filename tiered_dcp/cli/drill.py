@@ -58,6 +58,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .fakegcs import free_port
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection
     from concurrent.futures import Future
@@ -476,7 +478,7 @@ class Drill:
     # -- the job
 
     def launch(self) -> None:
-        port = _free_port()
+        port = free_port()
         self.procs = []
         for rank in range(WORLD):
             env = dict(
@@ -899,14 +901,6 @@ def _flip(path: Path) -> Path:
         f.seek(middle)
         f.write(bytes([b[0] ^ 0xFF]))
     return path
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _print_event(e: Event) -> None:
