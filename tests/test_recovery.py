@@ -36,6 +36,7 @@ from tiered_dcp import (
     wait_for,
     writer_status,
 )
+from tiered_dcp.api import prune, remove_steps
 
 
 def config(root: Path | str, **kw) -> TieredConfig:
@@ -148,6 +149,25 @@ def test_nonfinite_state_is_marked_and_passed_over(tmp_path, caplog):
     got = state(0)
     dcp.load(got, storage_reader=TieredReader(cfg, step=2))  # by number it loads anyway
     assert torch.isnan(got["w"][7]) and got["w"][0] == 20.0
+
+
+def test_pruning_by_hand_never_removes_the_last_good_step(tmp_path):
+    """A non-finite newer step takes no place: prune(keep=1) keeps the good step 10, and
+    remove_steps refuses it without force, as retention after a commit does."""
+    cfg = TieredConfig("run", [Tier(f"{tmp_path}/ram/{{node}}")])  # keep all: only prune removes
+    bad = state(20)
+    bad["w"][3] = float("inf")
+    save_steps(cfg, [5, 10])
+    dcp.save(bad, storage_writer=TieredWriter(cfg, step=20))
+    shutdown()
+    removed = prune(cfg, keep=1)
+    assert [(r.step, r.removed) for r in removed] == [(5, True)]
+    assert latest_step(cfg) == 10
+    refused = remove_steps(cfg, [10])
+    assert [(r.step, r.removed) for r in refused] == [(10, False)] and "newest good step" in refused[0].why
+    assert latest_step(cfg) == 10
+    got = state(0)
+    assert load_latest(got, cfg) == 10 and torch.equal(got["w"], state(10)["w"])
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])

@@ -20,7 +20,7 @@ from .errors import TieredCheckpointError
 from .save.host_memory import HostMemory, held
 from .steps.catalog import TierView, views
 from .steps.choice import newest_loadable
-from .steps.retention import drop
+from .steps.retention import committed_and_bad, drop, kept_and_doomed
 from .steps.status import StepState, StepStatus, tier_states
 from .writer_process import client
 from .writer_process.run_dir import OutcomeState, RunDir, TierState
@@ -114,14 +114,17 @@ def remove_steps(
     config: TieredConfig, steps: Iterable[int], *, tiers: Iterable[int] | None = None, force: bool = False
 ) -> list[Removal]:
     """Remove ``steps`` from ``tiers`` (default: all), in the roots this process sees (on a
-    node-local tier: this node's). The newest committed step stays unless ``force``; a step
+    node-local tier: this node's). The newest committed step and the newest good one (not
+    quarantined, not saved non-finite: what a resume loads) stay unless ``force``; a step
     a writer process still copies or a reader reads stays whatever ``force`` says, and so
     does one whose save is still under way. The marker goes first (``retention.drop``)."""
     wanted = set(steps)
     tier_views = views(config, *here())
     picked = set(range(len(config.tiers)) if tiers is None else tiers)
-    committed = {v.index: set(v.committed()) for v in tier_views}
+    found = {v.index: committed_and_bad(v, v.step_dirs(v.own)) for v in tier_views}
+    committed = {i: set(c) for i, (c, _) in found.items()}
     newest = max((s for c in committed.values() for s in c), default=None)
+    newest_good = max((s for c, bad in found.values() for s in c if s not in bad), default=None)
     out = []
     for v in (v for v in tier_views if v.index in picked):
         store, removed = v.own, False
@@ -134,6 +137,8 @@ def remove_steps(
                     why = "not committed, and its save may still be under way"
             elif step == newest and not force:
                 why = "the newest committed step (force it to remove it)"
+            elif step == newest_good and not force:
+                why = "the newest good step, the one a resume loads (force it to remove it)"
             elif not drop(v, step):
                 why = "a writer process still copies it, or a reader reads it"
             out.append(Removal(v.index, v.tier.path, step, not why, why))
@@ -144,15 +149,17 @@ def remove_steps(
 
 
 def prune(config: TieredConfig, keep: int, *, tiers: Iterable[int] | None = None) -> list[Removal]:
-    """Keep the newest ``keep`` committed steps of each of ``tiers`` (default: all); remove
-    the older ones as ``remove_steps`` does (the newest committed step always stays)."""
+    """Keep the newest ``keep`` good steps of each of ``tiers`` (default: all), by the rule
+    retention applies after each commit (``retention.kept_and_doomed``: quarantined and
+    non-finite steps take no place); remove the others as ``remove_steps`` does."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"prune: keep={keep!r} must be an integer >= 1")
     out = []
     for v in views(config, *here()):
         if tiers is None or v.index in set(tiers):
-            older = sorted(v.committed())[:-keep]
-            out += remove_steps(config, older, tiers=[v.index]) if older else []
+            committed, bad = committed_and_bad(v, v.step_dirs(v.own))
+            _, doomed = kept_and_doomed(v, committed, bad, keep, max(committed, default=0))
+            out += remove_steps(config, doomed, tiers=[v.index]) if doomed else []
     return out
 
 

@@ -1,10 +1,11 @@
 """Retention: which committed steps a tier's root keeps, and removing a step safely.
 
 A root is pruned by the process that commits to it, after each commit (``apply_retention``,
-called by ``TierView.commit`` and the writer process), and by hand (``api.remove_steps``,
-``api.prune``: ``drop``). Only the own root of a view is touched. Markers go first, so a
-half-removed step is never trusted; a step that a writer process still copies (a pin) or
-a reader reads (a lease, ``leases``) stays. Torch-free: the writer process uses it.
+called by ``commit.commit_root`` and the writer process), and by hand (``api.prune``, by the
+same rule, ``kept_and_doomed``; ``api.remove_steps``: ``drop``). Only the own root of a view
+is touched. Markers go first, so a half-removed step is never trusted; a step that a writer
+process still copies (a pin) or a reader reads (a lease, ``leases``) stays. Torch-free:
+the writer process uses it.
 """
 
 from __future__ import annotations
@@ -38,22 +39,13 @@ def apply_retention(view: TierView, newest: int) -> None:
     """
     store = view.own
     ns = view.config.namespace
-    committed = {}
     listed = view.step_dirs(store)  # one listing of the namespace per commit
-    for step in listed:
-        marker = view.read_marker(store, step)
-        if marker is not None:
-            committed[step] = marker
-    marks = view.marks[store.url]
-    bad = {s for s, m in committed.items() if not m.finite or (s, m.metadata_xxh3) in marks}
+    committed, bad = committed_and_bad(view, listed)
     doomed: list[int] = []
     if view.tier.keep is not None:
-        good = (s for s, m in committed.items() if s not in bad and whole_here(view, m))
-        kept = sorted(good)[-view.tier.keep :]
-        # a quarantined or non-finite step takes no place; it goes once older than every kept step
+        kept, doomed = kept_and_doomed(view, committed, bad, view.tier.keep, newest)
         oldest = kept[0] if kept else -1
-        doomed = [s for s in committed if s not in kept and s < newest and (s not in bad or s < oldest)]
-        _drop_marks(view, store, {s for s, _ in marks if s < oldest and s not in committed})
+        _drop_marks(view, store, {s for s, _ in view.marks[store.url] if s < oldest and s not in committed})
     recycles = part_file.recycles(view.config, store)
     if recycles and doomed:  # the spares the last retention left went unclaimed for a save
         part_file.clear_spares(store, ns)
@@ -65,6 +57,34 @@ def apply_retention(view: TierView, newest: int) -> None:
             deleted += 1
     if deleted:
         blocks.collect(store, ns)  # blocks no remaining step references (dedup)
+
+
+def committed_and_bad(view: TierView, listed: list[int]) -> tuple[dict[int, Marker], set[int]]:
+    """The committed steps among ``listed`` in the view's own root (their markers), and
+    which of them are bad: saved non-finite, or quarantined here."""
+    store = view.own
+    committed = {}
+    for step in listed:
+        marker = view.read_marker(store, step)
+        if marker is not None:
+            committed[step] = marker
+    marks = view.marks[store.url]
+    bad = {s for s, m in committed.items() if not m.finite or (s, m.metadata_xxh3) in marks}
+    return committed, bad
+
+
+def kept_and_doomed(
+    view: TierView, committed: dict[int, Marker], bad: set[int], keep: int, newest: int
+) -> tuple[list[int], list[int]]:
+    """The one keep rule (retention after a commit, ``prune`` by hand): the newest ``keep``
+    good steps whole in this root are kept; a quarantined or non-finite step takes no
+    place and goes once older than every kept step; nothing at or after ``newest`` goes.
+    Returns (kept, oldest first; the steps to drop)."""
+    good = (s for s, m in committed.items() if s not in bad and whole_here(view, m))
+    kept = sorted(good)[-keep:]
+    oldest = kept[0] if kept else -1
+    doomed = [s for s in committed if s not in kept and s < newest and (s not in bad or s < oldest)]
+    return kept, doomed
 
 
 def whole_here(view: TierView, marker: Marker) -> bool:
