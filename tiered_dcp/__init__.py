@@ -112,18 +112,22 @@ MOVED = {
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves an old path in ``MOVED`` to the module at its new one."""
+    """Resolves an old path in ``MOVED`` (or below one) to the module at its new one."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in MOVED:
+        old = next((o for o in MOVED if fullname == o or fullname.startswith(o + ".")), None)
+        if old is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self)
+        return importlib.machinery.ModuleSpec(fullname, self, loader_state=MOVED[old] + fullname[len(old) :])
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(MOVED[spec.name])
+        module = importlib.import_module(spec.loader_state)
+        spec.loader_state = module.__spec__  # the import system sets __spec__ to ours next
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        pass  # the module ran under its own name
+        module.__spec__ = module.__spec__.loader_state  # its own again: relative imports work
+        # nothing to run: the module ran under its own name
 
 
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
