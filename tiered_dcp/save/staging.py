@@ -241,14 +241,18 @@ def examine(state_dict: Mapping[str, Any]) -> Examined:
     return ex
 
 
-def _pin(ptr: int, nbytes: int) -> None:
-    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # cudaHostRegisterPortable
+def _pin(ptr: int, nbytes: int, device: int) -> None:
+    # under the state's device: these run on the pool's threads and DCP's upload thread,
+    # whose current device is 0 (a context on GPU 0 for every local rank otherwise)
+    with torch.cuda.device(device):
+        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # cudaHostRegisterPortable
     if rc != 0:
         raise RuntimeError(f"pinning {nbytes} staging bytes failed with cudaError {rc}")
 
 
-def _unpin(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+def _unpin(ptr: int, device: int) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 @dataclass(eq=False)  # one slot is one set of buffers: compared by identity, never by its tensors
@@ -262,7 +266,7 @@ class _Slot:
     staged: list[Any]  # per leaf: the staged value built over those views (see ``snapshot``)
     kinds: list[Kind]  # per leaf
     counts: list[int]  # per leaf: how many pieces it has
-    pinned: bool
+    pinned: int | None  # the CUDA device it is registered under; None: not pinned
     fd: int | None = None  # a part file's (``part_file``); None: shared memory of its own
     file: TierFile | None = None  # where the part file was put last
     busy: bool = False
@@ -275,9 +279,9 @@ class _Slot:
         self.nbytes = self.arena.numel()
 
     def free(self) -> None:
-        if self.pinned:
-            _unpin(self.arena.data_ptr())
-            self.pinned = False
+        if self.pinned is not None:
+            _unpin(self.arena.data_ptr(), self.pinned)
+            self.pinned = None
         self.flat_targets, self.staged = [], []
         self.arena = torch.empty(0, dtype=torch.uint8)
         if self.fd is not None:
@@ -323,9 +327,9 @@ def _allocate(ex: Examined, target: TierFile | None, prepared: int | None = None
     arena = torch.empty(0, dtype=torch.uint8).set_(storage)
     if target is None:
         arena.fill_(0)  # touch every page now, not during a save's copy
-    on_cuda = any(p.device.type == "cuda" for pieces in ex.pieces for p in pieces)
-    if on_cuda:
-        _pin(arena.data_ptr(), arena.numel())
+    device = next((p.device.index for p in ex.flat_pieces if p.device.type == "cuda"), None)
+    if device is not None:
+        _pin(arena.data_ptr(), arena.numel(), device)
     spans = arena_layout(ex.flat_pieces)
     targets = arena_views(storage, spans)
     staged: list[Any] = []
@@ -334,7 +338,7 @@ def _allocate(ex: Examined, target: TierFile | None, prepared: int | None = None
         staged.append(kind.build(value, targets[first : first + len(pieces)]))
         first += len(pieces)
     counts = [len(p) for p in ex.pieces]
-    slot = _Slot(ex.signature, arena, targets, spans, staged, list(ex.kinds), counts, on_cuda, fd)
+    slot = _Slot(ex.signature, arena, targets, spans, staged, list(ex.kinds), counts, device, fd)
     slot.nbytes = total
     slot.file = target
     slot.prepared = prepared is not None
@@ -411,7 +415,7 @@ class StagingPool:
     @torch.no_grad()
     def _copy_into(self, slot: _Slot, ex: Examined) -> list[Any]:
         """Copy every piece into its arena view; then the per-save part of each leaf."""
-        stream = self._side_stream(ex) if slot.pinned else None
+        stream = self._side_stream(ex) if slot.pinned is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         nb = stream is not None
         i = 0
@@ -510,7 +514,7 @@ class StagingPool:
                 self._let_go_of_files(signature)
                 counted = [s for s in self._slots if s.busy or s.fd is None]
                 idle = [s for s in counted if not s.busy]
-                if idle:  # the state changed shape, or saves go to part files now
+                if idle and len(counted) >= slots:  # no room: another shape's idle slot goes
                     self._drop(idle[0])
                     counted.remove(idle[0])
                 if len(counted) < slots:

@@ -378,6 +378,7 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | ConcurrentFuture[STATE_DICT_TYPE]:
         self.owner_pid = os.getpid()
+        self.handoff_wait = 0.0  # this save's: DCP's reset(checkpoint_id) comes after stage
         if self.handle_sigterm:
             preemption.install()
         rank = _current_rank()
@@ -391,7 +392,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         examined.mark_written()  # on CUDA: the copies wait for this thread's stream, wherever they run
         staged_now = POOL.info()["bytes"]
         self.staged_file = part_file.target(self.config, first.index, first.own, self.step, rank)
-        copies = 0 if self.staged_file is not None else self.staging_slots  # the tier's step is the copy
+        # in the tier's part file the newest in-flight save is the tier's step; the others are more
+        copies = self.staging_slots - 1 if self.staged_file is not None else self.staging_slots
         host_memory.guard(self.config, examined.nbytes, copies, self.tier_indexes[0], staged_now)
         if not self.background_staging:
             staged = POOL.stage(examined, target=self.staged_file, slots=self.staging_slots)
@@ -426,7 +428,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         examined = examine(state_dict)
         first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
         where = part_file.target(self.config, first.index, first.own, self.step, rank)
-        copies = 0 if where is not None else self.staging_slots
+        copies = self.staging_slots - 1 if where is not None else self.staging_slots
         host_memory.guard(self.config, examined.nbytes, copies, first.index, POOL.info()["bytes"])
         keep = self.config.tiers[first.index].keep or 0
         POOL.prepare(examined, where, keep + 1)
@@ -450,8 +452,6 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.save_id = new_id()
         if checkpoint_id is not None:
             self._target(step_of(self.config.namespace, checkpoint_id, "TieredWriter"))
-            self._waited = False  # a new save: it waits for a writer that fell behind afresh
-            self.handoff_wait = 0.0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -501,8 +501,10 @@ class TieredWriter(StorageWriter, AsyncStager):
             self._handoff_later = False
             self._wait_for_writer(self.rank)
         elif not self._waited:  # a sync save: nothing was staged
+            self.handoff_wait = 0.0
             host_memory.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
             self._wait_for_writer(self.rank)
+        self._waited = False  # the hand-off is this save's: the next one waits afresh
         started = time.perf_counter()
         self.sent_bytes = 0
         first = self._first()
