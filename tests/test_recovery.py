@@ -18,7 +18,15 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from tiered_dcp.storage.blocks import BLOCK_BYTES, SCREEN_PIECE, block_id, fingerprints
 from tiered_dcp.storage.codec import checksum
-from tiered_dcp.storage.format import Marker, marker_key, parse_quarantine, part_key, read_index, step_dir
+from tiered_dcp.storage.format import (
+    Marker,
+    marker_key,
+    metadata_key,
+    parse_quarantine,
+    part_key,
+    read_index,
+    step_dir,
+)
 from tiered_dcp.storage.local import LocalStorage
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -406,3 +414,28 @@ def test_an_excluded_step_is_passed_over_with_the_reason_its_caller_gives():
     got = choose(steps, exclude={4: "gone"})  # not among the candidates (a shared tier left it out)
     assert got.step == 3 and got.skipped == {4: "gone"}
     assert choose({}, exclude={4: "gone"}) == Choice(None, {4: "gone"})
+
+
+def _damaged_shared_metadata(rank: int, world: int, root: str) -> tuple[int, bool]:
+    import torch.distributed as dist
+
+    cfg = TieredConfig("run", [Tier(f"{root}/bucket", shared=True)])
+    own = lambda step: {f"w{rank}": state(step, rank)["w"]}  # noqa: E731 - each rank's own item
+    for step in (1, 2):
+        dcp.save(own(step), storage_writer=TieredWriter(cfg, step=step))
+    shutdown()
+    dist.barrier()
+    if rank == 0:  # the newest step's metadata damaged in place: same size, one byte flipped
+        flip(Path(root) / "bucket" / metadata_key("run", 2))
+    dist.barrier()
+    got = own(0)
+    step = load_latest(got, cfg)
+    return step, torch.equal(got[f"w{rank}"], own(step)[f"w{rank}"])
+
+
+def test_metadata_damaged_on_a_shared_tier_lets_every_rank_resume_from_the_step_before(tmp_path):
+    """With a process group the damaged metadata is found as the step is opened, on every
+    rank alike, so load_latest chooses again (it came out of DCP's read_metadata as a bare
+    AssertionError, and the resume stopped)."""
+    results = run_ranks(_damaged_shared_metadata, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}, timeout=120)
+    assert results == [(1, True), (1, True)], results

@@ -140,6 +140,10 @@ class OpenStep:
                     log.warning("%s; loading step %d from a shared tier instead", e, opened.step)
                     opened.cluster, opened.own = [], {}
             opened._share_shared_metadata()
+            # every rank holds the same bytes now: metadata damaged on every tier raises here,
+            # from the constructor, where load_latest chooses again (inside DCP's read_metadata
+            # it would come out as DCP's bare AssertionError)
+            opened.metadata.first(opened.copies, opened.quarantine)
         opened.copy_at = {c.tier_index: c for c in opened.copies} | opened.own
         opened.sources = opened._plan_sources()
         return opened
@@ -178,6 +182,8 @@ class OpenStep:
     def next_choice(self) -> str:
         """What the next reader will load, now that this step failed: for error messages."""
         nxt = choose(self.candidates, None, {**self.exclude, self.step: ""}).step
+        if nxt is None and self.with_group:  # shared tiers were asked for their newest alone
+            return "the next TieredReader(config) or load_latest looks for an older step"
         if nxt is None:
             return "no older good step is known here: the next load finds none unless another tier holds one"
         return f"the next TieredReader(config) or load_latest loads step {nxt}"

@@ -211,10 +211,11 @@ class TieredReader(StorageReader):
             return Metadata(state_dict_metadata={})
         try:
             opened = self._open_step()
+            md = opened.metadata.first(opened.copies, opened.quarantine)
         except Exception as e:  # noqa: BLE001 - raised, with its class, by set_up_storage_reader
             self._open_failed = e
             return Metadata(state_dict_metadata={})
-        return self._with_load_id(opened.metadata.first(opened.copies, opened.quarantine))
+        return self._with_load_id(md)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
