@@ -78,7 +78,7 @@ def world_of(plans: list[SavePlan]) -> list[int]:
     ranks = [w.rank if w is not None else None for w in where]
     if ranks != list(range(len(plans))):
         raise ValueError(f"TieredWriter: unexpected rank order {ranks} in the global plan")
-    return [w.node for w in where if w is not None]
+    return [w.node for w in where]  # type: ignore[union-attr] - every one is there: checked above
 
 
 def dedup_plans(plans: list[SavePlan]) -> list[SavePlan]:

@@ -310,7 +310,7 @@ def import_dcp(
     storing raw chunks without dedup, the tensors are copied by the kernel into the step's
     part file and checked there, never held in this process's memory; anything else (the
     non-tensor values, any URL source, a first tier that compresses, dedups or is a bucket)
-    is read into memory whole first (see ``importing``). On node-local tiers the step lands
+    is read into memory whole first (see ``ops.import_dcp``). On node-local tiers the step lands
     in this node's roots (the slower tiers taking it get it from this node's writer
     process). One process has no clique peers: with ``replication_factor`` > 1 the step is
     stored unreplicated (one copy in this node's roots, plus the slower tiers'), which a

@@ -165,11 +165,11 @@ class TieredConfig:
     sits among the groups that fail together (a rack, a power domain, a node pool): the name
     of an environment variable each rank reads, or a callable ``rank -> str`` (a module-level
     function, for DCP's PROCESS async mode). Given, cliques are laid out across domains
-    (``cliques.by_domain``) instead of by ``replication_jump``. ``on_lagging_tier``: what
+    (``ranks.cliques.by_domain``) instead of by ``replication_jump``. ``on_lagging_tier``: what
     happens, when the first tier of a save is in memory (a RAM tier that saves stage into),
     to a step leaving its ``keep`` window while a slower tier still copies it
     (``LAGGING_POLICIES``): ``"wait"`` (the default: every step divisible by a tier's
-    ``every`` reaches it, as DESIGN.md fixes) makes the save that would push it out wait,
+    ``every`` reaches it, as the tier's schedule says) makes the save that would push it out wait,
     before it stages, until the copy is done; host memory stays at ``keep + 1`` steps, and
     training waits for the slower tier. ``"skip"`` drops it all the same, so that host memory stays at
     ``keep + 1`` steps and no save waits; the slower tier's copy is abandoned and recorded
@@ -237,7 +237,7 @@ class TieredConfig:
         """Every field, the tiers as dicts: plain data, as the writer process receives it.
 
         Generic over the fields, so a field added later travels without edits here; its
-        value must be JSON data (``client`` says which when it is not). A callable
+        value must be JSON data (``run_dir.config_json`` says which when it is not). A callable
         ``failure_domain`` travels as None: the writer process takes each step's cliques
         from its marker, and a function is no data.
         """

@@ -108,7 +108,7 @@ def _state_hash(state) -> str:
 
 
 def _loaded_from(cfg, rank: int) -> list[int]:
-    """The tiers this rank's last load read from, as its load record says (``records``)."""
+    """The tiers this rank's last load read from, as its load record says (``timings``)."""
     from ..writer_process.timings import Kind, read_records
 
     loads = [r for r in read_records(cfg, Kind.LOAD, tail_bytes=1 << 16) if r.rank == rank]

@@ -111,7 +111,7 @@ def shared_steps(tier_views: list[TierView], step: int | None, exclude: set[int]
         s = int(entry["step"])
         marker = Marker.from_bytes(str(entry["marker"]).encode())
         v.listings[(v.own.url, s)] = {str(n): int(size) for n, size in entry["sizes"].items()}
-        marks = StepMarks(s, _text(entry["quarantined"]), marker.nonfinite_items, tuple(marker.nonfinite))
+        marks = StepMarks.of(s, marker, _text(entry["quarantined"]))
         found.add(StepCopy(v.index, s, marker, v.own), marks)
     return found
 

@@ -10,7 +10,7 @@ for, else the newest good one not excluded), leased in every root this rank read
 removed it meanwhile (up to ``CHOICES`` times), and its metadata is shared: read where a
 rank holds it and broadcast as bytes (``StepMetadata`` keeps it per copy). Without a process
 group the one reader sees every root it can reach. The result, an ``OpenStep``, says what
-``reading`` reads from (``sources``, the load planner's input), quarantines the step when
+``step_reads`` reads from (``sources``, the load planner's input), quarantines the step when
 a read finds it damaged, and gives the leases back.
 """
 

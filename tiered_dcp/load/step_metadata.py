@@ -1,11 +1,11 @@
 """StepMetadata: the opened step's DCP metadata, per copy, each loaded at most once.
 
 The copies of one save hold the same metadata bytes (their markers carry its checksum):
-the cluster's, broadcast when the step is opened (``opening``), serves every node-local
+the cluster's, broadcast when the step is opened (``open_step``), serves every node-local
 tier; a shared tier's copy is loaded (or was broadcast by rank 0) once, and a copy whose
 checksum was loaded already is not read again. A copy whose metadata cannot be read, or is
 damaged, is remembered with the reason, for the error raised when no copy is usable. One
-per opened step, used by the opening and by the reads (``reading``).
+per opened step, used by the opening and by the reads (``step_reads``).
 """
 
 from __future__ import annotations

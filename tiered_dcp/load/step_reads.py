@@ -1,7 +1,7 @@
 """Executing a load plan: each item read from its route's sources, in fallback order.
 
 ``planners.load`` routes every item of DCP's ``LoadPlan`` (``plan_routes``, once per load,
-from the opened step's ``sources``: ``opening``) to its sources. ``StepReads`` reads each
+from the opened step's ``sources``: ``open_step``) to its sources. ``StepReads`` reads each
 item's leading own sources (this rank's own root of each node-local tier holding the
 item's part, fastest first; alone, every tier holding the step), then runs the peer
 exchange (``peer_exchange.PeerExchange``, collective) with what is still missing, serving what

@@ -185,7 +185,7 @@ def analyze(step_time: float, tiers: list[TierCosts]) -> GoodputReport:
 
 @dataclass
 class Measured:
-    """What the job's records (``records``) say, per tier; None where nothing was measured."""
+    """What the job's records (``timings``) say, per tier; None where nothing was measured."""
 
     step_time: float | None
     stall: list[float | None]

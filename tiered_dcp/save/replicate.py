@@ -33,7 +33,6 @@ from ..steps.metadata import Records, part_index, records_from_json, records_to_
 
 log = logging.getLogger("tiered_dcp")
 
-_OWN_KEYS: list[str] = []  # store keys this process set in its previous save, deleted in the next
 _GROUP_KEYS: list[str] = []  # the rendezvous keys its previous save's clique group left (raw store)
 
 

@@ -1,6 +1,6 @@
 """Step choice: which steps a load may choose from, and which one it picks.
 
-The one owner of the rule, used by ``api.latest_step``, the reader's opening (``opening``)
+The one owner of the rule, used by ``api.latest_step``, the reader's opening (``load.open_step``)
 and the ``tiered-dcp`` command. A *candidate* is a step complete somewhere (every part and
 its metadata readable: on a node-local tier, ``TierView.complete``; pooled over the ranks'
 own roots, ``peer_exchange.cluster_copies``; on a shared tier only its newest complete good step,
@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tiered_dcp.storage.format import step_dir
+from tiered_dcp.storage.format import Marker, step_dir
 
 from .catalog import StepCopy, TierView
 
@@ -34,6 +34,11 @@ class StepMarks:
     quarantined: str | None = None  # why a load quarantined it (None: it was not)
     nonfinite_items: int = 0  # items its save found holding NaN/Inf
     nonfinite: tuple[str, ...] = ()  # the first of them, by name
+
+    @classmethod
+    def of(cls, step: int, marker: Marker, quarantined: str | None) -> StepMarks:
+        """A step's marks from its marker (non-finite items) and its quarantine (why, or None)."""
+        return cls(step, quarantined, marker.nonfinite_items, tuple(marker.nonfinite))
 
     @property
     def good(self) -> bool:
@@ -116,7 +121,7 @@ def marks_of(view: TierView, copy: StepCopy) -> StepMarks:
     """What a committed copy says of its step: quarantined (in its root), non-finite (its marker)."""
     m = copy.marker
     why = view.quarantined(copy.store, copy.step, m.metadata_xxh3)
-    return StepMarks(copy.step, why, m.nonfinite_items, tuple(m.nonfinite))
+    return StepMarks.of(copy.step, m, why)
 
 
 @dataclass

@@ -376,9 +376,10 @@ def _refusal(step: int, view: TierView, failed: list[dict]) -> dict:
     kind every rank raises for it: ``NONFINITE`` when that is all that failed (the user
     asked for it), ``PEER_LOST`` (with the lost ranks) when a peer was lost."""
     kinds = {Failure(f["kind"]) for f in failed}
-    kind = kinds.pop() if len(kinds) == 1 else Failure.OTHER
-    if Failure.PEER_LOST in {Failure(f["kind"]) for f in failed}:
+    if Failure.PEER_LOST in kinds:
         kind = Failure.PEER_LOST
+    else:
+        kind = next(iter(kinds)) if len(kinds) == 1 else Failure.OTHER
     ranks = sorted({r for f in failed for r in f["ranks"]})
     msg = f"step {step} not committed on {view.tier.path}: " + "; ".join(f["error"] for f in failed)
     return {"error": msg, "kind": kind.value, "ranks": ranks}

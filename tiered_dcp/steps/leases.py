@@ -76,7 +76,7 @@ class Leases:
         """Lease the step in ``store``; True when the step is still committed there.
 
         The lease is written before the marker is looked at: retention that removes the
-        marker after that sees the lease and puts the marker back (``catalog``), so a step
+        marker after that sees the lease and puts the marker back (``retention.drop``), so a step
         whose marker is found here stays until the lease is released. A root without the
         marker keeps no lease.
         """

@@ -81,7 +81,7 @@ def target(config: TieredConfig, tier_index: int, store: Storage, step: int, ran
 
 def part_file(config: TieredConfig, store: LocalStorage, step: int, rank: int) -> TierFile:
     """This rank's part file of ``step`` in ``store``, under a dirty name unique to this save
-    (staging fills it on a memory tier, ``importing`` on any local one)."""
+    (staging fills it on a memory tier, ``ops.import_dcp`` on any local one)."""
     clean = store.path(part_key(config.namespace, step, rank))
     dirty = f"{clean}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return TierFile(

@@ -75,7 +75,7 @@ class Placement(ABC):
     #: How the save path commits the tier (``commit.for_save`` carries it out).
     save_protocol: SaveProtocol
     #: A load sees only each rank's own root and pools the ranks' holdings, reading what
-    #: its root lacks from peers (``cluster``); else every rank sees the whole tier.
+    #: its root lacks from peers (``load.peer_exchange``); else every rank sees the whole tier.
     pooled: bool
     #: What retention counts as whole in one root.
     whole_rule: WholeRule

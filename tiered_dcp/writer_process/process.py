@@ -428,7 +428,7 @@ class Persister:
     ) -> OutcomeState:
         """Copy this rank's share of the step (its part and, on a node-local tier, the replicas
         its root took) to ``dst``; commit ``dst``'s root when the placement says it is whole.
-        ``timing`` receives the copy's ``write_s`` and ``bytes`` (for ``records``)."""
+        ``timing`` receives the copy's ``write_s`` and ``bytes`` (for ``timings``)."""
         copy = self.wait_for_source(src, job)
         ns, step = self.config.namespace, job.step
         self.writing(job.target, step, dst.own)  # from here on, a write that makes no progress stalls

@@ -68,7 +68,7 @@ def runtime_root() -> Path:
 
 
 def job_dir(config: TieredConfig) -> Path:
-    """The job's directory in the runtime root: its ranks' run directories and ``records``."""
+    """The job's directory in the runtime root: its ranks' run directories and ``timings``."""
     key = hashlib.sha1("\n".join([config.namespace, *(t.path for t in config.tiers)]).encode()).hexdigest()
     return runtime_root() / f"{config.namespace}-{key[:10]}"
 
@@ -105,7 +105,7 @@ class OutcomeState(StrEnum):
     SKIPPED = "skipped"  # a newer step took its place in the queue of a tier that was down
 
 
-# Checks of the values a JSON record holds (``records`` uses them for the timing lines too).
+# Checks of the values a JSON record holds (``timings`` uses them for the timing lines too).
 
 
 def is_int(v: Any) -> bool:
@@ -195,7 +195,7 @@ class Outcome:
     rank: int | None = None
     error: str | None = None  # why it failed or was skipped (or an earlier attempt's failure)
     seconds: float | None = None  # the job's time in the writer, attempts included
-    write_s: float | None = None  # this rank's parts copied (for ``records``)
+    write_s: float | None = None  # this rank's parts copied (for ``timings``)
     bytes: int | None = None
     finished: float | None = None  # time.time()
 
