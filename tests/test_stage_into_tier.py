@@ -10,6 +10,7 @@ loadable and the next save works; the memory /dev/shm holds stays near the floor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -63,7 +64,11 @@ def _part(cfg: TieredConfig, step: int, rank: int = 0, tier: int = 0) -> Path:
 
 
 def _used(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    total = 0
+    for f in path.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):  # a dirty part renamed clean meanwhile
+            total += f.stat().st_size if f.is_file() else 0
+    return total
 
 
 def _save_change_load(cfg: TieredConfig, steps: range, kind, background: bool) -> list[str]:

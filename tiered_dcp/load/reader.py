@@ -113,7 +113,7 @@ class TieredReader(StorageReader):
                 )
             self._opened, self._step_reads = opened, self._new_reads(opened)
             if not self._dist:  # metadata refused on every tier: say so here, not as DCP's AssertionError
-                self.read_metadata()
+                opened.metadata.first(opened.copies, opened.quarantine)
         return self
 
     def _new_reads(self, opened: OpenStep) -> StepReads:

@@ -514,7 +514,7 @@ class StagingPool:
                 self._let_go_of_files(signature)
                 counted = [s for s in self._slots if s.busy or s.fd is None]
                 idle = [s for s in counted if not s.busy]
-                if idle and len(counted) >= slots:  # no room: another shape's idle slot goes
+                if idle:  # the state changed shape, or saves go to part files now: its buffer goes
                     self._drop(idle[0])
                     counted.remove(idle[0])
                 if len(counted) < slots:
