@@ -50,8 +50,14 @@ import torch.distributed.checkpoint as dcp
 from common import make_state, spawn_ranks
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
-from tiered_dcp.load.step_reads import StepReads
-from tiered_dcp.ranks import transport
+
+if os.path.isdir(os.path.join(bench_tree.TREE or ".", "tiered_dcp", "load")) or not bench_tree.TREE:
+    from tiered_dcp.load.step_reads import StepReads
+    from tiered_dcp.ranks import transport
+else:  # a --baseline-tree from before the packages (issue 39): its peer phase is not timed
+    from tiered_dcp import transport  # type: ignore[attr-defined,no-redef]
+
+    StepReads = object  # type: ignore[assignment,misc]
 
 WORLD = 4
 RANKS_PER_NODE = 2
@@ -80,7 +86,7 @@ class TimedReader(TieredReader):
 
     @property
     def peer_s(self) -> float:
-        return self._reads.peer_s  # type: ignore[attr-defined]
+        return getattr(getattr(self, "_reads", None), "peer_s", float("nan"))  # a baseline tree may not time it
 
 
 def slowest(seconds: float) -> float:

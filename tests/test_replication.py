@@ -256,6 +256,36 @@ def test_async_saves_replicate_too(tmp_path, mode):
     assert run_ranks(_async_save_then_lose_a_node, WORLD, str(tmp_path), mode, env=NODES) == [3] * WORLD
 
 
+def _load_counting_broadcasts(rank, world, root):
+    """A load: its step, and how often its opening broadcast the metadata (the real
+    ``broadcast_bytes``, counted)."""
+    from tiered_dcp.load import open_step
+
+    real, calls = open_step.broadcast_bytes, []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    open_step.broadcast_bytes = counted
+    return _load(rank, world, root)[0], len(calls)
+
+
+def test_each_rank_reads_the_metadata_on_its_own_node_and_a_damaged_copy_is_broadcast_around(root):
+    """Intact, every rank loads the step's metadata from its own node's copy: nothing is
+    broadcast (at 10,000 ranks the metadata's broadcast costs far more than each node's
+    read). One node's copy damaged: the ranks learn it in the leases' collective, the metadata
+    is broadcast from a node holding it whole, and every rank loads the step exactly."""
+    assert run_ranks(_load_counting_broadcasts, WORLD, str(root), env=NODES) == [(5, 0)] * WORLD
+    bad = root / "ram/1/job/step_000000000005/metadata"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(data)
+    damaged = run_ranks(_load_counting_broadcasts, WORLD, str(root), env=NODES)
+    assert [step for step, _ in damaged] == [5] * WORLD  # check() compared every value
+    assert all(n >= 1 for _, n in damaged), damaged
+
+
 def _load_counting(rank, world, root, loads):
     """``loads`` loads; after each, the step, the groups this rank opened, the store's key count."""
     import torch.distributed as dist

@@ -14,8 +14,9 @@ The load holds one lease on a shared tier, rank 0's, given back when every rank 
 
 Every collective a load runs over the process group outside DCP is one of this module's
 functions: ``broadcast_bytes``, ``all_gather_bytes`` and ``all_agree`` (whether the step was
-leased on every rank). The peer exchange (``peer_exchange.PeerExchange``) agrees through the job's
-store instead, and moves bytes only within groups of two ranks, bounded by ``peer_timeout``.
+leased on every rank, and whether every rank read its metadata from its own root). The peer
+exchange (``peer_exchange.PeerExchange``) agrees through the job's store instead, and moves
+bytes only within groups of two ranks, bounded by ``peer_timeout``.
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ def all_gather_bytes(blob: bytes) -> list[bytes]:
     return [out[r][: int(sizes[r])].numpy().tobytes() for r in range(world)]
 
 
-def all_agree(ok: bool) -> bool:
-    """Whether ``ok`` holds on every rank: True on every rank only when it is True on all."""
-    flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def all_agree(*oks: bool) -> list[bool]:
+    """Whether each of ``oks`` holds on every rank (one collective for all of them): each
+    True on every rank only when it is True on all."""
+    flags = torch.tensor([int(ok) for ok in oks])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return [bool(f) for f in flags.tolist()]
 
 
 def shared_steps(tier_views: list[TierView], step: int | None, exclude: set[int] | None = None) -> Found:

@@ -7,9 +7,10 @@ rank 0 looks at the shared tiers once for the whole job (``discovery.shared_step
 step is chosen from the complete steps and their marks (``steps.choice``: the step asked
 for, else the newest good one not excluded), leased in every root this rank reads it from
 (``leases``; on a shared tier one lease for the job, rank 0's), chosen again when retention
-removed it meanwhile (up to ``CHOICES`` times), and its metadata is shared: read where a
-rank holds it and broadcast as bytes (``StepMetadata`` keeps it per copy). Without a process
-group the one reader sees every root it can reach. The result, an ``OpenStep``, says what
+removed it meanwhile (up to ``CHOICES`` times), and its metadata is shared: each rank reads
+its own root's copy, and when one cannot, it is read where a rank holds it and broadcast as
+bytes (``StepMetadata`` keeps it per copy). Without a process group the one reader sees
+every root it can reach. The result, an ``OpenStep``, says what
 ``step_reads`` reads from (``sources``, the load planner's input), quarantines the step when
 a read finds it damaged, and gives the leases back.
 """
@@ -99,6 +100,7 @@ class OpenStep:
         """Choose ``step`` (None: the newest complete good step), lease it and share its
         metadata; ``NoCheckpointError`` when there is none. Collective ``with_group``."""
         opened = cls(config, rank, with_group, exclude)
+        own_md: Metadata | None = None
         for attempt in range(CHOICES):
             try:
                 found, cluster, lost = opened._choose(step)
@@ -108,7 +110,13 @@ class OpenStep:
                 if step is not None or attempt == CHOICES - 1:
                     raise
                 continue
-            if opened._lease(found, cluster):
+            opened.cluster = [c[opened.step] for _, c in sorted(cluster.items()) if opened.step in c]
+            leased = opened._lease(found, cluster)
+            if opened.with_group:  # one collective: leased everywhere, metadata read everywhere
+                own_md = opened._own_metadata()
+                leased, everywhere = all_agree(leased, own_md is not None)
+                own_md = own_md if everywhere else None
+            if leased:
                 break
             if step is not None:
                 raise NoCheckpointError(
@@ -122,9 +130,6 @@ class OpenStep:
                 f"namespace {config.namespace!r}: the newest step was removed {CHOICES} times in a row just "
                 "as it was opened (retention is removing steps faster than they can be opened)"
             )
-        opened.cluster = [
-            copies[opened.step] for _, copies in sorted(cluster.items()) if opened.step in copies
-        ]
         opened.copies = found.copies.get(opened.step, [])
         opened.metadata = StepMetadata(opened.step, opened.views)
         if opened.with_group:
@@ -132,7 +137,7 @@ class OpenStep:
             opened._explain(lost)
             if opened.cluster:
                 try:
-                    md = opened._share_metadata(opened.cluster[0])
+                    md = own_md if own_md is not None else opened._share_metadata(opened.cluster[0])
                     opened.metadata.set_cluster(md, opened.cluster)
                 except CheckpointCorruptError as e:  # every rank saw the same bytes: all agree
                     if not opened.copies:
@@ -209,10 +214,10 @@ class OpenStep:
 
     def _lease(self, found: Found, cluster: dict[int, dict[int, ClusterCopy]]) -> bool:
         """Lease the chosen step in every root this rank reads it from (``leases``), so that
-        retention leaves it alone until the read is done; False (on every rank) when it was
-        removed before the leases were in place. With a process group, a shared tier gets one
-        lease for the whole load, rank 0's, given back when every rank has read (``all_read``).
-        """
+        retention leaves it alone until the read is done; False when it was removed before
+        the leases were in place here (with a process group, ``open`` agrees on it). A shared
+        tier gets one lease for the whole load, rank 0's, given back when every rank has read
+        (``all_read``)."""
         self.leases = Leases(self.config.namespace, self.step)
         self.job_leases = Leases(self.config.namespace, self.step)  # rank 0's, on shared tiers
         weakref.finalize(self, self.leases.release)
@@ -232,7 +237,7 @@ class OpenStep:
                 r for rs in copies[self.step].holders.values() for r in rs
             }:
                 ok = self.leases.take(self.views[tier_index].own) and ok
-        return all_agree(ok) if self.with_group else ok
+        return ok
 
     def release(self) -> None:
         """Give every lease back: the step is not read after all."""
@@ -322,6 +327,23 @@ class OpenStep:
             log.info("loading step %d from %s", self.step, where)
 
     # -- sharing the metadata ----------------------------------------------------------
+
+    def _own_metadata(self) -> Metadata | None:
+        """The chosen step's metadata as this rank's own root of its fastest node-local tier
+        holds it, when that copy is whole (its marker's checksum) and loads; else None.
+
+        When every rank has it so (``open`` agrees), nothing is broadcast: the bytes are the
+        same on every rank (the checksum the ranks agreed on), and at scale a broadcast of
+        the metadata to every rank costs far more than each reading its node's copy.
+        """
+        cc = self.cluster[0] if self.cluster else None
+        if cc is None or self.rank not in cc.metadata_at:
+            return None
+        try:
+            blob = self.views[cc.tier_index].own.read(metadata_key(self.config.namespace, self.step))
+            return md_blob.loads(blob) if checksum(blob) == cc.ident else None
+        except (OSError, ChecksumMismatch):  # missing, damaged or refused: broadcast from a holder
+            return None
 
     def _share_metadata(self, cc: ClusterCopy) -> Metadata:
         """The chosen save's metadata, read where a rank holds it and broadcast to all."""
