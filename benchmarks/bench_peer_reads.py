@@ -86,7 +86,7 @@ class TimedReader(TieredReader):
 
     @property
     def peer_s(self) -> float:
-        return getattr(getattr(self, "_reads", None), "peer_s", float("nan"))  # a baseline tree may not time it
+        return getattr(getattr(self, "_reads", None), "peer_s", float("nan"))  # a baseline tree: untimed
 
 
 def slowest(seconds: float) -> float:

@@ -181,6 +181,11 @@ def read_raw(store: Storage, rec: Record) -> torch.Tensor:
     return out
 
 
+def scratch(req: PeerRequest) -> torch.Tensor:
+    """A fresh buffer for a requested item's bytes."""
+    return torch.empty(req.length, dtype=torch.uint8)
+
+
 class PeerExchange:
     """One load's peer reads, round by round, with no step that grows with the world.
 
@@ -205,12 +210,16 @@ class PeerExchange:
         transport.forget_earlier()
 
     def round(
-        self, wanted: dict[int, list[PeerRequest]], serve: Callable[[PeerRequest], torch.Tensor | None]
+        self,
+        wanted: dict[int, list[PeerRequest]],
+        serve: Callable[[PeerRequest], torch.Tensor | None],
+        landing: Callable[[PeerRequest], torch.Tensor] = scratch,
     ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]] | None:
         """Ask for ``wanted`` (holder -> requests), serve what others ask of this rank.
 
         Returns what arrives for ``wanted``, unverified, in its order (holder, request,
-        bytes), each as soon as it is in, or None when no rank wants anything: the exchange
+        bytes: the tensor ``landing`` gave for the request, ``req.length`` bytes; by default
+        a fresh one), each as soon as it is in, or None when no rank wants anything: the exchange
         is over on every rank. Iterate it to its end (a rank that only serves too): its sends
         are waited for and its groups closed there. An item a holder cannot read arrives as
         zeros, so that it fails the check. Raises PeerTimeout (iterating, too).
@@ -219,7 +228,7 @@ class PeerExchange:
         self.rounds += 1
         if not self._anyone_wants(name, wanted):
             return None
-        return self._move(name, wanted, self._asked_of_me(name), serve)
+        return self._move(name, wanted, self._asked_of_me(name), serve, landing)
 
     def _anyone_wants(self, name: str, wanted: dict[int, list[PeerRequest]]) -> bool:
         for holder, reqs in wanted.items():
@@ -258,6 +267,7 @@ class PeerExchange:
         wanted: dict[int, list[PeerRequest]],
         asked: list[tuple[int, list[PeerRequest]]],
         serve: Callable[[PeerRequest], torch.Tensor | None],
+        landing: Callable[[PeerRequest], torch.Tensor],
     ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]]:
         """Open the groups, post every receive, then read and send each item asked of this
         rank, each sent as soon as it is read (its transfer overlaps the next read), an item
@@ -276,7 +286,7 @@ class PeerExchange:
             for holder, reqs in wanted.items():
                 group = groups[holder]
                 for req in reqs:
-                    buf = torch.empty(req.length, dtype=torch.uint8)
+                    buf = landing(req)
                     receives.append((group, group.post([], [(holder, buf)]), (holder, req, buf)))
             sends = []
             served: dict[tuple, torch.Tensor] = {}  # what several ask of this rank is read once

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from tiered_dcp.planners.routing import whole_item_request
+from tiered_dcp.planners.routing import holds_stored_bytes
 from tiered_dcp.storage.format import ItemInfo, ItemKey
 
 from ..ranks import transport
@@ -210,12 +210,7 @@ class KeepRaw:
             return None
         req = self.asks[key][0]
         target = self.planner.resolve_tensor(req).detach()
-        exact = (
-            whole_item_request(req, list(info.shape or ()))
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and target.dtype == dtype_from_name(info.dtype or "")
-        )
+        exact = holds_stored_bytes(req, target, dtype_from_name(info.dtype or ""), info.shape or ())
         return target if exact else None
 
     def resolve_tensor(self, req: ReadItem) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from tiered_dcp.planners.load import ItemRoute, ReadSource, plan_routes
-from tiered_dcp.planners.routing import narrow_to_request, whole_item_request
+from tiered_dcp.planners.routing import holds_stored_bytes, narrow_to_request
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import ChecksumMismatch, chunk_spans, read_chunks, read_item
 from tiered_dcp.storage.format import BadIndex, ItemInfo, ItemKey, PartIndex, Record, part_key
@@ -43,7 +43,7 @@ from ..steps.catalog import StepCopy, TierView
 from ..tensors import byte_tensor, byte_view, dtype_from_name
 from . import device_reads, user_values
 from .open_step import OpenStep
-from .peer_exchange import PeerExchange, PeerRequest, check_raw, read_raw
+from .peer_exchange import PeerExchange, PeerRequest, check_raw, read_raw, scratch
 from .spread import KeepRaw, SpreadPlan, Transfer, exchange
 
 log = logging.getLogger("tiered_dcp")
@@ -87,6 +87,12 @@ class _Attempt:
 def _row_bytes(dtype: torch.dtype, shape: list[int]) -> int:
     """Bytes of one row (dim 0) of a stored item; a scalar's one element."""
     return dtype.itemsize * math.prod(shape[1:])
+
+
+def _land(lands: dict[int, torch.Tensor], req: PeerRequest) -> torch.Tensor:
+    """Where a peer request's bytes are received: the target it lands in, else a fresh buffer."""
+    target = lands.get(id(req))
+    return scratch(req) if target is None else byte_tensor(target)
 
 
 def cuda_ring(device: torch.device) -> device_reads.Ring | None:
@@ -202,13 +208,7 @@ class StepReads:
         target's bytes when the target is it; else the chunks holding the rows asked for
         into a scratch tensor (one pass; the checksum reads it while it is warm), whose
         piece is copied into the target (the second)."""
-        if (
-            whole_item_request(req, shape)
-            and target.dtype == dtype
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and list(target.shape) == shape
-        ):
+        if holds_stored_bytes(req, target, dtype, shape):
             read_item(store, rec, byte_view(target))
             planner.commit_tensor(req, target)
             return
@@ -366,24 +366,31 @@ class StepReads:
             while True:
                 wanted: dict[int, list[PeerRequest]] = {}
                 order: dict[int, list[ReadItem]] = {}
+                lands: dict[int, torch.Tensor] = {}  # id(peer request) -> the target it lands in
                 for req in pending:
                     found = self._next_peer(req, peers[id(req)])
                     if found is not None:
                         holder, peer_req = found
                         wanted.setdefault(holder, []).append(peer_req)
                         order.setdefault(holder, []).append(req)
-                arrived = exchange.round(wanted, self._serve)
+                        target = self._stored_as(req, planner)
+                        if target is not None:
+                            lands[id(peer_req)] = target
+                arrived = exchange.round(wanted, self._serve, functools.partial(_land, lands))
                 if arrived is None:
                     return pending
                 reqs = [r for holder in wanted for r in order[holder]]
                 done = set()
                 try:  # each item checked and placed as it arrives
-                    for (holder, _, buf), req in zip(arrived, reqs, strict=True):
+                    for (holder, peer_req, buf), req in zip(arrived, reqs, strict=True):
                         info = md_blob.item_info(self._metadata.cluster, req.storage_index)
                         assert info is not None  # asked for only when the metadata knows it
                         try:
                             check_raw(info, buf)
-                            self._deliver(req, planner, info, buf)
+                            if id(peer_req) in lands:  # it landed in the target itself
+                                planner.commit_tensor(req, lands[id(peer_req)])
+                            else:
+                                self._deliver(req, planner, info, buf)
                         except ChecksumMismatch as e:
                             self.failures.setdefault(id(req), []).append(
                                 Failure(f"rank {holder}", Failed.DAMAGED_IN_TRANSIT, str(e))
@@ -411,6 +418,18 @@ class StepReads:
                     len(pending),
                 )
             return pending
+
+    def _stored_as(self, req: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
+        """``req``'s target when it is the stored item's raw bytes as they lie: an item from
+        a peer is received into it (no scratch buffer, no copy); it is committed only once
+        its checksum held, and an item that failed it is read again from its next source."""
+        assert self._metadata.cluster is not None  # peers hold node-local copies
+        info = md_blob.item_info(self._metadata.cluster, req.storage_index)
+        if req.type != LoadItemType.TENSOR or info is None:
+            return None
+        target = planner.resolve_tensor(req).detach()
+        shape = list(info.shape or ())
+        return target if holds_stored_bytes(req, target, dtype_from_name(info.dtype or ""), shape) else None
 
     def _deliver(self, req: ReadItem, planner: LoadPlanner, info: ItemInfo, buf: torch.Tensor) -> None:
         if req.type == LoadItemType.BYTE_IO:
