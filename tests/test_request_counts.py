@@ -23,7 +23,7 @@ from tiered_dcp.storage import open_storage
 from tiered_dcp.storage.format import part_key
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
+from tiered_dcp import NoCheckpointError, Tier, TieredConfig, TieredReader, TieredWriter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench_requests import measure  # noqa: E402
@@ -143,6 +143,35 @@ def test_load_agrees_falls_back_and_verifies_with_rank_0_finding_the_step(bucket
     assert results[1][2] == (1, [0, 1], 1)  # rank 1's item: damaged on a, read from b
     assert results[0][2] == (1, [0, 1], 0)
     assert results[0][3] == results[1][3] == ("failed", True)
+
+
+def _first_load(rank, world, local, url, options):
+    """A job's first ``TieredReader`` with nothing saved yet: its error, on this rank."""
+    cfg = TieredConfig("fresh", [Tier(f"{local}/{{node}}"), Tier(url, shared=True, storage_options=options)])
+    with pytest.raises(NoCheckpointError) as e:
+        TieredReader(cfg)
+    return str(e.value)
+
+
+def test_a_first_load_with_nothing_saved_asks_the_bucket_once(bucket, tmp_path):
+    """A job starting with no checkpoint (every run's first ``load_latest``): rank 0 lists the
+    bucket once and no rank searches again, nor lists the bucket to word its error; at
+    10,000 ranks the retries and the errors' listings would be ~60,000 requests. Every
+    rank's error names the tiers searched."""
+    with bucket.proxy() as proxy:
+        options = bucket.via(proxy.url)
+        proxy.reset_kinds()
+        errors = run_ranks(
+            _first_load, 3, str(tmp_path / "ram"), f"{bucket.url}/fresh", options, env={"LOCAL_WORLD_SIZE": 1}
+        )
+        asked = proxy.reset_kinds()
+    assert asked == {"list": {"gcs": 1, "s3": 2}[bucket.kind]}, asked  # one listing (s3fs: 2 requests)
+    for rank, error in enumerate(errors):
+        assert "no complete checkpoint of namespace 'fresh'" in error, error
+        lines = {ln.split(" [")[0].strip(): ln for ln in error.splitlines() if ln.startswith("  tier ")}
+        assert "complete steps none" in lines["tier 0"], error
+        expected = "complete steps none" if rank == 0 else "searched by rank 0"
+        assert expected in lines["tier 1"], error
 
 
 if __name__ == "__main__":

@@ -106,8 +106,9 @@ class OpenStep:
                 found, cluster, lost = opened._choose(step)
             except NoCheckpointError:
                 # A scan is not atomic: beside a running job it may read step N's marker just
-                # after retention removed it and N+1's just before its commit. Look again.
-                if step is not None or attempt == CHOICES - 1:
+                # after retention removed it and N+1's just before its commit. Look again, if
+                # any rank saw a step at all (a job's first load saw none: it asks no more).
+                if step is not None or attempt == CHOICES - 1 or not opened._saw_steps():
                     raise
                 continue
             opened.cluster = [c[opened.step] for _, c in sorted(cluster.items()) if opened.step in c]
@@ -153,6 +154,24 @@ class OpenStep:
         opened.sources = opened._plan_sources()
         return opened
 
+    def _saw_steps(self) -> bool:
+        """Whether this search (any rank's, with a process group: one collective) found a
+        step's directory on any tier."""
+        saw = any(v.saw_steps for v in self.views.values())
+        return not all_agree(not saw)[0] if self.with_group else saw
+
+    def _describe_search(self, cluster: dict, lost: dict) -> str:
+        """Where the search looked and what it found, for the error. With a process group a
+        shared tier is described by rank 0 alone, which searched it: every rank listing a
+        bucket to word an error is 10,000 listings at 10,000 ranks."""
+        mine = [v for v in self.views.values() if v.placement.pooled or not self.with_group or self.rank == 0]
+        text = describe_search(mine)
+        for v in self.views.values():
+            if v not in mine:
+                roots = ", ".join(f"{s.url}/{self.config.namespace}" for s in v.scan_roots())
+                text += f"\n  tier {v.index} [{roots}]: searched by rank 0 (its error says what it holds)"
+        return text + _describe_cluster(cluster, lost)
+
     @property
     def tiers(self) -> list[int]:
         """Indexes of the tiers holding the chosen step complete, fastest first."""
@@ -171,7 +190,7 @@ class OpenStep:
         choice = choose(self.candidates, step, self.exclude)
         self.skipped = dict(choice.skipped)  # newer steps passed over, and why
         ns = self.config.namespace
-        searched = lambda: describe_search(self.views.values()) + _describe_cluster(cluster, lost)  # noqa: E731
+        searched = lambda: self._describe_search(cluster, lost)  # noqa: E731
         if choice.step is None and step is None:
             passed = f" that loads (passed over: {describe_skipped(self.skipped)})" if self.skipped else ""
             raise NoCheckpointError(

@@ -109,7 +109,9 @@ class TierView:
         self._stores: dict[str, Storage] = {}
         self.unreachable: str | None = None  # why a shared tier is skipped by this view's queries
         self._listed: dict[str, list[str]] = {}  # a shared tier's first listing, until used
+        self._last_listed: dict[str, list[str]] = {}  # each root's latest namespace listing
         self._answered = False  # the shared tier answered this view's first question in time
+        self.saw_steps = False  # a listing by this view found a step's directory (committed or not)
         # (root url, step) -> the step directory's objects and sizes, as listed when the step
         # was found (``choice.newest_complete``) or handed over by the rank that found it: a load
         # asks a shared tier for no object's size
@@ -146,6 +148,11 @@ class TierView:
             )
         return empty
 
+    def reuse_listings(self) -> None:
+        """The next scan of each root reads this view's latest listing of it instead of
+        asking again: an error says what the search saw, at no further request."""
+        self._listed.update(self._last_listed)
+
     def _probe(self) -> dict[str, list[str]]:
         """The namespace listing of every root scanned (kept for the next ``step_dirs``)."""
         return {s.url: s.list(self.config.namespace) for s in self.scan_roots()}
@@ -170,14 +177,16 @@ class TierView:
         kept in ``marks`` (so knowing them costs no request)."""
         listed = self._listed.pop(store.url, None)  # the probe's, used once
         names = listed if listed is not None else store.list(self.config.namespace)
+        self._last_listed[store.url] = names
         marks: dict[tuple[int, int], list[str]] = {}
         for name in names:
             mark = parse_quarantine(name)
             if mark is not None:
                 marks.setdefault(mark, []).append(name)
         self.marks[store.url] = marks
-        steps = (parse_step_dir(name) for name in names)
-        return sorted(s for s in steps if s is not None)
+        steps = sorted(s for s in (parse_step_dir(name) for name in names) if s is not None)
+        self.saw_steps = self.saw_steps or bool(steps)
+        return steps
 
     def quarantined(self, store: Storage, step: int, ident: int) -> str | None:
         """Why the save of ``step`` named ``ident`` is quarantined in ``store`` (None: it is not),
@@ -301,10 +310,11 @@ class TierView:
 
     def complete(self) -> dict[int, StepCopy]:
         """Committed steps whose every part and metadata can be read from here."""
-        return self.answer(
-            lambda: {s: c for s, c in self.scan_committed().items() if not self.missing(c.store, c.marker)},
-            {},
-        )
+        return self.answer(lambda: self.complete_of(self.scan_committed()), {})
+
+    def complete_of(self, committed: dict[int, StepCopy]) -> dict[int, StepCopy]:
+        """Those of ``committed`` that are complete (unbounded: for a caller inside ``answer``)."""
+        return {s: c for s, c in committed.items() if not self.missing(c.store, c.marker)}
 
     def abandoned(self, store: Storage, step: int) -> bool:
         """Whether an uncommitted step will never be committed: its save recorded a failure,
@@ -339,11 +349,13 @@ def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None
 
 
 def describe_search(tier_views: Iterable[TierView]) -> str:
-    """One line per tier: where it was searched and what it holds, for error messages."""
+    """One line per tier: where it was searched and what it holds, for error messages (from
+    the listings the search made; each step's completeness is checked again)."""
     lines = []
     for view in tier_views:
+        view.reuse_listings()  # what the search saw
         committed = view.committed()
-        complete = sorted(view.complete())
+        complete = sorted(view.answer(lambda v=view, c=committed: v.complete_of(c), []))
         roots = ", ".join(f"{s.url}/{view.config.namespace}" for s in view.scan_roots())
         if view.unreachable is not None:
             lines.append(
