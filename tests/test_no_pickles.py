@@ -213,7 +213,7 @@ def test_what_ranks_exchange_through_the_store_is_plain_data():
     assert back == {idx: rec, MetadataIndex("n"): small}
     (k,) = [k for k in back if k.fqn == "a.b"]
     assert k.offset == torch.Size([4, 0]) and item_key(k) == item_key(idx)
-    req = PeerRequest(1, 2, idx, 64)
+    req = PeerRequest(1, 2, idx, 64, (32, 32))
     assert PeerRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
 
 

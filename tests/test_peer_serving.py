@@ -36,26 +36,40 @@ def _saved(root: str, compression: str | None = None) -> tuple[dict, object, dic
     return state, store, {k.fqn: r for k, r in index.records.items()}
 
 
-def test_a_raw_item_is_served_from_the_buffer_it_is_read_into(tmp_path):
+def _served(store, rec) -> torch.Tensor:
+    """An item as a peer receives it: chunk by chunk, each read into one reused buffer."""
+    chunks = [n for n, _ in rec.info.raw_chunks]
+    read = peer_exchange.chunk_reader(store, rec, chunks)
+    slot, got = torch.empty(max(chunks, default=0), dtype=torch.uint8), []
+    for j, n in enumerate(chunks):
+        read(j, slot[:n])
+        got.append(slot[:n].clone())
+    return torch.cat(got) if got else torch.empty(0, dtype=torch.uint8)
+
+
+def test_an_item_is_served_chunk_by_chunk_into_a_reused_buffer(tmp_path):
     state, store, records = _saved(str(tmp_path))
-    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    big = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: three chunks
     config = TieredConfig("serve", [Tier(f"{tmp_path}/ram", every=1, keep=2)])
     dcp.save({"big": big}, storage_writer=TieredWriter(config, step=2), no_dist=True)
     index = IndexCache().get(store, "serve", 2, 0)
     assert index is not None
     rec = next(r for k, r in index.records.items() if k.fqn == "big")
-    tracemalloc.start()  # Python-level buffers (a bytearray scratch) are traced; the sent tensor is not
+    assert len(rec.info.raw_chunks) == 3
+    read = peer_exchange.chunk_reader(store, rec, [n for n, _ in rec.info.raw_chunks])
+    slot = torch.empty(8 << 20, dtype=torch.uint8)
+    tracemalloc.start()  # Python-level buffers (a bytearray scratch) are traced; the slot is not
     try:
-        sent = peer_exchange.read_raw(store, rec)
+        read(1, slot[: rec.info.raw_chunks[1][0]])
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < (1 << 20), f"{peak} bytes of scratch for a 4 MiB raw item"  # read in place
-    assert torch.equal(sent.view(torch.float32), big)
+    assert peak < (1 << 20), f"{peak} bytes of scratch for an 8 MiB raw chunk"  # read in place
+    assert torch.equal(_served(store, rec).view(torch.float32), big)
     for fqn, rec in records.items():
-        sent = peer_exchange.read_raw(store, rec)
-        assert sent.dtype == torch.uint8 and sent.numel() == rec.info.raw_length
-        assert torch.equal(sent.view(torch.float32), state[fqn])
+        assert torch.equal(_served(store, rec).view(torch.float32), state[fqn])
+    with pytest.raises(KeyError, match="chunks here are"):  # asked by another layout: not served
+        peer_exchange.chunk_reader(store, rec, [rec.info.raw_length // 2] * 2)
 
 
 def test_a_damaged_raw_item_is_not_served(tmp_path):
@@ -68,16 +82,43 @@ def test_a_damaged_raw_item_is_not_served(tmp_path):
         f.seek(rec.offset + 8)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ChecksumMismatch):
-        peer_exchange.read_raw(store, rec)
-    assert torch.equal(peer_exchange.read_raw(store, records["w0"]).view(torch.float32), torch.arange(1000.0))
+        _served(store, rec)
+    assert torch.equal(_served(store, records["w0"]).view(torch.float32), torch.arange(1000.0))
 
 
 def test_a_compressed_item_is_served_decoded(tmp_path):
     state, store, records = _saved(str(tmp_path), compression="zstd")
     assert any(r.codec != "raw" or r.codecs is not None for r in records.values())
     for fqn, rec in records.items():
-        assert torch.equal(peer_exchange.read_raw(store, rec).view(torch.float32), state[fqn])
+        assert torch.equal(_served(store, rec).view(torch.float32), state[fqn])
     assert os.path.getsize(store.path(part_key("serve", 1, 0))) > 0
+
+
+def _through_a_send_ring(rank: int, world: int) -> tuple[int, list[list[float]]]:
+    from tiered_dcp.ranks.transport import Group
+
+    group = Group("test/send-ring", [0, 1], rank, timeout=20)
+    try:
+        if rank == 0:  # ten buffers through two slots: each taken again once its send ran
+            ring = peer_exchange.SendRing(slots=2, slot_bytes=64)
+            for i in range(10):
+                slot = ring.take(64)
+                slot.view(torch.float32)[:] = float(i)
+                ring.sent(slot, [(group, group.post([(1, slot)], []))])
+            ring.finish()
+            return ring.made, []
+        got = [torch.empty(16) for _ in range(10)]
+        group.wait(group.post([], [(0, t) for t in got]))
+        return 0, [t.tolist() for t in got]
+    finally:
+        group.close()
+
+
+def test_a_send_ring_reuses_its_slots_once_their_sends_ran():
+    """What a rank serving a lost node's parts holds: the ring's slots, not the parts."""
+    (made, _), (_, got) = run_ranks(_through_a_send_ring, 2)
+    assert made == 2
+    assert got == [[float(i)] * 16 for i in range(10)]
 
 
 def _posted_one_by_one(rank: int, world: int) -> list[list[float]]:

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiered_dcp.storage import Storage
-from tiered_dcp.storage.codec import ChecksumMismatch, read_item, verify_raw
+from tiered_dcp.storage.codec import CHUNK_BYTES, ChecksumMismatch, read_chunk_into, verify_raw
 from tiered_dcp.storage.format import ItemInfo, ItemKey, Record, metadata_key
 
 from ..ranks import transport
@@ -29,6 +30,7 @@ from ..ranks.transport import Group, PeerTimeout
 from ..steps.catalog import TierView
 from ..steps.choice import StepMarks
 from ..steps.metadata import index_of, item_key
+from ..tensors import byte_view
 
 _WANTS = 1 << 32  # a rank that wants something adds 1 + _WANTS to a round's counter, others 1
 
@@ -163,22 +165,76 @@ class PeerRequest:
     part: int
     index: MetadataIndex
     length: int
+    chunks: tuple[int, ...]  # its raw chunks' lengths, as the requester's metadata says: one message each
+
+    @property
+    def order(self) -> tuple:
+        """The order both sides list an item in: a holder sends, and its requester receives,
+        each pair's items sorted by it (so an item several ranks ask for is read once)."""
+        i = self.index
+        return self.tier_index, self.part, i.fqn, tuple(i.offset or ()), i.index or 0
 
     def to_json(self) -> list:
-        return [self.tier_index, self.part, item_key(self.index).to_json(), self.length]
+        return [self.tier_index, self.part, item_key(self.index).to_json(), self.length, list(self.chunks)]
 
     @classmethod
     def from_json(cls, v: list) -> PeerRequest:
-        tier_index, part, key, length = v
-        return cls(int(tier_index), int(part), index_of(ItemKey.from_json(key)), int(length))
+        tier_index, part, key, length, chunks = v
+        index = index_of(ItemKey.from_json(key))
+        return cls(int(tier_index), int(part), index, int(length), tuple(int(n) for n in chunks))
 
 
-def read_raw(store: Storage, rec: Record) -> torch.Tensor:
-    """An item's raw bytes from this rank's own root, verified (for a peer that asked), in
-    a uint8 tensor that is sent as it is (``read_item`` reads a raw item straight into it)."""
-    out = torch.empty(rec.info.raw_length, dtype=torch.uint8)
-    read_item(store, rec, memoryview(out.numpy()))
-    return out
+ChunkReader = Callable[[int, torch.Tensor], bool]  # chunk j into a buffer of its length: read and checked?
+
+
+def chunk_reader(store: Storage, rec: Record, chunks: Sequence[int]) -> Callable[[int, torch.Tensor], None]:
+    """Reads chunk ``j`` of an item from this rank's own root into ``out`` (its raw length),
+    decoded and verified (``read_chunk_into``: ChecksumMismatch, OSError), for a peer that
+    asked for it by ``chunks``; KeyError when the item is chunked otherwise here."""
+    if [n for n, _ in rec.info.raw_chunks] != list(chunks):
+        raise KeyError(f"its chunks here are {[n for n, _ in rec.info.raw_chunks]}, not {list(chunks)}")
+    return lambda j, out: read_chunk_into(store, rec, j, byte_view(out))
+
+
+class SendRing:
+    """The buffers a rank sends items from, chunk by chunk: ``slots`` of ``slot_bytes``, a
+    slot taken again only once its send ran. A rank serving a lost node's parts holds these
+    (32 MiB), not the parts it sends (a survivor of 8 ranks serving 8 replicas of a few GB
+    would hold them all at once)."""
+
+    def __init__(self, slots: int = 4, slot_bytes: int = CHUNK_BYTES) -> None:
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self._free: list[torch.Tensor] = []
+        self._busy: deque[tuple[torch.Tensor, list[tuple[Group, list]]]] = deque()
+        self.made = 0  # slots allocated (tests)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` (a one-off for a chunk larger than a slot)."""
+        if nbytes > self.slot_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if not self._free and self.made < self.slots:
+            self.made += 1
+            self._free.append(torch.empty(self.slot_bytes, dtype=torch.uint8))
+        while not self._free:
+            self._recycle()
+        return self._free.pop()
+
+    def sent(self, buf: torch.Tensor, sends: list[tuple[Group, list]]) -> None:
+        """``buf`` (as ``take`` gave it) is being sent (each group's works): taken again
+        once they all ran."""
+        self._busy.append((buf, sends))
+
+    def _recycle(self) -> None:
+        buf, sends = self._busy.popleft()
+        for group, works in sends:
+            group.wait(works)
+        if buf.numel() == self.slot_bytes:  # a one-off goes
+            self._free.append(buf)
+
+    def finish(self) -> None:
+        """Wait for every send still running."""
+        while self._busy:
+            self._recycle()
 
 
 def scratch(req: PeerRequest) -> torch.Tensor:
@@ -212,14 +268,15 @@ class PeerExchange:
     def round(
         self,
         wanted: dict[int, list[PeerRequest]],
-        serve: Callable[[PeerRequest], torch.Tensor | None],
+        serve: Callable[[PeerRequest], ChunkReader | None],
         landing: Callable[[PeerRequest], torch.Tensor] = scratch,
     ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]] | None:
         """Ask for ``wanted`` (holder -> requests), serve what others ask of this rank.
 
-        Returns what arrives for ``wanted``, unverified, in its order (holder, request,
+        Returns what arrives for ``wanted``, unverified (holder, request,
         bytes: the tensor ``landing`` gave for the request, ``req.length`` bytes; by default
-        a fresh one), each as soon as it is in, or None when no rank wants anything: the exchange
+        a fresh one), each as soon as it is in, each holder's in ``PeerRequest.order``, or
+        None when no rank wants anything: the exchange
         is over on every rank. Iterate it to its end (a rank that only serves too): its sends
         are waited for and its groups closed there. An item a holder cannot read arrives as
         zeros, so that it fails the check. Raises PeerTimeout (iterating, too).
@@ -266,12 +323,13 @@ class PeerExchange:
         name: str,
         wanted: dict[int, list[PeerRequest]],
         asked: list[tuple[int, list[PeerRequest]]],
-        serve: Callable[[PeerRequest], torch.Tensor | None],
+        serve: Callable[[PeerRequest], ChunkReader | None],
         landing: Callable[[PeerRequest], torch.Tensor],
     ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]]:
-        """Open the groups, post every receive, then read and send each item asked of this
-        rank, each sent as soon as it is read (its transfer overlaps the next read), an item
-        several ranks ask for read once; the arrivals follow (``_arrivals``)."""
+        """Open the groups, post every receive (an item's chunks straight into its landing),
+        then read and send each item asked of this rank chunk by chunk through a ``SendRing``
+        (each chunk's transfer overlaps the next chunk's read); the arrivals follow
+        (``_arrivals``)."""
         partners = set(wanted) | {requester for requester, _ in asked}
         if not partners:
             return iter(())
@@ -285,32 +343,29 @@ class PeerExchange:
             receives = []
             for holder, reqs in wanted.items():
                 group = groups[holder]
-                for req in reqs:
+                for req in sorted(reqs, key=lambda r: r.order):  # as the holder sends them
                     buf = landing(req)
-                    receives.append((group, group.post([], [(holder, buf)]), (holder, req, buf)))
-            sends = []
-            served: dict[tuple, torch.Tensor] = {}  # what several ask of this rank is read once
+                    pieces = [(holder, buf[a : a + n]) for a, n in _spans(req.chunks)]
+                    receives.append((group, group.post([], pieces), (holder, req, buf)))
+            ring = SendRing()
+            by_item: dict[tuple, list[tuple[int, PeerRequest]]] = {}  # each pair's items in order
             for requester, reqs in asked:
-                group = groups[requester]
                 for req in reqs:
-                    key = (req.tier_index, req.part, item_key(req.index))
-                    if key not in served:
-                        data = serve(req)
-                        if data is None or data.numel() != req.length:
-                            data = torch.zeros(req.length, dtype=torch.uint8)
-                        served[key] = data  # held by its posted sends until they are waited for
-                    sends.append((group, group.post([(requester, served[key])], [])))
+                    by_item.setdefault(req.order, []).append((requester, req))
+            for order in sorted(by_item):  # an item several ranks ask for is read once
+                asks = by_item[order]
+                _send(groups, asks, serve(asks[0][1]), ring)
         except BaseException:
             for group in groups.values():
                 group.close()
             raise
-        return self._arrivals(groups, receives, sends)
+        return self._arrivals(groups, receives, ring)
 
     @staticmethod
     def _arrivals(
         groups: dict[int, Group],
         receives: list[tuple[Group, list, tuple[int, PeerRequest, torch.Tensor]]],
-        sends: list[tuple[Group, list]],
+        ring: SendRing,
     ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]]:
         """Each received item as soon as it is in (the caller checks and places it while the
         next one arrives, where it waited for the last one before), then this rank's sends
@@ -319,11 +374,34 @@ class PeerExchange:
             for group, works, arrived in receives:
                 group.wait(works)
                 yield arrived
-            for group, works in sends:
-                group.wait(works)
+            ring.finish()
         finally:
             for group in groups.values():
                 group.close()
+
+
+def _spans(chunks: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """(start, length) of each chunk of an item's raw bytes."""
+    at = 0
+    for n in chunks:
+        yield at, n
+        at += n
+
+
+def _send(
+    groups: dict[int, Group], asks: list[tuple[int, PeerRequest]], read: ChunkReader | None, ring: SendRing
+) -> None:
+    """Send one item to every (requester, request) of ``asks``, chunk by chunk: each chunk
+    read once into a ring buffer and posted to all as soon as it is read; from a chunk that
+    could not be read on, zeros (the requesters' checks fail, and they ask the next holder)."""
+    for j, (_, n) in enumerate(_spans(asks[0][1].chunks)):
+        slot = ring.take(n)
+        buf = slot[:n]
+        if read is not None and not read(j, buf):
+            read = None  # this chunk and the rest go as zeros
+        if read is None:
+            buf.zero_()
+        ring.sent(slot, [(groups[r], groups[r].post([(r, buf)], [])) for r, _ in asks])
 
 
 def check_raw(info: ItemInfo, buf: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ from ..steps.catalog import StepCopy, TierView
 from ..tensors import byte_tensor, byte_view, dtype_from_name
 from . import device_reads, user_values
 from .open_step import OpenStep
-from .peer_exchange import PeerExchange, PeerRequest, check_raw, read_raw, scratch
+from .peer_exchange import ChunkReader, PeerExchange, PeerRequest, check_raw, chunk_reader, scratch
 from .spread import KeepRaw, SpreadPlan, Transfer, exchange
 
 log = logging.getLogger("tiered_dcp")
@@ -324,28 +324,47 @@ class StepReads:
         src = next(peers, None)
         if info is None or src is None or src.holder is None:
             return None
-        return src.holder, PeerRequest(src.tier, info.rank, req.storage_index, info.raw_length)
+        chunks = tuple(n for n, _ in info.raw_chunks)
+        return src.holder, PeerRequest(src.tier, info.rank, req.storage_index, info.raw_length, chunks)
 
-    def _serve(self, req: PeerRequest) -> torch.Tensor | None:
+    def _serve(self, req: PeerRequest) -> ChunkReader | None:
+        """What reads the chunks of an item a peer asked of this rank's own root, each checked
+        where it is read (False, with a warning, for one that fails); None when the item is
+        not here whole."""
         self.peer_reads += 1
         view = self._views[req.tier_index]
+        where = view.own.describe(part_key(self.config.namespace, self.step, req.part))
+
+        def cannot(e: Exception) -> None:
+            log.warning(
+                "step %d: cannot serve item %r of rank %d's part from %s to a peer: %s",
+                self.step,
+                req.index.fqn,
+                req.part,
+                where,
+                e,
+            )
+
         try:
             own = self._opened.own[req.tier_index]  # asked only of ranks whose own root holds the part
             md = self._metadata.of(own)
             index = None if md is None else self._part_index(view, view.own, own, req.part, md)
             if index is None:
                 raise KeyError("its part is not whole here")
-            return read_raw(view.own, index.records[md_blob.item_key(req.index)])
-        except (ChecksumMismatch, OSError, KeyError) as e:
-            log.warning(
-                "step %d: cannot serve item %r of rank %d's part from %s to a peer: %s",
-                self.step,
-                req.index.fqn,
-                req.part,
-                view.own.describe(part_key(self.config.namespace, self.step, req.part)),
-                e,
-            )
+            read = chunk_reader(view.own, index.records[md_blob.item_key(req.index)], req.chunks)
+        except (OSError, KeyError) as e:
+            cannot(e)
             return None
+
+        def checked(j: int, out: torch.Tensor) -> bool:
+            try:
+                read(j, out)
+                return True
+            except (ChecksumMismatch, OSError) as e:
+                cannot(e)
+                return False
+
+        return checked
 
     def _read_from_peers(
         self, pending: list[ReadItem], planner: LoadPlanner, routes: dict[int, ItemRoute]
@@ -365,24 +384,24 @@ class StepReads:
         try:
             while True:
                 wanted: dict[int, list[PeerRequest]] = {}
-                order: dict[int, list[ReadItem]] = {}
+                asked_for: dict[int, ReadItem] = {}  # id(peer request) -> the item it is for
                 lands: dict[int, torch.Tensor] = {}  # id(peer request) -> the target it lands in
                 for req in pending:
                     found = self._next_peer(req, peers[id(req)])
                     if found is not None:
                         holder, peer_req = found
                         wanted.setdefault(holder, []).append(peer_req)
-                        order.setdefault(holder, []).append(req)
+                        asked_for[id(peer_req)] = req
                         target = self._stored_as(req, planner)
                         if target is not None:
                             lands[id(peer_req)] = target
                 arrived = exchange.round(wanted, self._serve, functools.partial(_land, lands))
                 if arrived is None:
                     return pending
-                reqs = [r for holder in wanted for r in order[holder]]
                 done = set()
                 try:  # each item checked and placed as it arrives
-                    for (holder, peer_req, buf), req in zip(arrived, reqs, strict=True):
+                    for holder, peer_req, buf in arrived:
+                        req = asked_for[id(peer_req)]
                         info = md_blob.item_info(self._metadata.cluster, req.storage_index)
                         assert info is not None  # asked for only when the metadata knows it
                         try:
