@@ -12,7 +12,9 @@ node 1's root is deleted. Timed per load, the slowest rank's time (all_reduce MA
 - ``load``: the whole load, ``TieredReader(config)`` (choosing, agreeing on and leasing
   the step) and ``dcp.load`` with it;
 - ``peer phase``: ``step_reads.StepReads._read_from_peers`` alone (agreeing on the wish lists
-  and moving the items).
+  and moving the items);
+- ``stock``: stock DCP's ``FileSystemReader`` loading the same state saved by its
+  ``FileSystemWriter`` in /dev/shm (the protocol's cost without tiers, peers or checksums).
 
 Printed is the median, the minimum and the maximum over the loads, after one discarded
 warm-up load of each kind, and the groups the peer phase opened per load. Also printed:
@@ -123,6 +125,22 @@ def loads(config: TieredConfig, state: dict, n: int) -> dict:
     }
 
 
+def stock_loads(path: str, state: dict, n: int) -> list[float]:
+    """``n`` timed loads of the same state by stock DCP (``FileSystemReader``, the files in
+    /dev/shm), after one warm-up: the slowest rank's seconds."""
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    seconds = []
+    for i in range(n + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+        took = slowest(time.perf_counter() - t0)
+        if i:
+            seconds.append(took)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    return seconds
+
+
 def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -144,7 +162,9 @@ def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None
             replication_jump=2,
         )
         dcp.save(state, storage_writer=TieredWriter(config, step=1))
-        out: dict[str, Any] = {"intact": loads(config, state, args["loads"])}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/stock"))
+        out: dict[str, Any] = {"stock": stock_loads(f"{root}/stock", state, args["loads"])}
+        out["intact"] = loads(config, state, args["loads"])
         dist.barrier()
         if rank == 0:
             shutil.rmtree(f"{root}/ram/1")
@@ -194,6 +214,9 @@ def summarize(out: dict[int, Any], n: int) -> dict:
             "store_keys_after": got["store_keys"],
             "groups_last_load": groups,
         }
+    stock = out[0]["stock"]
+    print(f"{'stock':<12}{'whole load':<12}{ms(stock)}  (FileSystemReader, the same state in /dev/shm)")
+    summary["stock"] = {"load_median_s": statistics.median(stock), "load_s": stock}
     summary["modules"] = out[0]["modules"]
     return summary
 
@@ -243,6 +266,14 @@ def compare(args: argparse.Namespace) -> None:
                 f"{' '.join(f'{r:.2f}' for r in ratios)}  median {statistics.median(ratios):.2f}"
             )
             result[f"{kind}_{key}"] = {"baseline": base, "this": this, "ratios": ratios}
+    stock = [r[name]["stock"]["load_median_s"] for r in rows for name in trees if "stock" in r[name]]
+    if stock:  # measured beside either tree, the same each time
+        this = statistics.median(r["this"]["intact"]["load_median_s"] for r in rows)
+        print(
+            f"stock DCP FileSystemReader, same state in /dev/shm: {statistics.median(stock) * 1e3:.1f} ms "
+            f"(this tree's intact load {this / statistics.median(stock):.2f}x of it)"
+        )
+        result["stock_load_median_s"] = stock
     print(json.dumps(result))
 
 
