@@ -436,6 +436,9 @@ def _damaged_shared_metadata(rank: int, world: int, root: str) -> tuple[int, boo
 def test_metadata_damaged_on_a_shared_tier_lets_every_rank_resume_from_the_step_before(tmp_path):
     """With a process group the damaged metadata is found as the step is opened, on every
     rank alike, so load_latest chooses again (it came out of DCP's read_metadata as a bare
-    AssertionError, and the resume stopped)."""
-    results = run_ranks(_damaged_shared_metadata, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}, timeout=120)
-    assert results == [(1, True), (1, True)], results
+    AssertionError, and the resume stopped), and rank 0 alone marks the bucket."""
+    results = run_ranks(_damaged_shared_metadata, 3, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}, timeout=120)
+    assert results == [(1, True)] * 3, results
+    # every rank found it alike: the bucket holds one quarantine mark (rank 0's), not one per rank
+    marks = [n for n in os.listdir(tmp_path / "bucket" / "run") if parse_quarantine(n) is not None]
+    assert [parse_quarantine(n)[0] for n in marks] == [2], marks

@@ -17,6 +17,7 @@ a read finds it damaged, and gives the leases back.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import weakref
@@ -142,14 +143,14 @@ class OpenStep:
                     opened.metadata.set_cluster(md, opened.cluster)
                 except CheckpointCorruptError as e:  # every rank saw the same bytes: all agree
                     if not opened.copies:
-                        raise opened.quarantine(str(e)) from e
+                        raise opened.quarantine(str(e), alike=True) from e
                     log.warning("%s; loading step %d from a shared tier instead", e, opened.step)
                     opened.cluster, opened.own = [], {}
             opened._share_shared_metadata()
             # every rank holds the same bytes now: metadata damaged on every tier raises here,
             # from the constructor, where load_latest chooses again (inside DCP's read_metadata
             # it would come out as DCP's bare AssertionError)
-            opened.metadata.first(opened.copies, opened.quarantine)
+            opened.metadata.first(opened.copies, functools.partial(opened.quarantine, alike=True))
         opened.copy_at = {c.tier_index: c for c in opened.copies} | opened.own
         opened.sources = opened._plan_sources()
         return opened
@@ -212,15 +213,20 @@ class OpenStep:
             return "no older good step is known here: the next load finds none unless another tier holds one"
         return f"the next TieredReader(config) or load_latest loads step {nxt}"
 
-    def quarantine(self, why: str) -> CheckpointCorruptError:
+    def quarantine(self, why: str, alike: bool = False) -> CheckpointCorruptError:
         """Mark the chosen step not loadable wherever this rank reaches a copy of it (its own
         root of each node-local tier holding it in the cluster, every shared tier holding
-        it; alone, every copy), so that no later reader chooses it; the error to raise."""
+        it; alone, every copy), so that no later reader chooses it; the error to raise.
+
+        ``alike``: every rank of the group found the same (the metadata, whose bytes they all
+        hold): a shared tier is then marked by rank 0 alone, not by each of 10,000 ranks
+        (each mark an object every later listing of the namespace returns)."""
         ns = self.config.namespace
         targets = [(self.views[c.tier_index], self.views[c.tier_index].own, c.ident) for c in self.cluster]
-        for copy in self.copies:
+        by_rank_0 = alike and self.with_group and self.rank != 0
+        for copy in [] if by_rank_0 else self.copies:
             targets.append((self.views[copy.tier_index], copy.store, copy.marker.metadata_xxh3))
-        marked = []
+        marked = [f"{c.store.describe(ns)} (by rank 0)" for c in self.copies] if by_rank_0 else []
         for view, store, ident in {(t[1].url, t[2]): t for t in targets}.values():
             try:
                 mark = lambda v=view, st=store, i=ident: v.quarantine(st, self.step, i, self.rank, why)  # noqa: E731
