@@ -225,3 +225,35 @@ def test_items_that_arrived_before_a_peer_stalled_are_not_read_again(tmp_path):
         assert len(fell_back) == 1, results[rank][1]
         missing = int(re.search(r"reading the (\d+) item\(s\)", fell_back[0]).group(1))
         assert 0 < missing < ITEMS, fell_back[0]
+
+
+def _ask_twice(rank: int, world: int) -> list[list[int]]:
+    """Rank 1 asks rank 0 for one item twice (two targets of it) and for another once; each
+    item two chunks, served chunk by chunk (chunk j of item i filled with 10 * i + j + 1)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from tiered_dcp.ranks import transport
+
+    def req(i: int) -> peer_exchange.PeerRequest:
+        return peer_exchange.PeerRequest(0, 0, MetadataIndex(f"item{i}"), 7, (4, 3))
+
+    def serve(r: peer_exchange.PeerRequest):
+        i = int(r.index.fqn[4:])
+        return lambda j, out: out.fill_(10 * i + j + 1) is not None
+
+    wanted = {0: [req(2), req(1), req(2)]} if rank == 1 else {}
+    exchange = peer_exchange.PeerExchange(transport.next_name("t", "load"), rank, world, 20.0)
+    arrived = exchange.round(wanted, serve)
+    assert arrived is not None
+    return [[r.index.fqn[4:], *buf.tolist()] for _, r, buf in arrived]
+
+
+def test_an_item_asked_for_twice_by_one_rank_arrives_whole_twice():
+    """A holder sends each pair's items in one order, chunk by chunk; an item one rank asks for
+    twice goes as two whole copies, in the order that rank posted its receives."""
+    _, got = run_ranks(_ask_twice, 2)
+    assert sorted(map(tuple, got)) == [
+        ("1", 11, 11, 11, 11, 12, 12, 12),
+        ("2", 21, 21, 21, 21, 22, 22, 22),
+        ("2", 21, 21, 21, 21, 22, 22, 22),
+    ]

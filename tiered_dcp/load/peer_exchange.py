@@ -353,8 +353,8 @@ class PeerExchange:
                 for req in reqs:
                     by_item.setdefault(req.order, []).append((requester, req))
             for order in sorted(by_item):  # an item several ranks ask for is read once
-                asks = by_item[order]
-                _send(groups, asks, serve(asks[0][1]), ring)
+                for wave in _waves(by_item[order]):
+                    _send(groups, wave, serve(wave[0][1]), ring)
         except BaseException:
             for group in groups.values():
                 group.close()
@@ -386,6 +386,19 @@ def _spans(chunks: Sequence[int]) -> Iterator[tuple[int, int]]:
     for n in chunks:
         yield at, n
         at += n
+
+
+def _waves(asks: list[tuple[int, PeerRequest]]) -> Iterator[list[tuple[int, PeerRequest]]]:
+    """An item's asks in waves with each requester at most once: a rank asking for the same
+    item twice (two of its targets) receives all of the first copy's chunks, then the
+    second's, as it posted its receives, where one wave would interleave them."""
+    while asks:
+        wave, seen, rest = [], set(), []
+        for requester, req in asks:
+            (rest if requester in seen else wave).append((requester, req))
+            seen.add(requester)
+        yield wave
+        asks = rest
 
 
 def _send(
