@@ -31,13 +31,42 @@ WHERE = "where"  # every plan: the rank's ``SaveRank``
 
 
 @dataclasses.dataclass(frozen=True)
+class EvenNodes:
+    """A save's world as torchrun and SLURM lay it out: ``per_node`` ranks to a node in rank
+    order (node = rank // per_node; the last node may have fewer). Every rank's global plan
+    carries the world, and the coordinator pickles each plan on its own: in this form that
+    is a few bytes a plan at any scale, where the whole tuple is one int per rank in each
+    of N plans (10,000 ranks: 280 MB pickled by the coordinator for one save)."""
+
+    ranks: int
+    per_node: int
+
+    def nodes(self) -> list[int]:
+        return [r // self.per_node for r in range(self.ranks)]
+
+
+def compact(world: list[int]) -> EvenNodes | tuple[int, ...]:
+    """``world`` (rank -> node) as ``EvenNodes`` when it is laid out so, else as it is."""
+    per = next((i for i, node in enumerate(world) if node != 0), len(world))
+    if per and world == [r // per for r in range(len(world))]:
+        return EvenNodes(len(world), per)
+    return tuple(world)
+
+
+@dataclasses.dataclass(frozen=True)
 class SaveRank:
     """Where a rank's plan comes from, as the writer tells the coordinator (local plans), and
     the save's rank -> node layout the coordinator hands back (global plans: ``world``)."""
 
     rank: int
     node: int
-    world: tuple[int, ...] | None = None  # index: rank; set by ``plan_global``
+    world: EvenNodes | tuple[int, ...] | None = None  # set by ``plan_global`` (``compact``)
+
+    def nodes(self) -> list[int] | None:
+        """The save's rank -> node layout (index: rank); None in a local plan."""
+        if self.world is None:
+            return None
+        return self.world.nodes() if isinstance(self.world, EvenNodes) else list(self.world)
 
 
 def save_rank(plan: SavePlan) -> SaveRank | None:
@@ -156,7 +185,7 @@ def _with_world(plan: SavePlan, world: list[int]) -> SavePlan:
     where = save_rank(plan)
     if where is None:
         raise ValueError("TieredWriter: a plan in the global plan lacks its SaveRank (prepare_local_plan)")
-    tagged = dataclasses.replace(where, world=tuple(world))
+    tagged = dataclasses.replace(where, world=compact(world))
     return dataclasses.replace(plan, storage_data={**plan.storage_data, WHERE: tagged})
 
 

@@ -521,7 +521,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         slower = self.tier_indexes[1:]
         ns = self.config.namespace
         where = save_rank(plan)
-        world = list(where.world) if where is not None and where.world else [self.node]
+        world = (where.nodes() if where is not None else None) or [self.node]
         name = transport.next_name(ns, "save") if transport.dist_up() else ""
         try:
             committer = commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout)
