@@ -132,6 +132,38 @@ def test_no_page_is_faulted_on_the_training_thread(shm, tmp_path, prepared_first
     assert len(_part_files(cfg)) <= 3
 
 
+def test_two_states_saved_in_turn_keep_each_others_prepared_files(shm):
+    """A model and its EMA, saved in turn under two namespaces on one RAM tier: each save
+    stages into a file prepared for its own layout; one state's save does not throw away
+    the files prepared for the other (each save then faulted fresh pages on the training
+    thread, as a first save does)."""
+    mib = {"model": 16, "ema": 8}
+    cfgs = {ns: TieredConfig(ns, [Tier(str(shm / "ram"), keep=2)]) for ns in mib}
+    states = {ns: _state(0, n) for ns, n in mib.items()}
+    faults: dict[tuple[str, int], int] = {}
+    futs: list = []
+    for step in range(1, 5):
+        for ns, state in states.items():
+            state["w"].copy_(_state(step, mib[ns])["w"])
+            state["step"] = step
+            for f in futs:
+                f.result()
+            _wait_prepared()
+            before = _faults()
+            futs = [dcp.async_save(state, storage_writer=TieredWriter(cfgs[ns], step=step))]
+            faults[(ns, step)] = _faults() - before
+    for f in futs:
+        f.result()
+    for (ns, step), n in faults.items():
+        if step > 1:
+            assert n < mib[ns] * MiB // PAGE // 4, faults
+    for ns, cfg in cfgs.items():
+        settle(cfg)
+        target = _zeros(mib[ns])
+        dcp.load(target, storage_reader=TieredReader(cfg, step=4))
+        assert torch.equal(target["w"], _state(4, mib[ns])["w"]) and target["step"] == 4
+
+
 def test_prepared_files_hold_at_most_keep_plus_one_steps(shm):
     """The prepared files and the kept steps' files together: keep + 1 per rank, as the
     memory guard counts them; closing the pool lets the unnamed ones go with it."""

@@ -271,6 +271,7 @@ class _Slot:
     file: TierFile | None = None  # where the part file was put last
     busy: bool = False
     prepared: bool = False  # a part file made ahead, with no name yet (``part_file.prepare``)
+    spares: str | None = None  # a prepared file's: the spare directory of the namespace it is for
     generation: int = 0
     limit: int = SLOTS  # the bound of the save that took it last (``StagingPool.stage``'s ``slots``)
     nbytes: int = field(init=False)
@@ -471,6 +472,7 @@ class StagingPool:
             for _ in range(need):
                 fd = part_file.prepare(where, ex.nbytes) if where is not None else None
                 slot = _allocate(ex, None, fd)
+                slot.spares = where.spares if where is not None else None
                 with self._cond:
                     self._preparing -= 1
                     need -= 1
@@ -511,7 +513,7 @@ class StagingPool:
                 if target is not None and self._preparing:  # one is on its way: no page faulted here
                     self._cond.wait(timeout=0.05)
                     continue
-                self._let_go_of_files(signature)
+                self._let_go_of_files(signature, target)
                 counted = [s for s in self._slots if s.busy or s.fd is None]
                 idle = [s for s in counted if not s.busy]
                 if idle:  # the state changed shape, or saves go to part files now: its buffer goes
@@ -555,12 +557,16 @@ class StagingPool:
                 return slot
         return None
 
-    def _let_go_of_files(self, signature: tuple) -> None:
+    def _let_go_of_files(self, signature: tuple, target: TierFile | None) -> None:
         """Unmap idle part-file slots whose file was deleted, and the oldest beyond
         ``MAPPED_FILES`` (their files are kept steps, held by the tier, not by the map);
-        prepared ones of another layout go (the state changed shape)."""
-        for slot in [s for s in self._slots if s.prepared and not s.busy and s.signature != signature]:
-            self._drop(slot)
+        prepared ones of another layout for ``target``'s namespace go (its state changed
+        shape). Those prepared for another namespace stay: two states saved in turn (a
+        model and its EMA) each find their own."""
+        spares = target.spares if target is not None else None
+        for slot in [s for s in self._slots if s.prepared and not s.busy and s.spares == spares]:
+            if slot.signature != signature:
+                self._drop(slot)
         files = [s for s in self._slots if s.fd is not None and not s.busy and not s.prepared]
         for i, slot in enumerate(files):
             if i >= MAPPED_FILES or part_file.gone(slot.fd):  # type: ignore[arg-type]
