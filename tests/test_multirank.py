@@ -306,11 +306,11 @@ def test_a_sharded_state_exports_to_safetensors_whole_and_exact(tmp_path):
 
 
 def _gather_blobs(rank, world):
-    from tiered_dcp.load.discovery import SLOT_BYTES, all_gather_bytes
+    from tiered_dcp.load.discovery import GATHER_SLOT_BYTES, all_gather_bytes
 
     small = [b"", b"holdings", b"\x00\xff" * 7]
     fits = all_gather_bytes(small[rank])
-    edge = all_gather_bytes(b"e" * (SLOT_BYTES - 8) if rank == 1 else b"x")
+    edge = all_gather_bytes(b"e" * (GATHER_SLOT_BYTES - 8) if rank == 1 else b"x")
     large = all_gather_bytes(bytes(range(256)) * 20 if rank == 2 else small[rank])
     return fits, edge, large
 
@@ -318,10 +318,10 @@ def _gather_blobs(rank, world):
 def test_all_gather_bytes_gives_every_rank_every_blob_whole():
     """The load's holdings exchange: blobs that fit a slot in one all-gather, one longer than
     a slot (on one rank) through a second round that every rank takes, empty ones too."""
-    from tiered_dcp.load.discovery import SLOT_BYTES
+    from tiered_dcp.load.discovery import GATHER_SLOT_BYTES
 
     small = [b"", b"holdings", b"\x00\xff" * 7]
     for fits, edge, large in run_ranks(_gather_blobs, 3):
         assert fits == small
-        assert edge == [b"x", b"e" * (SLOT_BYTES - 8), b"x"]
+        assert edge == [b"x", b"e" * (GATHER_SLOT_BYTES - 8), b"x"]
         assert large == [b"", b"holdings", bytes(range(256)) * 20]

@@ -54,27 +54,27 @@ def broadcast_bytes(blob: bytes | None, src: int = 0) -> bytes:
     return buf.numpy().tobytes()
 
 
-SLOT_BYTES = 1024  # all_gather_bytes' first round: a rank's holdings fit in one (a few steps)
+GATHER_SLOT_BYTES = 1024  # all_gather_bytes' first round: a rank's holdings fit in one (a few steps)
 
 
 def all_gather_bytes(blob: bytes) -> list[bytes]:
     """Every rank's ``blob``, in rank order, as bytes (never unpickled).
 
-    One all-gather of fixed slots (``SLOT_BYTES``: each blob's length, then as much of it as
+    One all-gather of fixed slots (``GATHER_SLOT_BYTES``: each blob's length, then as much of it as
     fits) when every blob fits, as a load's holdings do; else, every rank having seen the
     lengths, a second of the whole blobs padded to the longest. At scale each all-gather is
     a pass over the whole job: one where the lengths and then the bytes took two.
     """
     world = dist.get_world_size()
     head = len(blob).to_bytes(8, "little")
-    mine = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
-    first = head + blob[: SLOT_BYTES - 8]
+    mine = torch.zeros(GATHER_SLOT_BYTES, dtype=torch.uint8)
+    first = head + blob[: GATHER_SLOT_BYTES - 8]
     mine[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-    slots = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in range(world)]
+    slots = [torch.empty(GATHER_SLOT_BYTES, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(slots, mine)
     got = [slot.numpy().tobytes() for slot in slots]
     sizes = [int.from_bytes(g[:8], "little") for g in got]
-    if max(sizes) <= SLOT_BYTES - 8:
+    if max(sizes) <= GATHER_SLOT_BYTES - 8:
         return [g[8 : 8 + n] for g, n in zip(got, sizes, strict=True)]
     longest = max(sizes)
     whole = torch.zeros(longest, dtype=torch.uint8)
