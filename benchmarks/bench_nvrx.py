@@ -31,7 +31,6 @@ Never fails on timing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -40,13 +39,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import make_state, spawn_ranks
+from common import make_state, slowest, spawn_ranks
 
 WORLD, RANKS_PER_NODE = 4, 2
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,67 +80,51 @@ class HostStateDict(BasicTensorAwareStateDict):  # type: ignore[misc,valid-type]
         """The tensors stay on the host (NvRx moves them back to CUDA here)."""
 
 
-def slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def nvrx_rank(rank: int, root: str, args: dict) -> dict[str, list[float]]:
+    """One rank of NvRx's job: save a step, then time loads intact and with node 1 lost."""
+    _shim_cuda()
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+    from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
 
-
-def nvrx_rank(rank: int, port: int, root: str, args: dict, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    warnings.filterwarnings("ignore")
-    try:
-        _shim_cuda()
-        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
-            LocalCheckpointManager,
-        )
-        from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
-
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
-        strategy = CliqueReplicationStrategy.from_replication_params(2, 2)
-        node_dir = lambda: f"{root}/node{rank // RANKS_PER_NODE}"  # noqa: E731
-        state = {f"r{rank}.{k}": v for k, v in make_state(args["mib"]).items()}
-        LocalCheckpointManager(node_dir(), repl_strategy=strategy).save(HostStateDict(dict(state)), 1)
-        out: dict[str, list[float]] = {}
-        for kind in ("intact", "node_lost"):
-            if kind == "node_lost":
-                dist.barrier()
-                if rank == 0:
-                    shutil.rmtree(f"{root}/node1")
-                dist.barrier()
-            target = {k: torch.empty_like(v) for k, v in state.items()}
-            took = []
-            for i in range(args["loads"] + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
-                manager = LocalCheckpointManager(node_dir(), repl_strategy=strategy)
-                if manager.find_latest() != 1:
-                    raise AssertionError("NvRx found no step 1")
-                loaded, _ = manager.load()
-                for k, t in target.items():
-                    if args["copy"]:
-                        t.copy_(loaded.state_dict[k])
-                    else:  # checked below, untimed
-                        target[k] = loaded.state_dict[k]
-                seconds = slowest(time.perf_counter() - t0)
-                if i:
-                    took.append(seconds)
-                if not all(torch.equal(target[k], state[k]) for k in state):
-                    raise AssertionError("NvRx loaded wrong")
-            out[kind] = took
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-        raise
+    strategy = CliqueReplicationStrategy.from_replication_params(2, 2)
+    node_dir = f"{root}/node{rank // RANKS_PER_NODE}"
+    state = {f"r{rank}.{k}": v for k, v in make_state(args["mib"]).items()}
+    LocalCheckpointManager(node_dir, repl_strategy=strategy).save(HostStateDict(dict(state)), 1)
+    out: dict[str, list[float]] = {}
+    for kind in ("intact", "node_lost"):
+        if kind == "node_lost":
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(f"{root}/node1")
+            dist.barrier()
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        took = []
+        for i in range(args["loads"] + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            manager = LocalCheckpointManager(node_dir, repl_strategy=strategy)
+            if manager.find_latest() != 1:
+                raise AssertionError("NvRx found no step 1")
+            loaded, _ = manager.load()
+            for k, t in target.items():
+                if args["copy"]:
+                    t.copy_(loaded.state_dict[k])
+                else:  # checked below, untimed
+                    target[k] = loaded.state_dict[k]
+            seconds = slowest(time.perf_counter() - t0)
+            if i:
+                took.append(seconds)
+            if not all(torch.equal(target[k], state[k]) for k in state):
+                raise AssertionError("NvRx loaded wrong")
+        out[kind] = took
+    return out
 
 
 def run_nvrx(args: argparse.Namespace) -> dict[str, float]:
     root = tempfile.mkdtemp(prefix="tdcp-bench-nvrx-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         spec = {"mib": args.mib, "loads": args.loads, "copy": not args.no_copy}
-        got = spawn_ranks(nvrx_rank, WORLD, root, spec, timeout=280)
+        got = spawn_ranks(nvrx_rank, WORLD, root, spec, env={"LOCAL_WORLD_SIZE": RANKS_PER_NODE}, timeout=280)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {kind: statistics.median(got[0][kind]) for kind in ("intact", "node_lost")}

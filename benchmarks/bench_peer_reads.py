@@ -32,7 +32,6 @@ the median of those ratios. Never fails on timing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -41,15 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from typing import Any
 
 import bench_tree  # first: TIERED_DCP_BENCH_TREE decides which tree's tiered_dcp is imported
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import make_state, spawn_ranks
+from common import make_state, slowest, spawn_ranks
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
 
@@ -89,12 +86,6 @@ class TimedReader(TieredReader):
     @property
     def peer_s(self) -> float:
         return getattr(getattr(self, "_reads", None), "peer_s", float("nan"))  # a baseline tree: untimed
-
-
-def slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def loads(config: TieredConfig, state: dict, n: int) -> dict:
@@ -141,42 +132,26 @@ def stock_loads(path: str, state: dict, n: int) -> list[float]:
     return seconds
 
 
-def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank % RANKS_PER_NODE),
-        LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
-        TIERED_DCP_RUNTIME_DIR=f"{root}/runtime",
+def rank_main(rank: int, root: str, args: dict) -> dict:
+    """One rank: save a step, time stock's loads, then ours intact and with node 1 lost."""
+    state = {f"r{rank}.{k}": v for k, v in make_state(args["mib"]).items()}
+    config = TieredConfig(
+        "bench-peers",
+        [Tier(f"{root}/ram/{{node}}", every=1, keep=1)],
+        replication_factor=2,
+        replication_jump=2,
     )
-    warnings.filterwarnings("ignore")
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
-        state = {f"r{rank}.{k}": v for k, v in make_state(args["mib"]).items()}
-        config = TieredConfig(
-            "bench-peers",
-            [Tier(f"{root}/ram/{{node}}", every=1, keep=1)],
-            replication_factor=2,
-            replication_jump=2,
-        )
-        dcp.save(state, storage_writer=TieredWriter(config, step=1))
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/stock"))
-        out: dict[str, Any] = {"stock": stock_loads(f"{root}/stock", state, args["loads"])}
-        out["intact"] = loads(config, state, args["loads"])
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(f"{root}/ram/1")
-        dist.barrier()
-        out["node_lost"] = loads(config, state, args["loads"])
-        out["modules"] = bench_tree.loaded_from()
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-        raise
+    dcp.save(state, storage_writer=TieredWriter(config, step=1))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/stock"))
+    out: dict[str, Any] = {"stock": stock_loads(f"{root}/stock", state, args["loads"])}
+    out["intact"] = loads(config, state, args["loads"])
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{root}/ram/1")
+    dist.barrier()
+    out["node_lost"] = loads(config, state, args["loads"])
+    out["modules"] = bench_tree.loaded_from()
+    return out
 
 
 def run_once(args: argparse.Namespace) -> dict:
@@ -184,7 +159,9 @@ def run_once(args: argparse.Namespace) -> dict:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="tdcp-bench-peers-", dir=base)
     try:
-        return spawn_ranks(rank_main, WORLD, root, {"mib": args.mib, "loads": args.loads}, timeout=280)
+        env = {"LOCAL_WORLD_SIZE": RANKS_PER_NODE, "TIERED_DCP_RUNTIME_DIR": f"{root}/runtime"}
+        spec = {"mib": args.mib, "loads": args.loads}
+        return spawn_ranks(rank_main, WORLD, root, spec, env=env, timeout=280)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

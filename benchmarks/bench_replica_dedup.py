@@ -19,16 +19,12 @@ The first save has nothing to dedup against; the later ones are the median of st
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
-import traceback
-import warnings
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,54 +49,38 @@ def rank_state(rank: int, mib: int, step: int) -> dict:
     return out
 
 
-def rank_main(rank: int, port: int, root: str, args: dict, results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank % RANKS_PER_NODE),
-        LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
-        TIERED_DCP_RUNTIME_DIR=f"{root}/runtime",
-    )
-    warnings.filterwarnings("ignore")
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600))
-        configs = {
-            mode: TieredConfig(
-                f"bench-{mode}",
-                [Tier(f"{root}/ram/{{node}}", keep=2)],
-                replication_factor=2,
-                replication_jump=2,
-                dedup=mode == "dedup",
+def rank_main(rank: int, root: str, args: dict) -> dict[str, list[dict]]:
+    """One rank: each mode's saves, timed, and the bytes sent and written."""
+    configs = {
+        mode: TieredConfig(
+            f"bench-{mode}",
+            [Tier(f"{root}/ram/{{node}}", keep=2)],
+            replication_factor=2,
+            replication_jump=2,
+            dedup=mode == "dedup",
+        )
+        for mode in MODES
+    }
+    rows: dict[str, list[dict]] = {m: [] for m in MODES}
+    for step in range(1, args["steps"] + 1):
+        state = rank_state(rank, args["mib"], step)
+        for mode in MODES if step % 2 else MODES[::-1]:
+            before: dict = {}
+            on_rank0(lambda b=before, m=mode: b.update(files(f"{root}/ram/*/bench-{m}")))
+            writer = TieredWriter(configs[mode], step=step)
+            seconds = timed(lambda w=writer, s=state: dcp.save(s, storage_writer=w))
+            sent = torch.tensor([writer.sent_bytes], dtype=torch.int64)
+            dist.all_reduce(sent)
+            written = [0]
+            on_rank0(
+                lambda b=before, m=mode, w=written: w.__setitem__(
+                    0, new_bytes(b, files(f"{root}/ram/*/bench-{m}"))
+                )
             )
-            for mode in MODES
-        }
-        rows: dict[str, list[dict]] = {m: [] for m in MODES}
-        for step in range(1, args["steps"] + 1):
-            state = rank_state(rank, args["mib"], step)
-            for mode in MODES if step % 2 else MODES[::-1]:
-                before: dict = {}
-                on_rank0(lambda b=before, m=mode: b.update(files(f"{root}/ram/*/bench-{m}")))
-                writer = TieredWriter(configs[mode], step=step)
-                seconds = timed(lambda w=writer, s=state: dcp.save(s, storage_writer=w))
-                sent = torch.tensor([writer.sent_bytes], dtype=torch.int64)
-                dist.all_reduce(sent)
-                written = [0]
-                on_rank0(
-                    lambda b=before, m=mode, w=written: w.__setitem__(
-                        0, new_bytes(b, files(f"{root}/ram/*/bench-{m}"))
-                    )
-                )
-                rows[mode].append(
-                    {"step": step, "save_s": seconds, "sent": int(sent.item()), "written": written[0]}
-                )
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, "ok", rows))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-        raise
+            rows[mode].append(
+                {"step": step, "save_s": seconds, "sent": int(sent.item()), "written": written[0]}
+            )
+    return rows
 
 
 def main() -> None:
@@ -113,7 +93,8 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tdcp-bench-repl-dedup-", dir=base)
     started = time.monotonic()
     try:
-        out = spawn_ranks(rank_main, WORLD, root, {"mib": args.mib, "steps": args.steps})
+        env = {"LOCAL_WORLD_SIZE": RANKS_PER_NODE, "TIERED_DCP_RUNTIME_DIR": f"{root}/runtime"}
+        out = spawn_ranks(rank_main, WORLD, root, {"mib": args.mib, "steps": args.steps}, env=env)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = out[0]

@@ -17,16 +17,12 @@ step's stored size. Never fails on timing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
 import sys
 import time
-import traceback
 import uuid
-import warnings
-from typing import Any
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before gcsfs is imported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -34,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from common import spawn_ranks  # noqa: E402
+from common import slowest, spawn_ranks  # noqa: E402
 from gcs_emulator import Emulator, FaultProxy  # noqa: E402
 from tiered_dcp.storage import open_storage  # noqa: E402
 from tiered_dcp.storage.format import step_dir  # noqa: E402
@@ -60,54 +56,36 @@ def model(mib: int, world: int, replicas: int, empty: bool) -> dict:
     return out
 
 
-def slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def rank_main(rank: int, port: int, world: int, a: dict, results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
-    )
-    warnings.filterwarnings("ignore")
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        proxy = FaultProxy(a["emulator"], lifetime=1200) if rank == 0 else None
-        box = [proxy.url if proxy else None]
-        dist.broadcast_object_list(box, src=0)
-        options = {"endpoint_url": box[0], "token": "anon", "project": a["project"]}
-        cfg = TieredConfig("restore", [Tier(a["url"], shared=True, storage_options=options)])
-        want = model(a["mib"], world, a["replicas"], False)
-        dcp.save(want, storage_writer=TieredWriter(cfg, step=1))
-        shutdown()
-        times: dict[str, list[float]] = {"each": [], "spread": []}
-        served: dict[str, list[int]] = {"each": [], "spread": []}
-        for _ in range(a["loads"]):
-            for way in ("each", "spread"):
-                target = model(a["mib"], world, a["replicas"], True)
-                dist.barrier()
-                if proxy is not None:
-                    proxy.served = 0
-                t0 = time.perf_counter()
-                dcp.load(target, storage_reader=TieredReader(cfg, spread=way == "spread"))
-                times[way].append(slowest(time.perf_counter() - t0))
-                if proxy is not None:
-                    served[way].append(proxy.served)
-                if not all(torch.equal(target[k].to_local(), want[k].to_local()) for k in want):
-                    raise AssertionError(f"a {way} load was not exact on rank {rank}")
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, "ok", {"times": times, "served": served}))
-        if proxy is not None:
-            proxy.stop()
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-        raise
+def rank_main(rank: int, world: int, a: dict) -> dict:
+    """One rank: save the model once, then time each way of loading it, and what the bucket
+    served (rank 0 runs the counting proxy)."""
+    proxy = FaultProxy(a["emulator"], lifetime=1200) if rank == 0 else None
+    box = [proxy.url if proxy else None]
+    dist.broadcast_object_list(box, src=0)
+    options = {"endpoint_url": box[0], "token": "anon", "project": a["project"]}
+    cfg = TieredConfig("restore", [Tier(a["url"], shared=True, storage_options=options)])
+    want = model(a["mib"], world, a["replicas"], False)
+    dcp.save(want, storage_writer=TieredWriter(cfg, step=1))
+    shutdown()
+    times: dict[str, list[float]] = {"each": [], "spread": []}
+    served: dict[str, list[int]] = {"each": [], "spread": []}
+    for _ in range(a["loads"]):
+        for way in ("each", "spread"):
+            target = model(a["mib"], world, a["replicas"], True)
+            dist.barrier()
+            if proxy is not None:
+                proxy.served = 0
+            t0 = time.perf_counter()
+            dcp.load(target, storage_reader=TieredReader(cfg, spread=way == "spread"))
+            times[way].append(slowest(time.perf_counter() - t0))
+            if proxy is not None:
+                served[way].append(proxy.served)
+            if not all(torch.equal(target[k].to_local(), want[k].to_local()) for k in want):
+                raise AssertionError(f"a {way} load was not exact on rank {rank}")
+    dist.barrier()  # every rank's loads are through the proxy
+    if proxy is not None:
+        proxy.stop()
+    return {"times": times, "served": served}
 
 
 def run_job(world: int, replicas: int, em: Emulator, args: argparse.Namespace) -> dict:
@@ -115,7 +93,7 @@ def run_job(world: int, replicas: int, em: Emulator, args: argparse.Namespace) -
     em.create_bucket(name)
     a = {"emulator": em.url, "project": em.storage_options()["project"], "url": f"gs://{name}"}
     a.update(mib=args.mib, loads=args.loads, replicas=replicas)
-    out = spawn_ranks(rank_main, world, world, a)
+    out = spawn_ranks(rank_main, world, world, a, env={"LOCAL_WORLD_SIZE": RANKS_PER_NODE})
     with open_storage(a["url"], em.storage_options()) as store:
         stored = sum(store.list_sizes(step_dir("restore", 1)).values())
     row = {"stored_mib": stored / MiB}

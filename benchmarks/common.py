@@ -53,16 +53,55 @@ def new_bytes(before: dict, after: dict) -> int:
     return sum(size for name, (ino, size) in after.items() if before.get(name, (None,))[0] != ino)
 
 
-def spawn_ranks(target: Callable, world: int, *args: Any, timeout: float = 900) -> dict[int, Any]:
-    """``target(rank, port, *args, results)`` on ``world`` spawned processes (``port``: a free
-    one for their rendezvous); each puts ``(rank, "ok" | "error", value)`` on ``results``.
-    Every rank's value; the first failing rank's traceback is raised."""
+def _rank_process(
+    target: Callable, rank: int, world: int, port: int, env: dict, args: tuple, results: Any
+) -> None:
+    """One spawned rank: its environment, a gloo group over the ranks, ``target``, and its
+    value or traceback on ``results``."""
+    import datetime
+    import traceback
+    import warnings
+
+    import torch.distributed as dist
+
+    local = int(env.get("LOCAL_WORLD_SIZE", world))
+    os.environ.update({k: str(v) for k, v in env.items()})
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % local),
+        LOCAL_WORLD_SIZE=str(local),
+    )
+    warnings.filterwarnings("ignore")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        value = target(rank, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def spawn_ranks(
+    target: Callable, world: int, *args: Any, env: dict | None = None, timeout: float = 900
+) -> dict[int, Any]:
+    """``target(rank, *args)`` on ``world`` spawned processes joined by a gloo group (``env``
+    added to each one's environment; ``LOCAL_WORLD_SIZE`` there lays out the nodes, and
+    ``LOCAL_RANK`` follows from it). Every rank's value; the first failing rank's
+    traceback is raised."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, *args, results)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_process, args=(target, r, world, port, env or {}, args, results))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -79,3 +118,12 @@ def spawn_ranks(target: Callable, world: int, *args: Any, timeout: float = 900) 
                 p.kill()
                 p.join()
     return out
+
+
+def slowest(seconds: float) -> float:
+    """The slowest rank's ``seconds`` (a collective)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
