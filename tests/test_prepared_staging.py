@@ -293,3 +293,34 @@ def test_a_resumed_job_prepares_no_more_than_the_tier_lacks(shm):
     assert peak <= 3.1 * mib * MiB, peak / MiB
     for step in (6, 7):
         assert _exact(cfg, step, mib)
+
+
+def _claimed(fd: int) -> int:
+    return os.fstat(fd).st_blocks * 512
+
+
+def test_a_reused_part_file_is_claimed_to_its_size_and_holes_are_filled(shm):
+    """``part_file.size_to`` on a staged file's reuse: a file with no hole is only cut or
+    extended (the pages it holds are not walked again), one with a hole is claimed whole, so
+    a full tmpfs fails there, never with SIGBUS in the copy."""
+    from tiered_dcp.steps.part_file import size_to
+
+    path = os.path.join(shm, "f")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, b"x" * (3 * PAGE + 100), 0)  # a finished part file: arena, then its tail
+        size_to(fd, 2 * PAGE)  # reused by a save of 2 pages: cut
+        assert os.fstat(fd).st_size == 2 * PAGE and _claimed(fd) >= 2 * PAGE
+        size_to(fd, 5 * PAGE)  # a larger state: claimed from its end on
+        assert os.fstat(fd).st_size == 5 * PAGE and _claimed(fd) >= 5 * PAGE
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 4 * PAGE)
+        os.pwrite(fd, b"y", 4 * PAGE - 1)  # a hole before its last page
+        assert _claimed(fd) < 4 * PAGE
+        size_to(fd, 4 * PAGE)
+        assert _claimed(fd) >= 4 * PAGE
+        os.ftruncate(fd, 6 * PAGE)  # a hole at its end, then cut to the size asked
+        size_to(fd, 5 * PAGE)
+        assert os.fstat(fd).st_size == 5 * PAGE and _claimed(fd) >= 5 * PAGE
+    finally:
+        os.close(fd)

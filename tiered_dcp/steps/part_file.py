@@ -212,15 +212,18 @@ def gone(fd: int) -> bool:
 
 def size_to(fd: int, size: int) -> None:
     """Exactly ``size`` bytes, every block claimed now: a full tmpfs fails here with ENOSPC,
-    not with SIGBUS when the map is written. A file already that size with every block
-    claimed (a spare of the same layout) is left as it is: ``posix_fallocate`` walks every
-    page of it, a cost on the training thread for nothing."""
+    not with SIGBUS when the map is written. Only what is not claimed yet is claimed: a
+    file with no hole (every page to its end held, as a part file staged into and finished
+    is) is cut to ``size`` or claimed from its end on. ``posix_fallocate`` walks every page
+    of its range, a cost on the training thread (~0.1 s for 3 GB) for pages already held."""
     st = os.fstat(fd)
-    if st.st_size == size and st.st_blocks * 512 >= size:
+    whole = st.st_blocks * 512 >= st.st_size  # no hole: every page up to the end is held
+    if st.st_size == size and whole:
         return
     os.ftruncate(fd, size)
-    if size:
-        os.posix_fallocate(fd, 0, size)
+    start = min(st.st_size, size) if whole else 0
+    if size > start:
+        os.posix_fallocate(fd, start, size - start)
 
 
 def settle(base: int, placed: list[tuple[int, int]]) -> list[int]:
