@@ -198,6 +198,20 @@ def test_every_nonfinite_value_is_caught_in_every_float_dtype(tmp_path, value):
     shutdown()
 
 
+def test_the_largest_finite_values_are_not_taken_for_nonfinite(tmp_path):
+    """The screen reads each value's exponent bits: values whose sum would overflow (every
+    element at its dtype's largest finite magnitude) are finite, in every float dtype."""
+    cfg = TieredConfig("run", [Tier(str(tmp_path / "ram"))])
+    sd = {}
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        big = torch.full((3000,), torch.finfo(dt).max, dtype=dt)
+        big[1::2] = torch.finfo(dt).min
+        sd[str(dt)], sd[f"{dt}-tiny"] = big, torch.full((3000,), torch.finfo(dt).tiny / 2, dtype=dt)
+    dcp.save(sd, storage_writer=TieredWriter(cfg, step=1))
+    assert Marker.from_bytes((tmp_path / "ram" / marker_key("run", 1)).read_bytes()).finite
+    shutdown()
+
+
 def test_every_tiers_index_says_an_item_was_nonfinite_blocks_included(tmp_path):
     """The writer process copies a record with its item's facts, ``nonfinite`` among them,
     whether the item is stored in the part or as blocks (dedup)."""
