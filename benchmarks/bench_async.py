@@ -132,6 +132,7 @@ def series_child(args: argparse.Namespace) -> None:
     import logging
 
     from tiered_dcp.save import host_memory
+    from tiered_dcp.writer_process.client import writer_handle
 
     logging.getLogger("tiered_dcp").setLevel(logging.ERROR)
     state = make_state(args.mib, args.tensors)
@@ -170,7 +171,10 @@ def series_child(args: argparse.Namespace) -> None:
                     v.add_(1.0)  # a training step
                 if fut is not None:
                     fut.result()
-                copies.append(memcpy())  # the same copy, just before the save: the same machine noise
+                # the same copy just before the save (the same machine noise), and as the save
+                # copies: its writer process paused meanwhile (``run_dir.StagingLock``)
+                with writer_handle(config, 0).rd.writer.staging.hold():
+                    copies.append(memcpy())
                 writer = TieredWriter(config, step=step)
                 t0 = time.perf_counter()
                 fut = dcp.async_save(state, storage_writer=writer)

@@ -31,7 +31,16 @@ import torch.distributed.checkpoint as dcp
 from conftest import settle
 from tiered_dcp.storage.format import part_key
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, status, writer_status
+from tiered_dcp import (
+    Tier,
+    TieredConfig,
+    TieredReader,
+    TieredWriter,
+    shutdown,
+    status,
+    wait_for,
+    writer_status,
+)
 from tiered_dcp.save.staging import POOL
 
 MiB = 1 << 20
@@ -324,3 +333,51 @@ def test_a_reused_part_file_is_claimed_to_its_size_and_holes_are_filled(shm):
         assert os.fstat(fd).st_size == 5 * PAGE and _claimed(fd) >= 5 * PAGE
     finally:
         os.close(fd)
+
+
+def test_the_writer_process_pauses_while_its_trainer_stages(shm, tmp_path):
+    """A copy down the tiers waits while the trainer holds the staging lock (as ``async_save``
+    does while it copies), and goes on once it is let go."""
+    from tiered_dcp.writer_process.client import writer_handle
+
+    cfg = TieredConfig("pause", [Tier(str(shm / "ram"), keep=2), Tier(str(tmp_path / "disk"))])
+    dcp.save(_state(1, 4), storage_writer=TieredWriter(cfg, step=1))
+    wait_for(cfg, 1, timeout=60)  # its writer process runs
+    with writer_handle(cfg, 0).rd.writer.staging.hold():
+        dcp.save(_state(2, 4), storage_writer=TieredWriter(cfg, step=2))  # a sync save stages nothing
+        with pytest.raises(TimeoutError):
+            wait_for(cfg, 2, tier=1, timeout=1.5)
+    wait_for(cfg, 2, tier=1, timeout=60)
+    assert _exact(cfg, 2, 4, tier=1)
+    shutdown()
+
+
+def test_async_save_holds_the_staging_lock_while_it_copies(shm, tmp_path, monkeypatch):
+    import fcntl
+
+    from tiered_dcp.writer_process.client import writer_handle
+
+    cfg = TieredConfig("held", [Tier(str(shm / "ram"), keep=2), Tier(str(tmp_path / "disk"), every=2)])
+    held = []
+    copy = POOL._copy_into
+
+    def observed(slot, ex):  # the copy, with a look at the lock from another open file first
+        fd = os.open(writer_handle(cfg, 0).rd.writer.staging.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return copy(slot, ex)
+
+    monkeypatch.setattr(POOL, "_copy_into", observed)
+    state = _state(1, 2)
+    TieredWriter(cfg, step=1).prepare(state)  # starts the writer process (its run directory)
+    for step in (1, 2):
+        dcp.async_save(_state(step, 2), storage_writer=TieredWriter(cfg, step=step)).result()
+    assert held == [True, True]
+    wait_for(cfg, 2, timeout=60)
+    assert _exact(cfg, 2, 2, tier=1)
+    shutdown()

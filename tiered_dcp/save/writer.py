@@ -396,7 +396,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         copies = self.staging_slots - 1 if self.staged_file is not None else self.staging_slots
         host_memory.guard(self.config, examined.nbytes, copies, self.tier_indexes[0], staged_now)
         if not self.background_staging:
-            staged = POOL.stage(examined, target=self.staged_file, slots=self.staging_slots)
+            staged = self._stage(examined)
             self.stage_seconds = time.perf_counter() - started
             self.staging_bytes = POOL.info()["bytes"]
             self._prepare_next(examined)
@@ -405,9 +405,20 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.stage_seconds = time.perf_counter() - started
         return future
 
+    def _stage(self, examined: Examined, reserved: bool = False) -> STATE_DICT_TYPE:
+        """The copy into the staging slot, this rank's writer process paused meanwhile
+        (``run_dir.StagingLock``: it does not share the cores and memory bandwidth then)."""
+        quiet = (
+            writer_handle(self.config, _current_rank()).rd.writer.staging.hold()
+            if len(self.config.tiers) > 1
+            else contextlib.nullcontext()
+        )
+        with quiet:
+            return POOL.stage(examined, reserved, self.staged_file, self.staging_slots)
+
     def _stage_then_prepare(self, examined: Examined, reserved: bool) -> STATE_DICT_TYPE:
         """Background staging: the copy, then the next saves' files (``_prepare_next``)."""
-        staged = POOL.stage(examined, reserved, self.staged_file, self.staging_slots)
+        staged = self._stage(examined, reserved)
         self._prepare_next(examined)
         return staged
 
@@ -422,8 +433,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         """Make ready, before the first save, what saves of ``state_dict`` stage into: the
         RAM tier's part files for its ``keep + 1`` steps (or a staging buffer when the first
         tier is not in memory), sized, every page touched and, on CUDA, registered. Checked
-        against the host's memory first (``host_memory.guard``). Optional: without it the first
-        save claims its own, and later saves find theirs made in the background."""
+        against the host's memory first (``host_memory.guard``). With slower tiers, this rank's
+        writer process is started too, so its start (an interpreter and its imports) does not
+        share the cores with the first saves. Optional: without it the first save claims its
+        own, and later saves find theirs made in the background."""
         rank = _current_rank()
         examined = examine(state_dict)
         first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
@@ -432,6 +445,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         host_memory.guard(self.config, examined.nbytes, copies, first.index, POOL.info()["bytes"])
         keep = self.config.tiers[first.index].keep or 0
         POOL.prepare(examined, where, keep + 1)
+        if len(self.config.tiers) > 1:  # its writer process too: started now, not during the saves
+            writer_handle(self.config, rank).ensure(os.getpid())
 
     def synchronize_staging(self) -> None:
         """Nothing to do: ``stage`` returns a finished copy or a future for it."""

@@ -37,7 +37,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
@@ -83,14 +83,31 @@ def _no_progress() -> None:
     return None
 
 
+def _each_after(chunks: Iterable[bytes], pause: Callable[[], None]) -> Iterator[bytes]:
+    """``chunks``, each read only once ``pause`` has returned."""
+    it = iter(chunks)
+    while True:
+        pause()
+        try:
+            yield next(it)
+        except StopIteration:
+            return
+
+
 def copy_part(
-    src: TierView, dst: TierView, step: int, index: PartIndex, progress: Callable[[], None] = _no_progress
+    src: TierView,
+    dst: TierView,
+    step: int,
+    index: PartIndex,
+    progress: Callable[[], None] = _no_progress,
+    pause: Callable[[], None] = _no_progress,
 ) -> PartIndex:
     """Stream one part of ``step`` from ``src``'s own root to ``dst``'s; return its index there.
 
     Every chunk is verified as it is read and re-encoded for the target's codec; an item
     whose record points into another file lands in this part like the rest. ``progress``
-    is called whenever a chunk is handed to the target.
+    is called whenever a chunk is handed to the target, ``pause`` before each is read (the
+    trainer's staging goes first: ``run_dir.StagingLock``).
     """
     enc = Encoder(dst.tier.compression)
     out_key = part_key(dst.config.namespace, step, index.rank)
@@ -110,7 +127,7 @@ def copy_part(
             if key in records:
                 continue  # stored as blocks
             lengths, codecs = [], []  # one chunk in memory at a time, however large the item
-            for raw in iter_raw_chunks(src.own, rec):
+            for raw in _each_after(iter_raw_chunks(src.own, rec), pause):
                 codecs.append(enc.choose(memoryview(raw), rec.info.dtype))
                 stored = enc.encode_as(memoryview(raw), codecs[-1])
                 lengths.append(memoryview(stored).nbytes)
@@ -441,7 +458,9 @@ class Persister:
                     f"step {step}: no readable index of rank {rank}'s part in {src.own.url}"
                     + ("" if copy.marker.has_indexes else " (a format 1/2 step the writer cannot copy)")
                 )
-            written = copy_part(src, dst, step, index, lambda: self.progressed(job.target))
+            written = copy_part(
+                src, dst, step, index, lambda: self.progressed(job.target), self.rd.writer.staging.wait
+            )
             write_index(dst.own, ns, step, written)
             size += written.size
         if timing is not None:

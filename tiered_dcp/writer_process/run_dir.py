@@ -8,6 +8,8 @@ process, the status call and the CLI alike::
         config.json       the TieredConfig the writer works for (``TieredConfig.to_dict``)
         owner             pid of the trainer the writer serves (each new trainer rewrites it)
         writer.lock       held (flock) by the live writer for its whole life
+        staging.lock      held (flock, exclusive) by the trainer while it copies a save's state;
+                          the writer waits on it before each chunk it reads (``StagingLock``)
         writer.pid        the live writer's pid
         writer.log        the writer's log (``process`` rotates it)
         writer.out        the writer's stdout and stderr (a crash's traceback)
@@ -27,7 +29,8 @@ call reads it without talking to anyone.
 
 This module is the only code that names these files: ``RunDir`` the directory, its config
 and owner, and its parts each their own files (``JobQueue`` queue/, ``Results`` results/,
-``HealthRecords`` health/, ``WriterFiles`` the writer's lock, pid, logs and stop); ``Job``,
+``HealthRecords`` health/, ``WriterFiles`` the writer's lock, pid, logs and stop, and the
+``StagingLock``); ``Job``,
 ``Outcome`` and ``TierHealth`` are the only code that reads or writes their JSON. A writer of
 an older or newer version shares the directory with the trainer, so the format changes here
 or nowhere. ``POLL`` is how often either side looks at the directory for a change.
@@ -46,7 +49,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -374,13 +377,58 @@ class HealthRecords:
             old.unlink(missing_ok=True)
 
 
-class WriterFiles:
-    """The writer process's own files: its lock, pid, logs, and the request that it stop."""
+class StagingLock:
+    """The trainer's copy of a save's state comes before its writer's reads.
 
-    __slots__ = ("dir",)
+    The trainer holds it (``hold``) while it stages; the writer takes and drops it shared
+    before each chunk it reads (``wait``), so a copy down the tiers pauses for as long as
+    the training loop waits for its save: the two do not share the cores and the memory
+    bandwidth in that moment (on a 2-core host the writer's first copy made the save
+    staged beside it 2-4x a memcpy). The writer's chunk in flight finishes; nothing else
+    waits: the writer holds it for an instant, and a trainer that dies lets go of it."""
+
+    __slots__ = ("path", "_fd")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None  # the writer's, kept open for its life
+
+    def _open(self) -> int | None:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # no run directory: no writer was started
+            return None
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """The trainer's, while it copies."""
+        fd = self._open()
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # unlocks
+
+    def wait(self) -> None:
+        """The writer's, before each chunk it reads: until the trainer's copy is done."""
+        if self._fd is None:
+            self._fd = self._open()
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+class WriterFiles:
+    """The writer process's own files: its lock, pid, logs, the request that it stop, and
+    the lock its trainer's staging holds (``staging``)."""
+
+    __slots__ = ("dir", "staging")
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
+        self.staging = StagingLock(directory / "staging.lock")
 
     @property
     def lock_path(self) -> Path:
