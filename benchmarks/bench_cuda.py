@@ -26,15 +26,19 @@ every=1 keep=2 over a disk tier every=2 keep=2, ``on_lagging_tier`` from ``--lag
 ``TieredWriter.prepare`` before the first save, a fresh writer state each loop),
 ``stock_pinned`` (``FileSystemWriter`` with ``DefaultStager(StagingOptions(
 use_pinned_memory=True))``, one per save, the last two saves kept) and, if asked,
-``stock_default`` (DCP's own stager). Every EVERY steps: ``get_state_dict`` (timed apart),
+``stock_default`` (DCP's own stager) and ``tiered_ram_only`` (the RAM tier alone: no writer
+process copying behind the saves). Every EVERY steps: ``get_state_dict`` (timed apart),
 the device synchronized (untimed: the copy waits for the step's kernels anyway), then the
 stall: waiting for the previous save's future, and ``async_save``. Per loop: every stall in
-order, the first, the worst of saves 2-3, the median and max of save 4 on ("steady"), the
-loop's seconds (first step to the last done on the device, saves included; the last save's
-future after it is ``drain_s``) and its ratio to ``none``'s; against the raw pinned
-device-to-host copy of the same bytes (``raw_copy_s``). ``train targets``: issue 38's
-(tiered-dcp: every stall from the 2nd <= 2x the raw copy, steady ones <= 1.3x, the
-sparsest loop <= 1.15x ``none``), True/False, never a failure exit.
+order (for tiered-dcp also where each went: the previous future waited for, ``stage``
+and of it the slot's ``acquire`` and the ``copy``, the garbage collector's share, and each
+save's ``commit``, its ``write_data`` in the background), the first, the worst of saves
+2-3, the median and max of save 4 on ("steady"), the loop's seconds (first step to the
+last done on the device, saves included; the last save's future after it is ``drain_s``)
+and its ratio to ``none``'s; against the raw pinned device-to-host copy of the same bytes
+(``raw_copy_s``). ``train targets``: issue 38's (tiered-dcp: every stall from the 2nd
+<= 2x the raw copy, steady ones <= 1.3x, the sparsest loop <= 1.15x ``none``),
+True/False, never a failure exit.
 
 ``load``: a model + AdamW of ``--load-gib`` GiB loaded onto the GPU from the RAM tier
 (after async and after sync saves), from the disk tier and by stock ``FileSystemReader``,
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import shutil
@@ -73,6 +78,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for, writer_status
+from tiered_dcp.save.staging import POOL
+from tiered_dcp.writer_process.timings import Kind, read_records
 
 MiB = 1 << 20
 DEVICE = "cuda"  # --device cpu: a dry run of the script where there is no GPU
@@ -317,18 +324,42 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
 
 class TieredSaves:
     """tiered-dcp with the README's tiers: RAM in /dev/shm every=1 keep=2 over a disk tier
-    every=2 keep=2; ``TieredWriter.prepare`` before the first save."""
+    every=2 keep=2 (``ram_only``: the RAM tier alone, no writer process copying behind);
+    ``TieredWriter.prepare`` before the first save. Per save it keeps where the stall went
+    (``parts``): ``stage_s`` (``TieredWriter.stage_seconds``), and of it the slot's
+    ``acquire_s`` and the ``copy_s`` (the staging pool's two steps, timed from here)."""
 
-    def __init__(self, name: str, work: str, shm: str, lagging: str) -> None:
-        self.roots = [f"{shm}/{name}", f"{work}/{name}-disk"]
-        tiers = [Tier(self.roots[0], every=1, keep=2), Tier(self.roots[1], every=2, keep=2)]
+    def __init__(self, name: str, work: str, shm: str, lagging: str, ram_only: bool = False) -> None:
+        self.roots = [f"{shm}/{name}"] + ([] if ram_only else [f"{work}/{name}-disk"])
+        tiers = [Tier(self.roots[0], every=1, keep=2)]
+        if not ram_only:
+            tiers.append(Tier(self.roots[1], every=2, keep=2))
         self.config = TieredConfig(name, tiers, on_lagging_tier=lagging)
+        self.parts: dict[str, list[float]] = {"stage_s": [], "acquire_s": [], "copy_s": []}
+        # the pool's two steps timed on this process's pool (a diagnosis: no figure depends on it)
+        POOL._acquire = self._clock("acquire_s", POOL._acquire)
+        POOL._copy_into = self._clock("copy_s", POOL._copy_into)
+
+    def _clock(self, key: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.parts[key].append(time.perf_counter() - t0)
+
+        return timed
 
     def prepare(self, state: dict, step: int) -> None:
         TieredWriter(self.config, step=step).prepare(state)
+        for key in self.parts:  # prepare's own are not a save's
+            self.parts[key].clear()
 
     def save(self, state: dict, step: int):
-        return dcp.async_save(state, storage_writer=TieredWriter(self.config, step=step))
+        writer = TieredWriter(self.config, step=step)
+        fut = dcp.async_save(state, storage_writer=writer)
+        self.parts["stage_s"].append(writer.stage_seconds or 0.0)
+        return fut
 
     def finished(self, step: int) -> None:
         """Nothing: the tiers' retention is tiered-dcp's own."""
@@ -337,9 +368,15 @@ class TieredSaves:
         """The steps the disk tier skipped (``on_lagging_tier="skip"``)."""
         return sorted(step for w in writer_status(self.config) for step, _, _ in w.skipped)
 
+    def commits(self) -> list[float]:
+        """Each save's ``write_data`` (the future's part after planning), from its records."""
+        return [r.commit_s or 0.0 for r in read_records(self.config, Kind.SAVE)]
+
     def close(self) -> None:
         """Let the writer process finish (the next loop starts from a fresh process state:
         its first save is a first save again), then free the tiers' bytes."""
+        for name in ("_acquire", "_copy_into"):  # the class's own again
+            vars(POOL).pop(name, None)
         shutdown(wait=True, timeout=120)
         for root in self.roots:
             shutil.rmtree(root, ignore_errors=True)
@@ -385,21 +422,43 @@ class StockSaves:
 Saves = TieredSaves | StockSaves | None
 
 
+class GcClock:
+    """The seconds Python's garbage collector ran while ``on`` (a stall's share of it)."""
+
+    def __init__(self) -> None:
+        self.on, self.total, self._t0 = False, 0.0, 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._t0
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._tick)
+
+
 def train_loop(
     model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int, every: int, saves: Saves
 ) -> dict:
     """``steps`` training steps, an ``async_save`` every ``every`` (none if ``saves`` is
     None). A save's stall: the seconds from the step's kernels done (synchronized, untimed:
     the copy would wait for them anyway) until ``async_save`` returns, the wait for the
-    previous save's future included; ``get_state_dict`` is timed apart. ``loop_s``: from
-    the first step to the last one done on the device, saves included; ``drain_s``: the last
-    save's future after it; ``close_s``: the writer process finishing (tiered)."""
-    out: dict = {"steps": steps, "every": every, "stalls_s": [], "state_dict_s": []}
+    previous save's future included (also apart: ``waits_s``; and the garbage collector's
+    share: ``gc_s``); ``get_state_dict`` is timed apart. ``loop_s``: from the first step to
+    the last one done on the device, saves included; ``drain_s``: the last save's future
+    after it; ``close_s``: the writer process finishing (tiered)."""
+    out: dict = {"steps": steps, "every": every, "stalls_s": [], "waits_s": [], "gc_s": []}
+    out["state_dict_s"] = []
     prev = None  # (step, future)
     if saves is not None:
         t0 = time.perf_counter()
         saves.prepare(state_of(model, opt), every)
         out["prepare_s"] = time.perf_counter() - t0
+    clock = GcClock()
     sync()
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
@@ -410,21 +469,29 @@ def train_loop(
         state = state_of(model, opt)
         out["state_dict_s"].append(time.perf_counter() - t1)
         sync()
+        clock.on, clock.total = True, 0.0
         t1 = time.perf_counter()
         if prev is not None:
             prev[1].result()
+        out["waits_s"].append(time.perf_counter() - t1)
         fut = saves.save(state, step)
         out["stalls_s"].append(time.perf_counter() - t1)
+        clock.on = False
+        out["gc_s"].append(clock.total)
         if prev is not None:
             saves.finished(prev[0])
         prev = (step, fut)
     sync()
     out["loop_s"] = time.perf_counter() - t0
+    clock.close()
     if prev is not None:
         t0 = time.perf_counter()
         prev[1].result()
         saves.finished(prev[0])
         out["drain_s"] = time.perf_counter() - t0
+    if isinstance(saves, TieredSaves):
+        out.update(saves.parts)
+        out["commit_s"] = saves.commits()
     return out
 
 
@@ -461,24 +528,26 @@ def fmt(v, width: int, digits: int) -> str:
 
 def print_row(every: int, way: str, run: dict) -> None:
     if "error" in run:
-        print(f"every {every:<4}{way:<14}FAILED: {run['error']}", flush=True)
+        print(f"every {every:<4}{way:<16}FAILED: {run['error']}", flush=True)
         return
     print(
-        f"every {every:<4}{way:<14}{len(run['stalls_s']):>5}{run['loop_s']:>9.2f}"
+        f"every {every:<4}{way:<16}{len(run['stalls_s']):>5}{run['loop_s']:>9.2f}"
         f"{fmt(run.get('loop_vs_none'), 8, 2)}{fmt(run.get('first_s'), 8, 3)}"
         f"{fmt(run.get('saves_2_3_max_s'), 8, 3)}{fmt(run.get('steady_median_s'), 8, 3)}"
         f"{fmt(run.get('steady_max_s'), 8, 3)}{fmt(run.get('worst_from_2nd_vs_raw'), 9, 2)}"
         f"{fmt(run.get('steady_max_vs_raw'), 9, 2)}",
         flush=True,
     )
-    if run["stalls_s"]:
-        print(f"{'':<10}stalls: " + " ".join(f"{v:.3f}" for v in run["stalls_s"]), flush=True)
+    for key in ("stalls_s", "waits_s", "stage_s", "acquire_s", "copy_s", "gc_s", "commit_s"):
+        if run.get(key) and (key == "stalls_s" or max(run[key]) >= 0.001):  # the parts that took time
+            label = key.removesuffix("_s") + ":"
+            print(f"{'':<10}{label:<8}" + " ".join(f"{v:.3f}" for v in run[key]), flush=True)
     if run.get("disk_skipped"):
         print(f"{'':<10}disk tier skipped steps: {run['disk_skipped']}", flush=True)
 
 
 TRAIN_HEADER = (
-    f"{'loop':<10}{'way':<14}{'saves':>5}{'loop_s':>9}{'x_none':>8}{'first':>8}{'2-3max':>8}"
+    f"{'loop':<10}{'way':<16}{'saves':>5}{'loop_s':>9}{'x_none':>8}{'first':>8}{'2-3max':>8}"
     f"{'st_med':>8}{'st_max':>8}{'2nd+/raw':>9}{'st/raw':>9}"
 )
 
@@ -552,6 +621,7 @@ def train_part(args: argparse.Namespace, work: str, shm: str) -> dict:
             saves = {
                 "none": lambda: None,
                 "tiered_dcp": lambda n=name: TieredSaves(n, work, shm, args.lagging),
+                "tiered_ram_only": lambda n=name: TieredSaves(n, work, shm, args.lagging, ram_only=True),
                 "stock_pinned": lambda n=name: StockSaves(n, work, pinned=True),
                 "stock_default": lambda n=name: StockSaves(n, work, pinned=False),
             }[way]()
@@ -638,7 +708,7 @@ def stall_part(args: argparse.Namespace, work: str, shm: str) -> dict:
 
 
 PARTS = {"exact": exact_part, "train": train_part, "load": load_part, "stall": stall_part}
-WAYS = ("none", "tiered_dcp", "stock_pinned", "stock_default")  # "none" first: the baseline
+WAYS = ("none", "tiered_dcp", "stock_pinned", "stock_default", "tiered_ram_only")  # "none" first
 
 
 def loop_spec(text: str) -> tuple[int, int]:

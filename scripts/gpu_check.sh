@@ -5,9 +5,11 @@
 # then, through the device tool, with carry [".whl"] and timeout_s 540:
 #   bash scripts/gpu_check.sh
 # About 5 min on an H100 (tests ~1 min, bench_cuda's train part ~2.5, its other parts ~1.5);
-# each step has its own cap (timeout: 90 + 200 + 150 s, 7.5 min in all), and each bench_cuda
+# each step has its own cap (timeout: 90 + 240 + 150 s, 8 min in all), and each bench_cuda
 # part prints its figures as it ends, so a step cut short keeps what it printed. To rerun one
 # part: python3 benchmarks/bench_cuda.py --only train (or exact, load, stall), from /tmp.
+# bash scripts/gpu_check.sh train: the tests and the train part alone (~3 min), with the RAM
+# tier alone beside the README's tiers (the writer process's share of the stalls).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--prepare" ]; then
@@ -44,9 +46,12 @@ timeout -s INT -k 15 90 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gp
 clean
 # issue 38: model + AdamW (3.22 GB), a save every 10 steps (80) and every 30 (120), tiered-dcp
 # vs stock pinned vs no saves
-bench bench_train.txt 200 python3 "$repo/benchmarks/bench_cuda.py" --only train --train-gib 3.0 \
-  --train-loops 80:10 120:30
+ways=(none tiered_dcp stock_pinned)
+[ "${1:-}" = train ] && ways+=(tiered_ram_only)
+bench bench_train.txt 240 python3 "$repo/benchmarks/bench_cuda.py" --only train --train-gib 3.0 \
+  --train-loops 80:10 120:30 --train-ways "${ways[@]}"
 clean
+[ "${1:-}" = train ] && exit 0
 bench bench_cuda.txt 150 python3 "$repo/benchmarks/bench_cuda.py" --skip train --mib 1024 --steps 6 \
   --load-gib 3.0 --load-runs 3
 clean
