@@ -56,8 +56,8 @@ def new_bytes(before: dict, after: dict) -> int:
 def _rank_process(
     target: Callable, rank: int, world: int, port: int, env: dict, args: tuple, results: Any
 ) -> None:
-    """One spawned rank: its environment, a gloo group over the ranks, ``target``, and its
-    value or traceback on ``results``."""
+    """One spawned rank: its environment, torch's CPU threads as torchrun sets them, a gloo
+    group over the ranks, ``target``, and its value or traceback on ``results``."""
     import datetime
     import traceback
     import warnings
@@ -75,6 +75,13 @@ def _rank_process(
         LOCAL_WORLD_SIZE=str(local),
     )
     warnings.filterwarnings("ignore")
+    # as torchrun does with several processes per node: one thread each for torch's CPU ops,
+    # unless OMP_NUM_THREADS says otherwise (set here, after torch was imported, it would not
+    # take). Left at every core, 4 ranks' copies on 2 cores spin against each other: NvRx's
+    # copy of its loaded tensors took 200+ ms instead of a few (bench_nvrx)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or (1 if local > 1 else 0))
+    if threads:
+        torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
         value = target(rank, *args)
