@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import settle
-from tiered_dcp.storage.format import part_key
+from tiered_dcp.storage.format import blocks_dir, part_key
 
 from tiered_dcp import (
     Tier,
@@ -335,19 +335,30 @@ def test_a_reused_part_file_is_claimed_to_its_size_and_holes_are_filled(shm):
         os.close(fd)
 
 
-def test_the_writer_process_pauses_while_its_trainer_stages(shm, tmp_path):
+@pytest.mark.parametrize("dedup", [False, True])
+def test_the_writer_process_pauses_while_its_trainer_stages(shm, tmp_path, dedup):
     """A copy down the tiers waits while the trainer holds the staging lock (as ``async_save``
-    does while it copies), and goes on once it is let go."""
+    does while it copies), and goes on once it is let go; chunk by chunk, or block by block
+    with dedup."""
     from tiered_dcp.writer_process.client import writer_handle
 
-    cfg = TieredConfig("pause", [Tier(str(shm / "ram"), keep=2), Tier(str(tmp_path / "disk"))])
+    tiers = [Tier(str(shm / "ram"), keep=2), Tier(str(tmp_path / "disk"))]
+    cfg = TieredConfig("pause", tiers, dedup=dedup)
+    blocks = tmp_path / "disk" / blocks_dir("pause")
+
+    def written_blocks() -> int:
+        return sum(len(names) for _, _, names in os.walk(blocks))
+
     dcp.save(_state(1, 4), storage_writer=TieredWriter(cfg, step=1))
     wait_for(cfg, 1, timeout=60)  # its writer process runs
+    before = written_blocks()
     with writer_handle(cfg, 0).rd.writer.staging.hold():
         dcp.save(_state(2, 4), storage_writer=TieredWriter(cfg, step=2))  # a sync save stages nothing
         with pytest.raises(TimeoutError):
             wait_for(cfg, 2, tier=1, timeout=1.5)
+        assert written_blocks() == before  # step 2's new blocks wait too
     wait_for(cfg, 2, tier=1, timeout=60)
+    assert written_blocks() > before or not dedup
     assert _exact(cfg, 2, 4, tier=1)
     shutdown()
 

@@ -14,6 +14,7 @@ checksums and its id before it is written. Torch-free: the writer process uses i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -212,10 +213,20 @@ def as_held(namespace: str, records: Mapping[K, Record], here: Mapping[str, Held
 
 
 def copy_items(
-    src: TierView, dst: TierView, step: int, rank: int, records: Mapping[K, Record]
+    src: TierView,
+    dst: TierView,
+    step: int,
+    rank: int,
+    records: Mapping[K, Record],
+    pause: Callable[[], None] = lambda: None,
 ) -> tuple[dict[K, Record], PutResult]:
     """Dedup records of a part on ``src`` into ``dst``'s root: a block ``dst`` holds is
-    neither read from ``src`` nor written."""
+    neither read from ``src`` nor written; ``pause`` runs before each block is read."""
+
+    def fetch(i: int, rec: Record) -> bytes:
+        pause()
+        return fetch_raw(src.own, rec, i)
+
     items = {}
     for key, rec in records.items():
         assert rec.blocks is not None
@@ -223,6 +234,6 @@ def copy_items(
             [None] * len(rec.stored),
             rec.info,
             list(rec.blocks),
-            fetch=lambda i, r=rec: fetch_raw(src.own, r, i),
+            fetch=functools.partial(fetch, rec=rec),
         )
     return put_items(dst, step, rank, items)

@@ -88,10 +88,10 @@ def _each_after(chunks: Iterable[bytes], pause: Callable[[], None]) -> Iterator[
     it = iter(chunks)
     while True:
         pause()
-        try:
-            yield next(it)
-        except StopIteration:
+        raw = next(it, None)  # a chunk is bytes, never None
+        if raw is None:
             return
+        yield raw
 
 
 def copy_part(
@@ -116,7 +116,7 @@ def copy_part(
     if dst.config.dedup:  # blocks the target holds are neither read nor written
         blocked = {k: r for k, r in index.records.items() if r.blocks is not None}
         if blocked:
-            records, put = dedup.copy_items(src, dst, step, index.rank, blocked)
+            records, put = dedup.copy_items(src, dst, step, index.rank, blocked, pause)
             new_blocks = put.written_bytes
     rate = _throttle()
     started = time.monotonic()

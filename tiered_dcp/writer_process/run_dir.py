@@ -48,6 +48,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -387,11 +388,12 @@ class StagingLock:
     staged beside it 2-4x a memcpy). The writer's chunk in flight finishes; nothing else
     waits: the writer holds it for an instant, and a trainer that dies lets go of it."""
 
-    __slots__ = ("path", "_fd")
+    __slots__ = ("path", "_fd", "_opening")
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None  # the writer's, kept open for its life
+        self._opening = threading.Lock()  # its tier threads and block threads wait on it at once
 
     def _open(self) -> int | None:
         try:
@@ -414,7 +416,9 @@ class StagingLock:
     def wait(self) -> None:
         """The writer's, before each chunk it reads: until the trainer's copy is done."""
         if self._fd is None:
-            self._fd = self._open()
+            with self._opening:
+                if self._fd is None:
+                    self._fd = self._open()
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_SH)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
