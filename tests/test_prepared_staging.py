@@ -392,3 +392,23 @@ def test_async_save_holds_the_staging_lock_while_it_copies(shm, tmp_path, monkey
     wait_for(cfg, 2, timeout=60)
     assert _exact(cfg, 2, 2, tier=1)
     shutdown()
+
+
+def test_a_staging_lock_that_cannot_be_opened_fails_no_save(shm, tmp_path):
+    """Whoever can write the run directory may leave a link (or a directory) where the lock
+    goes: the save stages all the same, never through the link, and its step is loadable."""
+    from tiered_dcp.writer_process.client import writer_handle
+
+    cfg = TieredConfig("nolock", [Tier(str(shm / "ram"), keep=2), Tier(str(tmp_path / "disk"))])
+    state = _state(1, 2)
+    TieredWriter(cfg, step=1).prepare(state)  # the writer process and its run directory
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"untouched")
+    lock = writer_handle(cfg, 0).rd.writer.staging.path
+    lock.unlink(missing_ok=True)
+    lock.symlink_to(victim)
+    dcp.async_save(state, storage_writer=TieredWriter(cfg, step=1)).result()
+    wait_for(cfg, 1, timeout=60)
+    assert _exact(cfg, 1, 2) and _exact(cfg, 1, 2, tier=1)
+    assert victim.read_bytes() == b"untouched"
+    shutdown()

@@ -396,9 +396,12 @@ class StagingLock:
         self._opening = threading.Lock()  # its tier threads and block threads wait on it at once
 
     def _open(self) -> int | None:
+        """The lock file, or None: no run directory (no writer was started), or a file it
+        cannot be (a link or a directory planted there, a read-only directory). The lock only
+        orders two copies in time; without it both run, and no save fails for it."""
         try:
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:  # no run directory: no writer was started
+        except OSError:
             return None
 
     @contextlib.contextmanager
