@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_replication.py [--mib 64] [--runs 5]
 
-Four real processes on gloo (torch.multiprocessing spawn) play two nodes
+Four real processes on gloo (``common.spawn_ranks``) play two nodes
 (LOCAL_WORLD_SIZE=2: ranks 0-1 on node 0, ranks 2-3 on node 1). Each rank saves its own
 ``--mib`` MiB: 32 float32 tensors under rank-specific keys (``r<rank>.layer<i>.weight``).
 Every figure is the slowest rank's time (a barrier before, all_reduce MAX after), the
@@ -37,16 +37,13 @@ JSON. Never fails on timing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
-import queue
 import shutil
 import statistics
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -54,11 +51,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from common import MiB, make_state, report  # noqa: E402
+from common import MiB, make_state, report, spawn_ranks  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for, writer_status
-from tiered_dcp.cli.fakegcs import free_port
 
 warnings.filterwarnings("ignore")
 
@@ -179,77 +174,17 @@ def bench_load(root: str, state: dict, runs: int, times: dict, timeout: float) -
     return tiers_after_loss
 
 
-def rank_main(rank: int, world: int, port: int, root: str, args: dict, results: Any) -> None:
-    """One rank of the benchmark (a spawned process)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank % RANKS_PER_NODE),
-        LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
-        TIERED_DCP_RUNTIME_DIR=f"{root}/runtime",
-    )
-    warnings.filterwarnings("ignore")
+def rank_main(rank: int, root: str, args: dict) -> dict:
+    """One rank of the benchmark (``common.spawn_ranks``): its figures and the warnings it logged."""
     captured = Captured()
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args["timeout"])
-        )
-        state = rank_state(rank, args["mib"])
-        stalls = [m.replace("save_", "stall_") for m in SAVE_MODES]
-        times: dict[str, list[float]] = {k: [] for k in (*SAVE_MODES, *stalls, *LOAD_MODES)}
-        bench_save(f"{root}/save", state, args["runs"], times)
-        on_rank0(lambda: shutil.rmtree(f"{root}/save"))
-        tiers = bench_load(f"{root}/load", state, args["runs"], times, args["timeout"])
-        clean = shutdown(wait=True, timeout=120)  # this rank's writer process exits
-        dist.barrier()
-        dist.destroy_process_group()
-        results.put((rank, "ok", {"times": times, "tiers_after_loss": tiers, "clean_shutdown": clean}))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-        raise
-    finally:
-        results.put((rank, "warnings", captured.lines))
-
-
-def run_ranks(root: str, args: dict, timeout: float) -> tuple[dict, dict]:
-    """Run ``rank_main`` on WORLD spawned processes; each rank's result and warnings."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, WORLD, port, root, args, results), daemon=False)
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    said: dict[int, list[str]] = {}
-    error = None
-    deadline = time.monotonic() + timeout
-    try:
-        while len(said) < WORLD and error is None:
-            try:
-                rank, kind, value = results.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                error = f"the ranks did not finish within {timeout:.0f} s"
-                break
-            if kind == "ok":
-                out[rank] = value
-            elif kind == "warnings":
-                said[rank] = value
-            else:
-                error = f"rank {rank} failed:\n{value}"
-    finally:
-        for p in procs:
-            p.join(timeout=10 if error is None else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if error is not None:
-        raise RuntimeError(error)
-    return out, said
+    state = rank_state(rank, args["mib"])
+    stalls = [m.replace("save_", "stall_") for m in SAVE_MODES]
+    times: dict[str, list[float]] = {k: [] for k in (*SAVE_MODES, *stalls, *LOAD_MODES)}
+    bench_save(f"{root}/save", state, args["runs"], times)
+    on_rank0(lambda: shutil.rmtree(f"{root}/save"))
+    tiers = bench_load(f"{root}/load", state, args["runs"], times, args["timeout"])
+    clean = shutdown(wait=True, timeout=120)  # this rank's writer process exits
+    return {"times": times, "tiers_after_loss": tiers, "clean_shutdown": clean, "warnings": captured.lines}
 
 
 def main() -> None:
@@ -264,9 +199,9 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tdcp-bench-repl-", dir=base)
     started = time.monotonic()
     try:
-        out, said = run_ranks(
-            root, {"mib": args.mib, "runs": args.runs, "timeout": args.timeout}, args.timeout
-        )
+        spec = {"mib": args.mib, "runs": args.runs, "timeout": args.timeout}
+        env = {"LOCAL_WORLD_SIZE": RANKS_PER_NODE, "TIERED_DCP_RUNTIME_DIR": f"{root}/runtime"}
+        out = spawn_ranks(rank_main, WORLD, root, spec, env=env, timeout=args.timeout)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     elapsed = time.monotonic() - started
@@ -289,7 +224,7 @@ def main() -> None:
     )
     met = report(title, nbytes, res, ratios, targets)
     tiers_after_loss = out[0]["tiers_after_loss"]
-    warned = {r: lines for r, lines in sorted(said.items()) if lines}
+    warned = {r: o["warnings"] for r, o in sorted(out.items()) if o["warnings"]}
     print(f"\ntiers holding the step after node 1's loss, per round: {tiers_after_loss}")
     print(f"tiered_dcp warnings: {sum(len(v) for v in warned.values())}")
     for r, lines in warned.items():
