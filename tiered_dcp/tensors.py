@@ -51,9 +51,7 @@ def finite_screen(dtype: torch.dtype) -> Callable[[memoryview], bool] | None:
     """Whether a piece of a tensor's bytes holds no NaN/Inf, for ``storage.blocks.fingerprints``
     to run beside the hash (None for dtypes it does not check). One object per dtype: a
     block's answer is remembered per screen."""
-    if dtype not in EXPONENT_BITS:
-        return None
-    return functools.partial(_finite_bytes, *EXPONENT_BITS[dtype])
+    return _SCREENS.get(dtype)
 
 
 def _finite_bytes(word: type, exponent: int, piece: memoryview) -> bool:
@@ -64,3 +62,8 @@ def _finite_bytes(word: type, exponent: int, piece: memoryview) -> bool:
     if not len(piece):
         return True
     return int(np.bitwise_and(np.frombuffer(piece, dtype=word), exponent).max()) != exponent
+
+
+# The screens, made once: ``fingerprints`` remembers a block's answer per screen object, so a
+# new object per call would screen every unchanged block again on every save.
+_SCREENS = {dtype: functools.partial(_finite_bytes, *bits) for dtype, bits in EXPONENT_BITS.items()}
