@@ -15,7 +15,7 @@ process, DCP's background process), less the trainer's own before its first save
 live state). The peak is reported as a multiple of the state. Cases:
 
 - ``tiered``: a RAM tier in /dev/shm keep=2 and an SSD tier (a temp dir on disk) every=2
-  keep=2;
+  keep=2 (``--ssd-every``);
 - ``stock``: ``FileSystemWriter`` into /dev/shm, one directory per step, the older ones
   deleted past the newest 2 (keep=2 by hand);
 - ``tiered-process``, ``stock-process``: both again in DCP's PROCESS async mode
@@ -23,8 +23,9 @@ live state). The peak is reported as a multiple of the state. Cases:
 - ``tiered-frozen-dedup``: half the tensors never change, ``dedup=True``;
 - ``tiered-no-ram``: the SSD tier alone.
 
-The floor without dedup is the kept steps plus the one being written: 3.0x. Prints a
-table, then JSON. Never fails on a figure.
+``net`` is the peak less DCP's own background process (PROCESS mode: its interpreter and
+torch, not the storage layer's). The floor without dedup is the kept steps plus the one
+being written: 3.0x. Prints a table, then JSON. Never fails on a figure.
 """
 
 from __future__ import annotations
@@ -78,26 +79,40 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def measure(case: str, mib: int, saves: int, mode: str, inflight: int, step_s: float = 0.05) -> dict:
+def is_dcp_process(pid: int) -> bool:
+    """DCP's own background process of the PROCESS async mode (a multiprocessing child)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing" in f.read()
+    except OSError:
+        return False
+
+
+def measure(
+    case: str, mib: int, saves: int, mode: str, inflight: int, step_s: float = 0.05, ssd_every: int = 2
+) -> dict:
     """Run one case in a trainer subprocess and sample its memory until it ends."""
     work = tempfile.mkdtemp(prefix="bench-memory-")
     ready = os.path.join(work, "ready")
     cmd = [sys.executable, __file__, "--child", case, "--mib", str(mib), "--saves", str(saves)]
     cmd += ["--mode", mode, "--work", work, "--inflight", str(inflight if mode == "thread" else 1)]
-    cmd += ["--step-seconds", str(step_s)]
+    cmd += ["--step-seconds", str(step_s), "--ssd-every", str(ssd_every)]
     base_shm = shm_used()
     log = open(os.path.join(work, "out.log"), "w+")  # noqa: SIM115  (a file: a pipe left full would block)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     peak, base_anon = 0, None
     peak_parts = (0, 0)
+    net = 0  # the peak less DCP's background process (PROCESS mode): what the storage layer holds
     while proc.poll() is None:
         if base_anon is None and os.path.exists(ready):
             base_anon = anon(proc.pid)
         if base_anon is not None:
             s = shm_used() - base_shm
-            a = sum(anon(p) for p in tree(proc.pid)) - base_anon
+            pids = tree(proc.pid)
+            a = sum(anon(p) for p in pids) - base_anon
             if s + a > peak:
                 peak, peak_parts = s + a, (s, a)
+            net = max(net, s + a - sum(anon(p) for p in pids if is_dcp_process(p)))
         time.sleep(0.005)
     log.seek(0)
     out = log.read()[-3000:]
@@ -106,7 +121,12 @@ def measure(case: str, mib: int, saves: int, mode: str, inflight: int, step_s: f
     if proc.returncode != 0:
         raise SystemExit(f"case {case} failed ({proc.returncode}): {out}")
     state = mib * MiB
-    return {"peak": peak / state, "shm": peak_parts[0] / state, "anon": peak_parts[1] / state}
+    return {
+        "peak": peak / state,
+        "shm": peak_parts[0] / state,
+        "anon": peak_parts[1] / state,
+        "net": net / state,
+    }
 
 
 def child(args: argparse.Namespace) -> None:
@@ -132,7 +152,7 @@ def child(args: argparse.Namespace) -> None:
     shm_dir = tempfile.mkdtemp(prefix="bench-memory-", dir=SHM)
     ssd = os.path.join(args.work, "ssd")
     kind = AsyncCheckpointerType.PROCESS if args.mode == "process" else AsyncCheckpointerType.THREAD
-    tiers = [Tier(f"{shm_dir}/ram", keep=2), Tier(ssd, every=2, keep=2)]
+    tiers = [Tier(f"{shm_dir}/ram", keep=2), Tier(ssd, every=args.ssd_every, keep=2)]
     if args.child == "tiered-no-ram":
         tiers = [Tier(ssd, keep=2)]
     cfg = TieredConfig("mem", tiers, dedup="dedup" in args.child)
@@ -190,6 +210,7 @@ def main() -> None:
         default=0.05,
         help="training time between saves (the writer copies meanwhile)",
     )
+    ap.add_argument("--ssd-every", type=int, default=2, help="the SSD tier's every (default 2)")
     ap.add_argument("--runs", type=int, default=1, help="runs per case; the median peak is reported")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -203,7 +224,8 @@ def main() -> None:
         mode = CASES[case]
         mib = args.process_mib if mode == "process" else args.mib
         runs = [
-            measure(case, mib, args.saves, mode, args.inflight, args.step_seconds) for _ in range(args.runs)
+            measure(case, mib, args.saves, mode, args.inflight, args.step_seconds, args.ssd_every)
+            for _ in range(args.runs)
         ]
         runs.sort(key=lambda r: r["peak"])
         out[case] = {"mib": mib, **runs[len(runs) // 2]}
@@ -211,9 +233,10 @@ def main() -> None:
         f"peak host memory of {args.saves} async saves ({args.inflight} in flight), "
         f"as multiples of the state (medians of {args.runs})"
     )
-    print(f"{'case':<30}{'MiB':>6}{'peak':>8}{'shared':>8}{'anon':>8}")
+    print(f"{'case':<30}{'MiB':>6}{'peak':>8}{'shared':>8}{'anon':>8}{'net':>8}")
     for case, r in out.items():
-        print(f"{case:<30}{r['mib']:>6}{r['peak']:>7.2f}x{r['shm']:>7.2f}x{r['anon']:>7.2f}x")
+        row = f"{r['peak']:>7.2f}x{r['shm']:>7.2f}x{r['anon']:>7.2f}x{r['net']:>7.2f}x"
+        print(f"{case:<30}{r['mib']:>6}{row}")
     print(json.dumps(out))
 
 

@@ -71,7 +71,7 @@ def test_what_a_configuration_holds(shm, tmp_path, monkeypatch):
     n = 1 << 20
     cfg = TieredConfig(
         "plan",
-        [Tier(f"{shm}/ram/{{node}}", keep=2), Tier(str(tmp_path / "ssd"), keep=1)],
+        [Tier(f"{shm}/ram/{{node}}", keep=2), Tier(str(tmp_path / "ssd" / "{node}"), keep=1)],
         replication_factor=2,
         replication_jump=4,
     )

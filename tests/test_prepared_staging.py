@@ -363,37 +363,6 @@ def test_the_writer_process_pauses_while_its_trainer_stages(shm, tmp_path, dedup
     shutdown()
 
 
-def test_async_save_holds_the_staging_lock_while_it_copies(shm, tmp_path, monkeypatch):
-    import fcntl
-
-    from tiered_dcp.writer_process.client import writer_handle
-
-    cfg = TieredConfig("held", [Tier(str(shm / "ram"), keep=2), Tier(str(tmp_path / "disk"), every=2)])
-    held = []
-    copy = POOL._copy_into
-
-    def observed(slot, ex):  # the copy, with a look at the lock from another open file first
-        fd = os.open(writer_handle(cfg, 0).rd.writer.staging.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            held.append(False)
-        except BlockingIOError:
-            held.append(True)
-        finally:
-            os.close(fd)
-        return copy(slot, ex)
-
-    monkeypatch.setattr(POOL, "_copy_into", observed)
-    state = _state(1, 2)
-    TieredWriter(cfg, step=1).prepare(state)  # starts the writer process (its run directory)
-    for step in (1, 2):
-        dcp.async_save(_state(step, 2), storage_writer=TieredWriter(cfg, step=step)).result()
-    assert held == [True, True]
-    wait_for(cfg, 2, timeout=60)
-    assert _exact(cfg, 2, 2, tier=1)
-    shutdown()
-
-
 def test_a_staging_lock_that_cannot_be_opened_fails_no_save(shm, tmp_path):
     """Whoever can write the run directory may leave a link (or a directory) where the lock
     goes: the save stages all the same, never through the link, and its step is loadable."""

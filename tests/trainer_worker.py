@@ -5,6 +5,10 @@ sigterm          saves step 1, starts an async_save of a 256 MiB step 2, SIGTERM
                  while it is in flight (default SIGTERM action in place).
 sigterm-chain    the same, with a user SIGTERM handler installed first; it records what it
                  saw and exits with status 3.
+sigterm-staging  saves a 16 MiB step 1, then SIGTERMs itself from inside step 2's copy, on
+                 the main thread (default staging).
+sigterm-staging-bg  the same from a background staging's copy, which then takes 10 s more
+                 (the staging lock held), its writer process started first.
 """
 
 import os
@@ -37,6 +41,25 @@ if __name__ == "__main__":
     if mode == "kill-after-save":
         dcp.save(state(1), storage_writer=TieredWriter(cfg, step=1))
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode.startswith("sigterm-staging"):
+        background = mode == "sigterm-staging-bg"
+        if background:
+            TieredWriter(cfg, step=1).prepare(state(1, 16))  # the writer process, started
+        dcp.save(state(1, 16), storage_writer=TieredWriter(cfg, step=1))  # its writer copies it down
+        copy = POOL._copy_into
+
+        def signalled(slot, ex):
+            os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread
+            print("signalled", flush=True)
+            if background:
+                time.sleep(10)  # a long copy, the staging lock held
+            return copy(slot, ex)
+
+        POOL._copy_into = signalled
+        dcp.async_save(state(2), storage_writer=TieredWriter(cfg, step=2, background_staging=background))
+        time.sleep(60)
+        print("not reached", flush=True)
+        sys.exit(0)
     if mode == "sigterm-chain":
 
         def user_handler(signum, frame):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import re
 import string
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -40,6 +41,35 @@ def _check_keys(cls: type, d: Any) -> dict[str, Any]:
 def _scheme(path: str) -> str | None:
     m = _SCHEME.match(path)
     return m.group(1).lower() if m else None
+
+
+def _placeholders(path: str) -> set[str]:
+    """The ``{...}`` names in ``path`` (``{{`` is a brace, no placeholder)."""
+    return {n for _, n, _, _ in string.Formatter().parse(path) if n is not None}
+
+
+class ReplicaPathWarning(UserWarning):
+    """A replicated node-local tier whose path names no node: on a directory the nodes
+    share, its replicas would be the very files they copy (``TieredConfig``)."""
+
+
+_WARNED_REPLICA_PATHS: set[tuple[str, str, int]] = set()  # once per process, the config's copies too
+
+
+def unreplicable_tiers(config: TieredConfig) -> list[int]:
+    """Indexes of ``config``'s node-local tiers that replication cannot count on: their path
+    has neither ``{node}`` nor ``{rank}``, so on a directory the nodes share every node's
+    root is the same one and each part is held once, not ``replication_factor`` times.
+    A tier declared ``shared=False`` is not one: that says each node's directory is its own."""
+    if config.replication_factor < 2:
+        return []
+    return [i for i, t in enumerate(config.tiers) if names_no_node(t)]
+
+
+def names_no_node(tier: Tier) -> bool:
+    """Whether ``tier`` is node-local by inference (not declared ``shared=False``) with a
+    path that has neither ``{node}`` nor ``{rank}``: every node's root is the same path."""
+    return tier.shared is None and not tier.is_shared and not _placeholders(tier.path)
 
 
 @dataclass(frozen=True)
@@ -82,7 +112,7 @@ class Tier:
             )
         if not isinstance(self.storage_options, dict):
             raise ValueError(f"Tier({self.path!r}): storage_options must be a dict")
-        names = {n for _, n, _, _ in string.Formatter().parse(self.path) if n is not None}
+        names = _placeholders(self.path)
         unknown = names - _PLACEHOLDERS
         if unknown:
             raise ValueError(
@@ -120,6 +150,20 @@ class Tier:
 
     def takes(self, step: int) -> bool:
         return step % self.every == 0
+
+    def resolved(self) -> Tier:
+        """This tier with a local path made absolute against the current directory, as
+        ``LocalStorage`` opens it (a ``file://`` URL keeps its scheme; other URLs, and
+        ``{node}``/``{rank}``, unchanged): the directory it means here, for a process
+        started elsewhere (the writer process) and as part of what the job is (``run_dir``)."""
+        if not self.is_local_fs:
+            return self
+        prefix = "file://" if self.path.startswith("file://") else ""
+        rest = self.path.removeprefix(prefix)
+        if not os.path.isabs(rest):  # the directory's braces are no placeholders
+            rest = os.path.join(os.getcwd().replace("{", "{{").replace("}", "}}"), rest)
+        path = prefix + os.path.normpath(rest)
+        return self if path == self.path else replace(self, path=path)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as given (plain data: the writer process gets its config as JSON)."""
@@ -232,6 +276,30 @@ class TieredConfig:
                 f"TieredConfig: on_lagging_tier={self.on_lagging_tier!r} "
                 f"must be one of {list(LAGGING_POLICIES)}"
             )
+        self._warn_unreplicable()
+
+    def _warn_unreplicable(self) -> None:
+        """Warn (once per tier and process; not refused: one node, or directories that are
+        truly each node's own, hold every copy) where replication's copies may not exist."""
+        for i in unreplicable_tiers(self):
+            tier = self.tiers[i]
+            where = os.path.abspath(tier.path.removeprefix("file://"))  # a relative path as its resolved copy
+            key = (self.namespace, where, self.replication_factor)
+            if key in _WARNED_REPLICA_PATHS:
+                continue
+            _WARNED_REPLICA_PATHS.add(key)
+            warnings.warn(
+                ReplicaPathWarning(
+                    f"TieredConfig({self.namespace!r}): tier {i} ({tier.path!r}) is node-local and "
+                    f"replication_factor={self.replication_factor}, but its path names no node: where "
+                    "the nodes share that directory, each part is held there once, not "
+                    f"{self.replication_factor} times. Put {{node}} in the path (e.g. "
+                    f"{tier.path.rstrip('/') + '/{node}'!r}), or declare the tier shared=True if it is "
+                    "one directory for the whole job (shared=False if each node's is its own: then "
+                    "this warning goes)"
+                ),
+                stacklevel=4,  # _warn_unreplicable, __post_init__, the dataclass's __init__: its caller
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, the tiers as dicts: plain data, as the writer process receives it.
@@ -254,6 +322,15 @@ class TieredConfig:
         if not isinstance(tiers, list):
             raise ValueError(f"TieredConfig.from_dict: tiers must be a list, got {type(tiers).__name__}")
         return cls(**{**d, "tiers": [Tier.from_dict(t) for t in tiers]})
+
+    def resolved(self) -> TieredConfig:
+        """This config with its tiers' local paths made absolute against the current
+        directory (``Tier.resolved``; itself when they already are): what the job is, as its
+        writer processes are keyed (``run_dir.job_dir``) and as they receive it."""
+        tiers = [t.resolved() for t in self.tiers]
+        if all(a is b for a, b in zip(tiers, self.tiers, strict=True)):
+            return self
+        return replace(self, tiers=tiers)
 
     def tiers_for(self, step: int) -> list[int]:
         """Indexes of the tiers that take ``step``, fastest first."""

@@ -43,10 +43,13 @@ class Handoff:
         handle = writer_handle(self.config, self.rank)
         handle.ensure(owner)  # started early, ready by the hand-off
         handle.report_failures()
-        slower = self.tier_indexes[1:]
-        if not slower or self.skips_lagging():
+        if self.skips_lagging():
             return 0.0
-        return handle.wait_for_room(self.step, slower, owner, self.max_pending, self.leaving_window())
+        # the window's wait covers every slower tier, whatever this step goes to: a step
+        # taken by the RAM tier alone still needs the file an older pinned step holds
+        below = range(self.tier_indexes[0] + 1, len(self.config.tiers))
+        lagging = {t: self.max_pending for t in self.tier_indexes[1:]}
+        return handle.wait_for_room(self.step, lagging, owner, self.leaving_window(), below)
 
     def skips_lagging(self) -> bool:
         """Whether no save waits for the slower tiers (``on_lagging_tier="skip"`` on a RAM

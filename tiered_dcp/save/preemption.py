@@ -3,9 +3,12 @@ lets the loop take one last (emergency) save.
 
 Installed (in the main thread) by the first async save whose writer has
 ``handle_sigterm=True``, the default, or by the first ``preemption_requested()`` /
-``on_preemption()`` call. On SIGTERM it waits up to ``WAIT_SECONDS`` for every
-staged save of this process to finish its upload (committed on its fastest tier and
-handed to the writer process, which then finishes the slower tiers on its own), then
+``on_preemption()`` call. On SIGTERM it lets the writer processes run (a copy it
+interrupted no longer pauses them: ``run_dir.StagingLock.let_go``) and waits up to
+``WAIT_SECONDS`` for every staged save of this process to finish its upload (committed on
+its fastest tier and handed to the writer process, which then finishes the slower tiers on
+its own), but for a copy the signal interrupted on the handler's own thread, which cannot
+go on while it waits (the process then ends without it; its slot is not waited for), then
 passes the signal on: to the handler that was there before, or, if that was the default,
 by restoring the default and raising the signal again so the process ends exactly as it
 would have. A sync ``dcp.save`` runs in the main thread, where the handler runs too, so it
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..writer_process.client import handles
 from .staging import POOL
 
 log = logging.getLogger("tiered_dcp")
@@ -126,11 +130,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         if callable(_previous):
             _previous(signum, frame)
         return
-    pending = POOL.in_flight()
+    for handle in handles():  # the writers copy down the tiers throughout the grace period
+        handle.rd.writer.staging.let_go()
+    here = threading.get_ident()  # a copy this handler interrupted cannot finish meanwhile
+    pending = POOL.in_flight(besides=here)
     if pending:
         log.warning("SIGTERM: finishing %d checkpoint save(s) in flight before exiting", pending)
         started = time.monotonic()
-        if POOL.wait_idle(WAIT_SECONDS):
+        if POOL.wait_idle(WAIT_SECONDS, besides=here):
             log.warning("SIGTERM: in-flight save(s) finished in %.1f s", time.monotonic() - started)
         else:
             log.error("SIGTERM: save(s) still in flight after %.0f s; exiting anyway", WAIT_SECONDS)

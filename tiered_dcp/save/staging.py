@@ -37,6 +37,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,6 +271,7 @@ class _Slot:
     fd: int | None = None  # a part file's (``part_file``); None: shared memory of its own
     file: TierFile | None = None  # where the part file was put last
     busy: bool = False
+    copier: int | None = None  # the thread taking it and copying into it, until its copy is done
     prepared: bool = False  # a part file made ahead, with no name yet (``part_file.prepare``)
     spares: str | None = None  # a prepared file's: the spare directory of the namespace it is for
     generation: int = 0
@@ -363,6 +365,24 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class Reservation:
+    """A save counted in flight before its background staging takes a slot (the SIGTERM
+    handler waits for it); released once, by the staging or by whatever failed before it."""
+
+    __slots__ = ("_pool", "_held")
+
+    def __init__(self, pool: StagingPool) -> None:
+        self._pool = pool
+        self._held = True
+
+    def release(self) -> None:
+        with self._pool._cond:
+            if self._held:
+                self._held = False
+                self._pool._reserved -= 1
+                self._pool._cond.notify_all()
+
+
 class StagingPool:
     """The process's staging slots (see the module docstring)."""
 
@@ -375,36 +395,41 @@ class StagingPool:
         self._preparer: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}  # device -> the side stream its copies run on
 
-    def reserve(self) -> bool:
+    def reserve(self) -> Reservation:
         """Count a save as in flight before its background staging has taken a slot."""
         with self._cond:
             self._reserved += 1
-        return True
+        return Reservation(self)
 
     def stage(
         self,
         state: Mapping[str, Any] | Examined,
-        reserved: bool = False,
+        reserved: Reservation | None = None,
         target: TierFile | None = None,
         slots: int = SLOTS,
+        quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ) -> StagedStateDict:
         """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early);
         with ``target``, in that part file of the RAM tier (``part_file``). ``slots``: the
-        staged copies this save lets the process hold (it waits for an upload beyond)."""
+        staged copies this save lets the process hold (it waits for an upload beyond).
+        ``quiet()`` is entered around the copy alone (the writer's pause: never around a
+        wait for a slot)."""
         try:
             examined = state if isinstance(state, Examined) else examine(state)
             slot = self._acquire(examined, target if examined.nbytes else None, slots)
         finally:
-            if reserved:
-                with self._cond:
-                    self._reserved -= 1
+            if reserved is not None:
+                reserved.release()
         try:
-            values = self._copy_into(slot, examined)
+            with quiet():
+                values = self._copy_into(slot, examined)
         except BaseException:
+            slot.copier = None
             if slot.fd is not None and target is not None:
                 part_file.discard(target)
             self._release(slot, slot.generation)
             raise
+        slot.copier = None
         staged = StagedStateDict(_fill(examined.template, values))
         file = slot.file.dirty if slot.fd is not None and slot.file is not None else None
         staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values), file)
@@ -485,20 +510,27 @@ class StagingPool:
                 self._cond.notify_all()
         return made
 
+    def prepare_now(self, ex: Examined, where: TierFile | None, files: int) -> int:
+        """``prepare``, where a failure (a full tier) is logged, not raised: the save that
+        finds nothing prepared claims its file itself."""
+        try:
+            return self.prepare(ex, where, files)
+        except Exception as e:  # noqa: BLE001 - the next save claims its file itself
+            log.warning("preparing the next saves' part files failed (they make their own): %s", e)
+            return 0
+
     def prepare_soon(self, ex: Examined, where: TierFile | None, files: int) -> Future[int]:
-        """``prepare`` on the pool's own thread, off the training thread; a failure (a full
-        tier) is logged, and the save that finds nothing prepared claims its file itself."""
+        """``prepare_now`` on the pool's own thread, off the training thread."""
         if self._preparer is None:
             self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-prepare")
+        return self._preparer.submit(self.prepare_now, ex, where, files)
 
-        def run() -> int:
-            try:
-                return self.prepare(ex, where, files)
-            except Exception as e:  # noqa: BLE001 - the next save claims its file itself
-                log.warning("preparing the next saves' part files failed (they make their own): %s", e)
-                return 0
-
-        return self._preparer.submit(run)
+    def files_ahead(self, ex: Examined) -> int:
+        """The part files of ``ex``'s layout mapped and idle (kept steps, spares, prepared)
+        or being prepared: what the next saves of that layout may find ready."""
+        with self._cond:
+            idle = sum(s.fd is not None and not s.busy and s.signature == ex.signature for s in self._slots)
+            return idle + self._preparing
 
     def _acquire(self, ex: Examined, target: TierFile | None, slots: int) -> _Slot:
         signature = ex.signature
@@ -574,6 +606,7 @@ class StagingPool:
 
     def _take(self, slot: _Slot, slots: int) -> _Slot:
         slot.busy = True
+        slot.copier = threading.get_ident()
         slot.limit = slots
         slot.generation += 1
         return slot
@@ -591,15 +624,19 @@ class StagingPool:
         self._slots.remove(slot)
         slot.free()
 
-    def in_flight(self) -> int:
+    def in_flight(self, besides: int | None = None) -> int:
+        """The saves staged or staging and not done uploading; ``besides``: not counting the
+        one thread ``besides`` is copying now (a SIGTERM handler interrupted it there, on
+        that thread: it cannot go on while the handler waits)."""
         with self._cond:
-            return self._reserved + sum(s.busy for s in self._slots)
+            busy = sum(s.busy and (besides is None or s.copier != besides) for s in self._slots)
+            return self._reserved + busy
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no staged save is uploading; False on timeout."""
+    def wait_idle(self, timeout: float, besides: int | None = None) -> bool:
+        """Wait until no staged save is uploading (``in_flight``); False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self.in_flight():
+            while self.in_flight(besides):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

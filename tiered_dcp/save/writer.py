@@ -55,7 +55,7 @@ from ..writer_process.timings import Kind, record
 from . import host_memory, preemption
 from .handoff import Handoff
 from .replicate import SavedPart, Swap, write_index
-from .staging import POOL, Examined, examine, staged_file
+from .staging import POOL, Examined, Reservation, examine, staged_file
 
 log = logging.getLogger("tiered_dcp")
 
@@ -329,7 +329,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.emergency = bool(emergency)
         self._target(step)
         self.save_id = new_id()
-        # the cliques, checked now: bad configuration fails at construction (DESIGN §1), a
+        # the cliques, checked now: bad configuration fails at construction, before a save; a
         # layout of failure domains too, which every rank's writer gathers together once
         # per process (``domains.LAYOUTS``; the one collective a constructor runs)
         self.layout: Layout = domains.layout_for(config, _world_size(), _current_rank())
@@ -405,29 +405,38 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.stage_seconds = time.perf_counter() - started
         return future
 
-    def _stage(self, examined: Examined, reserved: bool = False) -> STATE_DICT_TYPE:
-        """The copy into the staging slot, this rank's writer process paused meanwhile
-        (``run_dir.StagingLock``: it does not share the cores and memory bandwidth then)."""
-        quiet = (
-            writer_handle(self.config, _current_rank()).rd.writer.staging.hold()
-            if len(self.config.tiers) > 1
-            else contextlib.nullcontext()
-        )
-        with quiet:
-            return POOL.stage(examined, reserved, self.staged_file, self.staging_slots)
+    def _stage(self, examined: Examined, reserved: Reservation | None = None) -> STATE_DICT_TYPE:
+        """The copy into the staging slot, this rank's writer process paused during the copy
+        alone (``run_dir.StagingLock``: it does not share the cores and memory bandwidth then)."""
+        try:
+            quiet = (
+                writer_handle(self.config, _current_rank()).rd.writer.staging.hold
+                if len(self.config.tiers) > 1
+                else contextlib.nullcontext
+            )
+            return POOL.stage(examined, reserved, self.staged_file, self.staging_slots, quiet)
+        finally:
+            if reserved is not None:  # whatever failed before the pool took it
+                reserved.release()
 
-    def _stage_then_prepare(self, examined: Examined, reserved: bool) -> STATE_DICT_TYPE:
+    def _stage_then_prepare(self, examined: Examined, reserved: Reservation) -> STATE_DICT_TYPE:
         """Background staging: the copy, then the next saves' files (``_prepare_next``)."""
         staged = self._stage(examined, reserved)
         self._prepare_next(examined)
         return staged
 
     def _prepare_next(self, examined: Examined) -> None:
-        """After a save staged into the RAM tier: its next ``keep`` saves' part files are made
-        in the background (``StagingPool.prepare``), so none faults a page in."""
+        """After a save staged into the RAM tier: the part files its next ``keep`` saves stage
+        into (``StagingPool.prepare``), so none faults a page in. In the background, but for
+        the first save of a layout (no ``prepare()`` call before it): that one makes them
+        itself, since a save that follows at once would overtake the background's work and
+        fault its own file in on the training thread."""
         if self.staged_file is not None:
             keep = self.config.tiers[self.tier_indexes[0]].keep or 0
-            POOL.prepare_soon(examined, self.staged_file, keep + 1)
+            if POOL.files_ahead(examined):
+                POOL.prepare_soon(examined, self.staged_file, keep + 1)
+            else:
+                POOL.prepare_now(examined, self.staged_file, keep + 1)
 
     def prepare(self, state_dict: STATE_DICT_TYPE) -> None:
         """Make ready, before the first save, what saves of ``state_dict`` stage into: the

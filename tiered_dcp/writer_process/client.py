@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 
 from tiered_dcp.storage.owners import pid_alive
 
@@ -82,10 +83,17 @@ class WriterHandle:
         threading.Thread(target=proc.wait, daemon=True, name="tiered-dcp-reaper").start()
 
     def wait_for_room(
-        self, step: int, targets: list[int], owner_pid: int, max_pending: int, before: int | None = None
+        self,
+        step: int,
+        lagging: dict[int, int],
+        owner_pid: int,
+        before: int | None = None,
+        below: Iterable[int] = (),
     ) -> float:
-        """Wait while the writer has ``max_pending`` steps queued for a healthy one of ``targets``,
-        or, given ``before``, any step older than that (``on_lagging_tier="wait"``).
+        """Wait while the writer has ``lagging[target]`` steps queued for a healthy tier
+        ``target`` (the tiers taking ``step``, each with its ``max_pending``), or, given
+        ``before``, any step older than that queued for a healthy one of ``below``
+        (``on_lagging_tier="wait"``: every slower tier, whether or not it takes ``step``).
 
         Called before ``step`` is staged or written, so a writer that fell behind makes the
         next save wait and never delays the commit of a step already written. A tier its
@@ -96,16 +104,18 @@ class WriterHandle:
         """
         started = time.monotonic()
         warn_at = max(started + WAIT_WARNING, self._next_warning)
-        for target in targets:
-            while self._behind(target, max_pending, before) and self.healthy(target):
+        window = set(below) if before is not None else set()
+        for target in sorted(set(lagging) | window):
+            while self._behind(target, lagging.get(target), before if target in window else None) and (
+                self.healthy(target)
+            ):
                 if time.monotonic() > warn_at:
                     warn_at = self._next_warning = time.monotonic() + 60
                     log.warning(
-                        "rank %d: the writer is %d step(s) behind on tier %s; step %d has waited "
-                        "%.1f s for it (nothing is dropped; a slower tier cannot take steps faster "
-                        "than it writes; its log: %s)",
+                        "rank %d: the writer lags on tier %s; step %d has waited %.1f s for it "
+                        "(nothing is dropped; a slower tier cannot take steps faster than it "
+                        "writes; its log: %s)",
                         self.rank,
-                        max_pending,
                         self.config.tiers[target].path,
                         step,
                         time.monotonic() - started,
@@ -116,9 +126,10 @@ class WriterHandle:
                     self.ensure(owner_pid)
         return time.monotonic() - started
 
-    def _behind(self, target: int, max_pending: int, before: int | None) -> bool:
+    def _behind(self, target: int, max_pending: int | None, before: int | None) -> bool:
         queued = self.rd.queue.jobs(target)
-        return len(queued) >= max_pending or (before is not None and any(j.step < before for j in queued))
+        full = max_pending is not None and len(queued) >= max_pending
+        return full or (before is not None and any(j.step < before for j in queued))
 
     def healthy(self, target: int) -> bool:
         """Whether the writer judges ``target`` healthy; a change is logged once."""
@@ -195,8 +206,13 @@ _HANDLES: dict[RunDir, WriterHandle] = {}
 
 
 def writer_handle(config: TieredConfig, rank: int) -> WriterHandle:
-    """This process's handle on rank's writer process (one per job and rank)."""
-    handle = _HANDLES.setdefault(RunDir.of(config, rank), WriterHandle(config, rank))
+    """This process's handle on rank's writer process (one per job and rank), keyed by the
+    job's resolved config: its run directory and what its writer receives, one cwd's view."""
+    config = config.resolved()
+    rd = RunDir.of(config, rank)
+    handle = _HANDLES.get(rd)
+    if handle is None:
+        handle = _HANDLES[rd] = WriterHandle(config, rank)
     handle.config = config
     return handle
 

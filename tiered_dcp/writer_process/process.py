@@ -451,6 +451,13 @@ class Persister:
         self.writing(job.target, step, dst.own)  # from here on, a write that makes no progress stalls
         nodes = nodes_of(copy.marker)
         started, size = time.monotonic(), 0
+
+        def progress() -> None:
+            self.progressed(job.target)
+
+        def pause() -> None:  # the trainer's copy first; a wait for it is progress too
+            self.rd.writer.staging.wait(progress)
+
         for rank in dst.placement.parts_written_by(job.rank, nodes, Layout.of_marker(copy.marker)):
             index = src.indexes.get(src.own, ns, step, rank)  # BadIndex: damaged (a name included)
             if index is None:
@@ -458,9 +465,7 @@ class Persister:
                     f"step {step}: no readable index of rank {rank}'s part in {src.own.url}"
                     + ("" if copy.marker.has_indexes else " (a format 1/2 step the writer cannot copy)")
                 )
-            written = copy_part(
-                src, dst, step, index, lambda: self.progressed(job.target), self.rd.writer.staging.wait
-            )
+            written = copy_part(src, dst, step, index, progress, pause)
             write_index(dst.own, ns, step, written)
             size += written.size
         if timing is not None:

@@ -4,12 +4,14 @@ Each (job, rank) has a node-local runtime directory, found by the trainer, the w
 process, the status call and the CLI alike::
 
     $TIERED_DCP_RUNTIME_DIR (default /dev/shm/tiered-dcp-<uid>, else the temp dir)
-      <namespace>-<hash of the tier paths>/rank_<rank>/
-        config.json       the TieredConfig the writer works for (``TieredConfig.to_dict``)
+      <namespace>-<hash of the namespace and the resolved tier paths>/rank_<rank>/
+        config.json       the TieredConfig the writer works for (``TieredConfig.to_dict``), its
+                          local tier paths absolute (``TieredConfig.resolved``)
         owner             pid of the trainer the writer serves (each new trainer rewrites it)
         writer.lock       held (flock) by the live writer for its whole life
-        staging.lock      held (flock, exclusive) by the trainer while it copies a save's state;
-                          the writer waits on it before each chunk it reads (``StagingLock``)
+        staging.lock      held (lockf, exclusive) by the trainer while it copies a save's state;
+                          the writer waits on it before each chunk it reads, 5 s at most
+                          (``StagingLock``)
         writer.pid        the live writer's pid
         writer.log        the writer's log (``process`` rotates it)
         writer.out        the writer's stdout and stderr (a crash's traceback)
@@ -60,6 +62,8 @@ from ..config import StrEnum, TieredConfig
 from .private_dir import ensure_private, mkdir_private, write_private
 
 POLL = 0.05  # seconds between looks at the run directory, by the trainer and by the writer
+PAUSE_LIMIT = 5.0  # seconds the writer waits for one staging hold of its trainer's at most
+PAUSE_POLL = 0.002  # seconds between the writer's looks at a held staging lock
 
 
 def runtime_root() -> Path:
@@ -72,8 +76,14 @@ def runtime_root() -> Path:
 
 
 def job_dir(config: TieredConfig) -> Path:
-    """The job's directory in the runtime root: its ranks' run directories and ``timings``."""
-    key = hashlib.sha1("\n".join([config.namespace, *(t.path for t in config.tiers)]).encode()).hexdigest()
+    """The job's directory in the runtime root: its ranks' run directories and ``timings``.
+
+    Named from what the job is: its namespace and its tiers' paths as resolved here
+    (``TieredConfig.resolved``), so two jobs with the same relative paths in two directories
+    never share a writer, and a config and its absolute equivalent (the one the writer
+    receives) name the same directory."""
+    paths = [t.path for t in config.resolved().tiers]
+    key = hashlib.sha1("\n".join([config.namespace, *paths]).encode()).hexdigest()
     return runtime_root() / f"{config.namespace}-{key[:10]}"
 
 
@@ -378,53 +388,99 @@ class HealthRecords:
             old.unlink(missing_ok=True)
 
 
+def _nothing() -> None:
+    return None
+
+
 class StagingLock:
     """The trainer's copy of a save's state comes before its writer's reads.
 
-    The trainer holds it (``hold``) while it stages; the writer takes and drops it shared
-    before each chunk it reads (``wait``), so a copy down the tiers pauses for as long as
-    the training loop waits for its save: the two do not share the cores and the memory
-    bandwidth in that moment (on a 2-core host the writer's first copy made the save
-    staged beside it 2-4x a memcpy). The writer's chunk in flight finishes; nothing else
-    waits: the writer holds it for an instant, and a trainer that dies lets go of it."""
+    The trainer holds it (``hold``) while it copies a save's state, and only then; the
+    writer looks at it before each chunk it reads (``wait``), so a copy down the tiers
+    pauses for as long as the training loop waits for its save: the two do not share the
+    cores and the memory bandwidth in that moment (on a 2-core host the writer's first copy
+    made the save staged beside it 2-4x a memcpy).
 
-    __slots__ = ("path", "_fd", "_opening")
+    A POSIX record lock (``lockf``), not ``flock``: it belongs to the process, so a child
+    forked meanwhile (a DataLoader worker, a pool, a subprocess before its ``exec``) does not
+    inherit it and cannot keep the writer paused after the trainer lets go; and a trainer
+    that dies or is killed lets go. Threads of one process share it: the trainer counts its
+    holders and locks once. The writer never waits long: a hold that outlasts
+    ``PAUSE_LIMIT`` (a SIGSTOPped trainer, a copy of a CPU-offloaded state) is read past,
+    and every moment spent waiting counts as the copy's progress, so a paused writer is
+    never taken for a stalled tier. ``let_go`` (the SIGTERM handler's) lets the writer run
+    while the trainer still holds it."""
+
+    __slots__ = ("path", "_fd", "_opening", "_holders", "_overdue")
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd: int | None = None  # the writer's, kept open for its life
-        self._opening = threading.Lock()  # its tier threads and block threads wait on it at once
+        self._fd: int | None = None  # kept open for the process's life (closing one unlocks)
+        self._opening = threading.Lock()  # the fd's opening; the trainer's count of holders
+        self._holders = 0  # the trainer's threads in ``hold`` now
+        self._overdue = False  # the writer read past the trainer's current hold
 
-    def _open(self) -> int | None:
-        """The lock file, or None: no run directory (no writer was started), or a file it
-        cannot be (a link or a directory planted there, a read-only directory). The lock only
-        orders two copies in time; without it both run, and no save fails for it."""
-        try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return None
+    def _file(self) -> int | None:
+        """The lock file, opened once, or None: no run directory (no writer was started), or
+        a file it cannot be (a link or a directory planted there, a read-only directory).
+        The lock only orders two copies in time; without it both run, and no save fails."""
+        if self._fd is None:
+            with contextlib.suppress(OSError):
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return self._fd
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """The trainer's, while it copies."""
-        fd = self._open()
+        """The trainer's, around its copy of a save's state (nothing else: no wait)."""
+        with self._opening:
+            fd = self._file()
+            if self._holders == 0 and fd is not None:
+                with contextlib.suppress(OSError):
+                    fcntl.lockf(fd, fcntl.LOCK_EX)  # the writer holds it shared for an instant
+            self._holders += 1
         try:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            if fd is not None:
-                os.close(fd)  # unlocks
-
-    def wait(self) -> None:
-        """The writer's, before each chunk it reads: until the trainer's copy is done."""
-        if self._fd is None:
             with self._opening:
-                if self._fd is None:
-                    self._fd = self._open()
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+                self._holders -= 1
+                if self._holders == 0:
+                    self.let_go()
+
+    def let_go(self) -> None:
+        """Let the writer run now, while the trainer's copy may go on (a SIGTERM handler's
+        wait: the slower tiers need the grace period). Takes no lock: a signal handler may
+        call it on the thread that is inside ``hold``."""
+        fd = self._fd
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+
+    def wait(self, progress: Callable[[], None] = _nothing) -> None:
+        """The writer's, before each chunk it reads: until the trainer's copy is done, or
+        ``PAUSE_LIMIT`` seconds into a hold (then it reads on until the trainer lets go);
+        ``progress`` is called as it waits."""
+        with self._opening:
+            fd = self._file()
+        if fd is None:
+            return
+        deadline = None
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:  # held: EACCES or EAGAIN
+                if self._overdue:
+                    return
+                now = time.monotonic()
+                deadline = deadline or now + PAUSE_LIMIT
+                if now > deadline:
+                    self._overdue = True
+                    return
+                progress()
+                time.sleep(PAUSE_POLL)
+                continue
+            fcntl.lockf(fd, fcntl.LOCK_UN)
+            self._overdue = False
+            return
 
 
 class WriterFiles:
@@ -575,8 +631,9 @@ class RunDir:
     # config and owner
 
     def write_config(self, config: TieredConfig) -> None:
-        """Give the writer ``config`` (the file is rewritten only when it changes)."""
-        blob = config_json(config)
+        """Give the writer ``config``, its local paths absolute (``TieredConfig.resolved``: the
+        writer runs elsewhere); the file is rewritten only when it changes."""
+        blob = config_json(config.resolved())
         if not self.config_path.exists() or self.config_path.read_bytes() != blob:
             write_private(self.config_path, blob)
 
