@@ -15,6 +15,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,17 @@ from .errors import (
     PeerLostError,
     SnapshotError,
     TieredCheckpointError,
+)
+
+# torch's dcp.save/dcp.load warn on every call without a process group that they assume "a
+# single process". TieredWriter and TieredReader work without one by design (the quickstart,
+# a notebook, export/import): that one message is silenced, matched exactly, for saves and
+# loads alike, and no other warning; in this process it is silenced for any storage writer.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is disabled, unavailable or uninitialized, "
+    r"assuming the intent is to (save|load) in a single process\.$",
+    category=UserWarning,
 )
 
 if TYPE_CHECKING:

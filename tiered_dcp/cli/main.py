@@ -3,7 +3,9 @@
 ``ls`` imports no torch, so it answers at once; the others import it when they run.
 Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
 on a usage or configuration error (``EXIT_CODES``); an expected failure is one line on
-stderr (the cause, and what to do), never a traceback.
+stderr (the cause, and what to do), never a traceback. Output whose reader has gone
+(``tiered-dcp ls ... | head -1``) ends the command quietly with 141, the status of a command
+killed by SIGPIPE, as ``cat`` or ``ls`` give there (so ``set -o pipefail`` sees it alike).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
+import select
 import shutil
 import sys
 import time
@@ -20,7 +24,7 @@ from typing import Any
 
 from .. import __version__
 from ..api import Removal, host_memory, import_dcp, namespaces, prune, remove_steps, status, writer_status
-from ..config import Tier, TieredConfig, here
+from ..config import Tier, TieredConfig, here, names_no_node
 from ..errors import TieredCheckpointError
 from ..steps.catalog import views
 from ..steps.choice import newest_committed
@@ -29,7 +33,9 @@ from ..steps.status import StepStatus
 EXIT_CODES = """exit codes (every command):
   0  all is well
   1  damage found, or nothing to show (no such namespace, no committed step)
-  2  usage or configuration error"""
+  2  usage or configuration error
+  141  the output's reader went away (e.g. piped into head), as for a command killed by SIGPIPE"""
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what the shell reports for `cat`/`ls` in `... | head -1`
 
 
 def human(n: float) -> str:
@@ -126,7 +132,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
         return 1
     _print_table(cfg, rows, args.wide)
-    _print_cliques(rows)
+    _print_cliques(cfg, rows)
     for r in rows:  # what a state that is not a good step means, and what to do
         if r.error and r.state in (StepStatus.DAMAGED, StepStatus.INCOMPLETE):
             print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
@@ -188,14 +194,16 @@ def _print_table(cfg: TieredConfig, rows: list, wide: bool) -> None:
         print(line)
 
 
-def _print_cliques(rows: list) -> None:
+def _print_cliques(cfg: TieredConfig, rows: list) -> None:
     """Who holds copies of whose part on the replicated node-local tiers, with each clique's
-    failure domains: one line per layout (a job keeps one), naming its steps."""
+    failure domains: one line per layout (a job keeps one), naming its steps; under a tier
+    whose path names no node (``config.names_no_node``), that the copies may not exist."""
     layouts: dict[tuple, list[str]] = {}
     for r in rows:
         if r.cliques:
             key = (r.tier_index, tuple(map(tuple, r.cliques)), tuple(map(tuple, r.clique_domains)))
             layouts.setdefault(key, []).append(str(r.step))
+    told = set()
     for (tier, cliques, domains), steps in sorted(layouts.items()):
         shown = [
             f"{list(c)} in {', '.join(d)}" if domains else str(list(c))
@@ -203,6 +211,12 @@ def _print_cliques(rows: list) -> None:
         ]
         which = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(steps)}"
         print(f"cliques on tier {tier} ({which}): {'; '.join(shown)}")
+        if tier not in told and tier < len(cfg.tiers) and names_no_node(cfg.tiers[tier]):
+            told.add(tier)
+            print(
+                f"  but tier {tier}'s path names no {{node}}: if the nodes share that directory, "
+                f"each part is held there once, not {len(cliques[0])} times"
+            )
 
 
 def _columns(header: list[str], table: list[list[str]]) -> list[str]:
@@ -550,8 +564,33 @@ def _tool_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_demo)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line parsed; an argument no parser knows is reported with the usage of
+    the command it follows (``tiered-dcp ls --bogus``: ``ls``'s), not the top level's."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        given = sys.argv[1:] if argv is None else list(argv)
+        before = given[: given.index(args.cmd)] if args.cmd in given else given
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        owner = parser if any(x in before for x in extra) else sub.choices[args.cmd]
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone (its poll reports an error), so that a
+    BrokenPipeError from anything else (a socket to a tier) is not taken for it."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or no real stdout: as Python's docs do
+        return True
+
+
+def _run(argv: list[str] | None) -> int:
+    args = _parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
@@ -561,6 +600,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # how it was called, or the configuration
         print(f"tiered-dcp {args.cmd}: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:  # --help's exit too
+            sys.stdout.flush()  # a reader that has gone shows here, not as a traceback at exit
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # what is still buffered goes nowhere: Python's flush at exit must not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_STDOUT_CLOSED
 
 
 if __name__ == "__main__":

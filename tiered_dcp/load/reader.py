@@ -1,10 +1,14 @@
 """TieredReader: the DCP StorageReader that loads a step from the best tier holding it.
 
-This module is the DCP glue only. The step is opened (``open_step.OpenStep``: chosen, agreed
-by every rank when a process group is up, leased, its metadata shared) by ``open``: at
-construction when no other rank takes part (a missing step raises NoCheckpointError before
-``dcp.load``), else at the first use (``step``, ``open()``, DCP's ``read_metadata``), which
-every rank reaches together, so one rank may construct a reader alone.
+This module is the DCP glue only. The constructor opens the step (``open``;
+``open_step.OpenStep``: chosen, leased, its metadata shared), so a missing step raises
+NoCheckpointError before ``dcp.load``. With a process group up (and not ``no_dist``) that is
+a collective over the default group: rank 0 broadcasts what the shared tiers hold, the
+ranks all-gather what their node-local roots hold and all-reduce whether each leased the
+step and read its metadata (broadcast from a holder to a rank that could not). So every
+rank constructs its reader at the same point among its collectives, as it calls
+``dcp.load``: a rank constructing one alone waits there for the others (until the group's
+timeout). Without a process group, or with ``no_dist=True``, constructing one is local.
 ``read_data`` executes DCP's load plan (``step_reads.StepReads``): each item from its sources
 in fallback order (``planners.load``), every chunk verified, an item whose copy is damaged
 read from its next source with a warning naming the bad file.
@@ -49,15 +53,17 @@ def _dist_rank() -> tuple[int, bool]:
 class TieredReader(StorageReader):
     """Loads ``step`` (default: the newest complete step anywhere) of ``config``.
 
-    Use it on every rank, as ``dcp.load`` is called on every rank: the ranks agree on the
-    step when it is opened (``open``: at the first use, or at construction without a process
-    group); constructing one is local, so one rank may build one alone. With a process
+    Use it on every rank, as ``dcp.load`` is called on every rank. The constructor opens the
+    step (``open``): with a process group, a collective over the default group in which the
+    ranks agree on the step, so every rank constructs its reader at the same point (one
+    rank constructing one alone waits there for the others). With a process
     group, each rank reads only its own root of each node-local tier and the ranks pool what
     they hold (``cluster``): a step counts when every part survives on some node, and items
     this rank's root lacks come from a peer holding them, else from a shared tier. The
     newest step complete in the cluster is compared with the newest on a shared tier and the
     newer is loaded (the cluster's on a tie). ``no_dist=True`` skips the agreement (one
-    process reading alone, seeing every path it can reach).
+    process reading alone, seeing every path it can reach): constructing it is then local,
+    as it is without a process group.
 
     Without ``step``, steps that are quarantined (an earlier load found an item with no good
     copy left) or non-finite (saved holding NaN/Inf) are passed over (``steps.choice``),
@@ -99,12 +105,13 @@ class TieredReader(StorageReader):
         self._opened: OpenStep | None = None  # ``open``'s
         self._step_reads: StepReads | None = None
         self._open_failed: BaseException | None = None  # ``read_metadata``'s, raised in set-up
-        self.open()  # DESIGN §1: the step is found at construction (with a group: every rank's)
+        self.open()  # a missing step fails here, not in dcp.load; with a group: a collective
 
     def open(self) -> TieredReader:
-        """Choose the step, agreed by every rank with a process group (a collective: every rank
-        calls it, or the first of ``step``/``skipped``/``tiers`` or DCP's ``read_metadata``);
-        without one, the metadata refused on every tier raises here too. Once; returns self."""
+        """Choose the step, agreed by every rank with a process group (a collective over the
+        default group: the constructor and ``reset`` call it on every rank; once a step is
+        open, later calls return at once); without one, the metadata refused on every tier
+        raises here too. Returns self."""
         if self._opened is None:
             # a lost rank: PeerLostError
             with transport.watching_peers(self._asked, "opening a step to load"):
@@ -127,7 +134,7 @@ class TieredReader(StorageReader):
 
     @property
     def step(self) -> int:
-        """The chosen step (opening it: with a process group, every rank asks together)."""
+        """The chosen step (chosen when the reader was constructed or ``reset``)."""
         return self._open_step().step
 
     @property
@@ -160,7 +167,8 @@ class TieredReader(StorageReader):
         """A new load; ``checkpoint_id`` (from ``dcp.load``), if given, names the step to load.
 
         Another step than the one chosen is chosen again as ``open`` does (agreed by every
-        rank; ``NoCheckpointError`` if it is not complete anywhere). Anything but a step
+        rank: with a process group a collective, as ``dcp.load`` calls it on every rank;
+        ``NoCheckpointError`` if it is not complete anywhere). Anything but a step
         (``checkpoint_id.step_of``) raises ValueError.
         """
         self.load_id = new_id()

@@ -4,8 +4,9 @@ With ``TieredConfig(failure_domain=...)`` each rank reads its own domain (an env
 variable, or the config's function of its rank), and the job gathers every rank's (node,
 domain) in one collective: a gloo group of our own over every rank (``transport.Group``,
 so it works whatever backend the training uses), when the first writer of the config is
-constructed (bad configuration fails at construction, DESIGN §1, and which racks the ranks
-are in is part of it; so every rank constructs its writer, as every rank saves). Every rank then lays
+constructed (bad configuration fails at construction, before any byte is written, and
+which racks the ranks are in is part of it; so every rank constructs its writer, as every
+rank saves). Every rank then lays
 out the same cliques (``cliques.by_domain``) or raises the same ValueError, before any byte of
 the save is written. The layout is kept for the process's life (``LAYOUTS``): a node's rack
 does not change under a running job.
