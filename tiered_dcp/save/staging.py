@@ -510,20 +510,20 @@ class StagingPool:
                 self._cond.notify_all()
         return made
 
-    def prepare_now(self, ex: Examined, where: TierFile | None, files: int) -> int:
-        """``prepare``, where a failure (a full tier) is logged, not raised: the save that
-        finds nothing prepared claims its file itself."""
-        try:
-            return self.prepare(ex, where, files)
-        except Exception as e:  # noqa: BLE001 - the next save claims its file itself
-            log.warning("preparing the next saves' part files failed (they make their own): %s", e)
-            return 0
-
     def prepare_soon(self, ex: Examined, where: TierFile | None, files: int) -> Future[int]:
-        """``prepare_now`` on the pool's own thread, off the training thread."""
+        """``prepare`` on the pool's own thread, off the training thread; a failure (a full
+        tier) is logged, and the save that finds nothing prepared claims its file itself."""
         if self._preparer is None:
             self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-prepare")
-        return self._preparer.submit(self.prepare_now, ex, where, files)
+
+        def run() -> int:
+            try:
+                return self.prepare(ex, where, files)
+            except Exception as e:  # noqa: BLE001 - the next save claims its file itself
+                log.warning("preparing the next saves' part files failed (they make their own): %s", e)
+                return 0
+
+        return self._preparer.submit(run)
 
     def files_ahead(self, ex: Examined) -> int:
         """The part files of ``ex``'s layout mapped and idle (kept steps, spares, prepared)

@@ -348,6 +348,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self._waited = False
         self._handoff_later = False  # ``stage`` left the writer's start and checks to write_data
         self.staged_file: TierFile | None = None  # the RAM tier's part file ``stage`` filled
+        self._next_files: ConcurrentFuture[int] | None = None  # the next saves' files (``_prepare_next``)
         self.rank = 0
         self.node = node_of(0)
         self.is_coordinator = True
@@ -372,7 +373,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         return step_id(self.config.namespace, self.step)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_world": None}
+        return {**self.__dict__, "_world": None, "_next_files": None}
 
     # -- AsyncStager: the copy the training loop waits for --------------------------------
 
@@ -427,16 +428,15 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def _prepare_next(self, examined: Examined) -> None:
         """After a save staged into the RAM tier: the part files its next ``keep`` saves stage
-        into (``StagingPool.prepare``), so none faults a page in. In the background, but for
-        the first save of a layout (no ``prepare()`` call before it): that one makes them
-        itself, since a save that follows at once would overtake the background's work and
-        fault its own file in on the training thread."""
+        into are made in the background (``StagingPool.prepare``), so none faults a page in.
+        For the first save of a layout (no ``prepare()`` call before it) its upload waits for
+        them before its future completes: a save that follows at once would otherwise
+        overtake that work and fault its own file in on the training thread."""
         if self.staged_file is not None:
             keep = self.config.tiers[self.tier_indexes[0]].keep or 0
-            if POOL.files_ahead(examined):
-                POOL.prepare_soon(examined, self.staged_file, keep + 1)
-            else:
-                POOL.prepare_now(examined, self.staged_file, keep + 1)
+            first = not POOL.files_ahead(examined)
+            made = POOL.prepare_soon(examined, self.staged_file, keep + 1)
+            self._next_files = made if first else None
 
     def prepare(self, state_dict: STATE_DICT_TYPE) -> None:
         """Make ready, before the first save, what saves of ``state_dict`` stage into: the
@@ -567,6 +567,9 @@ class TieredWriter(StorageWriter, AsyncStager):
             for target in slower:
                 handle.enqueue(Job(self.step, first.index, target, self.rank, self.node, time.time()))
             handle.ensure(self.owner_pid or os.getpid())  # after: a writer is there for these jobs
+        if self._next_files is not None:  # the first save's upload: the next saves' files made
+            self._next_files.result()
+            self._next_files = None
         results = [  # the plan's items, and the aliases the planner gave this rank
             WriteResult(index=index, size_in_bytes=rec.info.raw_length, storage_data=rec)
             for index, rec in records.items()
