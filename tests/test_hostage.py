@@ -250,7 +250,9 @@ def ram_copies(ram: Path) -> int:
             continue
         if stat.S_ISREG(st.st_mode) and st.st_size >= MiB:
             inodes.add(st.st_ino)
-    inodes |= {os.fstat(s.fd).st_ino for s in POOL._slots if s.fd is not None}
+    for s in POOL._slots:  # only this tier's files count (earlier tests' stay mapped in the pool)
+        if s.fd is not None and os.readlink(f"/proc/self/fd/{s.fd}").startswith(str(ram)):
+            inodes.add(os.fstat(s.fd).st_ino)
     return len(inodes)
 
 
