@@ -447,6 +447,9 @@ class Drill:
         self.procs: list[subprocess.Popen] = []
         self.attempt = 0
         self.reports: list[dict] = []  # the ranks' resume reports of the last restart
+        # every step the drill made unloadable so far: a resumed job saves that number again,
+        # and a fault that comes while that save is in flight finds the broken one committed
+        self.broken: dict[int, str] = {}
         self.emulator = self.proxy = None
         self.notes: list[str] = []
         self.t0 = time.monotonic()
@@ -546,9 +549,12 @@ class Drill:
 
     def committed(self, passed: Collection[int] = ()) -> int:
         """The newest step whose save returned on every rank (0: none), or the bucket's newest;
-        ``passed``: steps not to count (the drill made them unloadable itself)."""
+        ``passed``: steps not to count (the drill made them unloadable itself), as are those
+        it broke in an earlier event."""
         from ..api import status
         from ..steps.status import StepStatus
+
+        passed = {*passed, *self.broken}
 
         saved = min(self.progress(r) for r in range(WORLD)) - 1
         while saved in passed:
@@ -697,6 +703,7 @@ class Drill:
         marker = self.marker(step)
         marked = marker is not None and not marker.finite
         event.unloadable = {step: f"saved holding NaN on rank {victim}"}
+        self.broken.update(event.unloadable)
         event.detail = (
             f"a weight of rank {victim} set to NaN before save {step}; the save committed "
             f"({'marked non-finite' if marked else 'NOT marked non-finite'}), then the job crashed"
@@ -727,6 +734,7 @@ class Drill:
         roots = [Path(self.cfg.tiers[0].root(n, n)) for n in range(WORLD)]
         damaged = [_flip(root / key) for root in roots if (root / key).exists()]
         event.unloadable = {step: f"every copy of {what} damaged by the drill"}
+        self.broken.update(event.unloadable)
         event.detail = (
             f"step {step}, held by the RAM tier only: a byte flipped in each of the {len(damaged)} "
             f"copies of {what}; the job crashed"
