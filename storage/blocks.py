@@ -45,12 +45,17 @@ from .format import (
     BLOCK_HEADER,
     GC_EPOCH,
     GC_LEASE,
+    NOTE_LIMIT,
+    REFS_LIMIT,
+    DamagedRecord,
     Record,
     block_key,
     blocks_dir,
     is_block_id,
     parse_block_header,
+    parse_json,
     parse_step_dir,
+    read_record,
     refs_key,
     step_dir,
 )
@@ -169,9 +174,10 @@ def write_refs(store: Storage, namespace: str, step: int, rank: int, ids: Iterab
 
 
 def read_refs(store: Storage, key: str) -> set[str]:
-    ids = json.loads(store.read(key))
+    """The block ids a blocks list names; DamagedRecord (a ValueError) unless it is one."""
+    ids = parse_json(read_record(store, key, REFS_LIMIT), store.describe(key))
     if not isinstance(ids, list) or not all(isinstance(i, str) and is_block_id(i) for i in ids):
-        raise ValueError(f"{store.describe(key)} is not a list of block ids")
+        raise DamagedRecord(f"{store.describe(key)} is not a list of block ids")
     return set(ids)
 
 
@@ -204,7 +210,7 @@ def _stale(store: Storage, key: str) -> bool:
     """A lease whose GC is gone: its process is dead (this host), or its time is over
     (``owners``); a lease torn by a crash while it was written is stale too."""
     try:
-        return not owners.owner_alive(store.read(key), unreadable=False)
+        return not owners.owner_alive(store.read(key, 0, NOTE_LIMIT), unreadable=False)
     except FileNotFoundError:
         return True
 
@@ -330,7 +336,7 @@ def remembered(store: Storage, directory: str, create: bool) -> dict[str, tuple[
     ranks); on a shared tier only a GC writes it, as every rank at once must not write
     one object. Until then nothing is remembered there."""
     try:
-        token = bytes(store.read(f"{directory}/{GC_EPOCH}")).decode()
+        token = bytes(store.read(f"{directory}/{GC_EPOCH}", 0, NOTE_LIMIT)).decode("utf-8", "replace")
     except FileNotFoundError:
         if not create:
             return {}

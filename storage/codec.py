@@ -26,9 +26,17 @@ import xxhash
 import zstandard
 
 from .base import Buffer, Storage
-from .format import BLOCK_HEADER, ItemInfo, Record, block_header, block_key, parse_block_header
+from .format import (
+    BLOCK_HEADER,
+    BLOCK_LIMIT,
+    CHUNK_BYTES,
+    ItemInfo,
+    Record,
+    block_header,
+    block_key,
+    parse_block_header,
+)
 
-CHUNK_BYTES = 8 << 20
 ZSTD_LEVEL = 3
 GROUPED_LEVEL = 1  # byte-grouped streams: level 1 stores less than 3 here (0.68 vs 0.71 on bf16)
 CODECS = ("raw", "zstd", "zstd-bg2", "zstd-bg4")
@@ -224,7 +232,7 @@ def encode_block(codec: str, stored: Buffer) -> list[Buffer]:
 def read_block(store: Storage, record: Record, i: int) -> tuple[str, bytes]:
     """Chunk i of a dedup record: (its codec, from the block's header; its stored bytes)."""
     assert record.blocks is not None
-    data = store.read(block_key(record.file, record.blocks[i]))
+    data = store.read(block_key(record.file, record.blocks[i]), 0, BLOCK_LIMIT)
     try:
         codec = parse_block_header(data)
     except ValueError as e:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import pickle
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -45,6 +47,23 @@ LEASE_PREFIX = "lease."
 FAILED_PREFIX = "failed."
 QUARANTINE_INFIX = ".quarantined."
 
+# Bounds on what a tier may hold, checked before anything read off it is trusted (see
+# "reading records" below): whoever can write a tier writes these files.
+CHUNK_BYTES = 8 << 20  # raw bytes of a chunk at most (the writer cuts items so; blocks are smaller)
+STORED_CHUNK_BYTES = 2 * CHUNK_BYTES  # stored bytes of a chunk at most (compression never doubles)
+MAX_WORLD = 1 << 20  # ranks of a step
+MAX_STEP = (1 << 63) - 1  # a step number (a signed 64-bit tensor carries it between ranks)
+MAX_BYTES = 1 << 62  # any length or offset
+MAX_DIMS = 64  # a tensor's dimensions
+MAX_NAME = 4096  # characters of a name (a namespace, an item's key, a file, a domain)
+MARKER_LIMIT = 16 << 20  # a commit marker's bytes (~120 per rank: 130k ranks)
+MARKER_HEAD = 32 << 10  # a marker's first bytes: its world size among them (``read_marker_bytes``)
+MARKER_PER_RANK = 512  # a marker's bytes per rank at most (a part, a clique's share, a domain)
+METADATA_LIMIT = 4 << 30  # the metadata blob's bytes, as a marker may give them
+NOTE_LIMIT = 64 << 10  # a pin, lease, failure note or quarantine mark's bytes (read: the start)
+RECORDS_PER_METADATA_BYTE = 4  # an index or blocks list describes at most what the metadata does
+RECORDS_BASE = 64 << 10
+
 # -- names -------------------------------------------------------------------------------
 
 
@@ -54,9 +73,14 @@ def step_dir(namespace: str, step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step a directory name (as listed under the namespace) stands for, else None."""
+    """The step a directory name (as listed under the namespace) stands for, else None: only
+    the name ``step_dir`` gives it (ASCII digits, at least 12, no sign, no more leading
+    zeros, at most ``MAX_STEP``), so no two names stand for one step."""
     digits = name[len(STEP_PREFIX) :]
-    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
+    if not (name.startswith(STEP_PREFIX) and digits.isascii() and digits.isdigit()) or len(digits) > 19:
+        return None
+    step = int(digits)
+    return step if step <= MAX_STEP and digits == f"{step:012d}" else None
 
 
 def part_name(rank: int) -> str:
@@ -141,6 +165,8 @@ GC_LEASE = "GC.lease"
 GC_EPOCH = "GC.epoch"  # rewritten by a GC before it deletes a block: what a saver saw held may be gone
 BLOCK_MAGIC = b"TDBLOCK1"  # a block file: magic, its codec (8 ASCII bytes, NUL-padded), payload
 BLOCK_HEADER = 16
+BLOCK_LIMIT = BLOCK_HEADER + STORED_CHUNK_BYTES  # a block file's bytes at most
+REFS_LIMIT = 64 << 20  # a blocks list's bytes (35 per block of 1 MiB: a 1.8 TiB part)
 
 
 SPARE_DIR = "spare"  # a memory tier's recycled part files, each named by its inode (``steps.part_file``)
@@ -208,6 +234,105 @@ def parse_block_header(data: bytes) -> str:
     return data[8:BLOCK_HEADER].rstrip(b"\0").decode("ascii", "replace")
 
 
+# -- reading records -----------------------------------------------------------------------
+#
+# Every record read off a tier (marker, index, blocks list, note) is read here, bounded in
+# size before a byte is read, parsed with a depth limit and checked field by field before any
+# other code sees it. A record that fails is damage: the step is not whole in that root, and
+# readers go to the next copy, as for a checksum mismatch.
+
+
+class DamagedRecord(ValueError):
+    """A record read from a tier that fails its checks; the message names the file and why."""
+
+
+def read_record(store: Storage, key: str, limit: int) -> bytes:
+    """``key``'s bytes, at most ``limit`` of them: one byte more is read, never the rest of a
+    larger (or sparse, or endless) file. DamagedRecord past the limit; OSError as ``read``."""
+    data = store.read(key, 0, limit + 1)
+    if len(data) > limit:
+        raise DamagedRecord(f"{store.describe(key)}: larger than {limit} bytes, which no such record is")
+    return data
+
+
+_WORLD_SIZE = re.compile(rb'"world_size":\s*(\d{1,7})[,\s}]')
+
+
+def read_marker_bytes(store: Storage, key: str) -> bytes:
+    """A commit marker's bytes, bounded by the world it describes: a marker longer than its
+    head (``MARKER_HEAD``) must say its world size there (``to_bytes`` puts it third), and
+    is read up to ``MARKER_PER_RANK`` bytes a rank (``MARKER_LIMIT`` at most). So a marker
+    padded with what no rank needs is refused before it is read, let alone parsed."""
+    head = store.read(key, 0, MARKER_HEAD)
+    if len(head) < MARKER_HEAD:
+        return head
+    found = _WORLD_SIZE.search(head)
+    if found is None:
+        raise DamagedRecord(f"{store.describe(key)}: no world_size in its first {MARKER_HEAD} bytes")
+    limit = min(MARKER_LIMIT, MARKER_HEAD + MARKER_PER_RANK * int(found.group(1)))
+    return read_record(store, key, limit)
+
+
+def records_limit(metadata_size: int) -> int:
+    """The bytes an index (or a blocks list) of a step whose metadata has ``metadata_size``
+    bytes may have: its records describe some of the items the metadata describes."""
+    return RECORDS_BASE + RECORDS_PER_METADATA_BYTE * metadata_size
+
+
+def parse_json(data: bytes, what: str) -> Any:
+    """``data`` parsed; DamagedRecord if it is not JSON or nests deeper than the interpreter's
+    recursion limit (the parser stops there: no record of ours nests more than 6 deep)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise DamagedRecord(f"{what} is not JSON ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def _count(v: Any, what: str, most: int = MAX_BYTES, least: int = 0) -> int:
+    """``v``, a whole number from ``least`` to ``most`` (not a bool), else DamagedRecord."""
+    if type(v) is not int or not least <= v <= most:
+        raise DamagedRecord(f"{what} must be a whole number from {least} to {most}, not {_shown(v)}")
+    return v
+
+
+def _text(v: Any, what: str, most: int = MAX_NAME) -> str:
+    if not isinstance(v, str) or len(v) > most:
+        raise DamagedRecord(f"{what} must be text of at most {most} characters, not {_shown(v)}")
+    return v
+
+
+def _items(v: Any, what: str, most: int) -> list:
+    if not isinstance(v, list) or len(v) > most:
+        raise DamagedRecord(f"{what} must be a list of at most {most} entries, not {_shown(v)}")
+    return v
+
+
+def _fields(d: Any, what: str, required: set[str], optional: set[str] = frozenset()) -> dict:  # type: ignore[assignment]
+    """``d``, a JSON object with every ``required`` key and no key beyond ``optional``."""
+    if not isinstance(d, dict):
+        raise DamagedRecord(f"{what} must be an object, not {_shown(d)}")
+    missing, extra = required - d.keys(), d.keys() - required - optional
+    if missing or extra:
+        said = [f"missing {sorted(missing)}"] * bool(missing) + [f"unknown {sorted(extra)[:5]}"] * bool(extra)
+        raise DamagedRecord(f"{what}: {', '.join(said)}")
+    return d
+
+
+def _dims(v: Any, what: str) -> tuple[int, ...]:
+    """A tensor's shape or offset: at most ``MAX_DIMS`` whole numbers, each at most
+    ``MAX_BYTES`` (checked with builtins alone: an index holds tens of thousands)."""
+    if type(v) is not list or len(v) > MAX_DIMS or not set(map(type, v)) <= {int}:
+        raise DamagedRecord(f"{what} must be at most {MAX_DIMS} whole numbers, not {_shown(v)}")
+    if v and (min(v) < 0 or max(v) > MAX_BYTES):
+        raise DamagedRecord(f"{what} must be whole numbers from 0 to {MAX_BYTES}, not {_shown(v)}")
+    return tuple(v)
+
+
+def _shown(v: Any) -> str:
+    text = repr(v) if not isinstance(v, list | dict) else f"a {type(v).__name__} of {len(v)}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 # -- the commit marker ---------------------------------------------------------------------
 
 
@@ -247,15 +372,53 @@ class Marker:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Marker:
-        d = json.loads(data)
-        if d.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"unsupported marker format {d.get('format')!r}")
-        d["parts"] = [PartInfo(**p) for p in d["parts"]]
-        marker = cls(**d)
-        parts = [n for p in marker.parts for n in (p.rank, p.node, p.size)]
-        counts = [marker.step, marker.world_size, *parts]
-        if not isinstance(marker.namespace, str) or not all(_is_count(n) for n in counts):
-            raise ValueError("a marker's namespace is a name, its step, ranks, nodes and sizes are counts")
+        """A marker from its bytes, every field checked (``DamagedRecord`` naming the first
+        that fails): types, ranges, one part per rank in rank order, a layout that places
+        every rank, and no divisor zero."""
+        d = _fields(
+            parse_json(data, "the commit marker"), "the commit marker", _MARKER_REQUIRED, _MARKER_OPTIONAL
+        )
+        if type(d.get("format")) is not int or d.get("format") not in READABLE_FORMATS:
+            raise DamagedRecord(f"unsupported marker format {_shown(d.get('format'))}")
+        world = _count(d["world_size"], "world_size", MAX_WORLD, 1)
+        parts = []
+        for r, p in enumerate(_items(d["parts"], "parts", world)):
+            p = _fields(p, f"part {r}", {"rank", "node", "size"})
+            parts.append(
+                PartInfo(
+                    _count(p["rank"], "a part's rank", r, r),
+                    _count(p["node"], "a node", MAX_WORLD),
+                    _count(p["size"], "a part's size"),
+                )
+            )
+        if len(parts) != world:
+            raise DamagedRecord(f"the marker lists {len(parts)} parts for {world} ranks")
+        replication = _items(d.get("replication", [1, 1]), "replication", 2)
+        if len(replication) != 2:
+            raise DamagedRecord("replication must be [factor, jump]")
+        factor, jump = (_count(n, "a replication factor or jump", MAX_WORLD, 1) for n in replication)
+        created = d.get("created", 0.0)
+        if type(created) not in (int, float) or not math.isfinite(created):
+            raise DamagedRecord(f"created must be a time, not {_shown(created)}")
+        nonfinite = [
+            _text(n, "a non-finite item's name")
+            for n in _items(d.get("nonfinite", []), "nonfinite", NONFINITE_NAMES)
+        ]
+        marker = cls(
+            _count(d["step"], "step", MAX_STEP),
+            _text(d["namespace"], "namespace"),
+            world,
+            parts,
+            _count(d["metadata_size"], "metadata_size", METADATA_LIMIT),
+            _count(d["metadata_xxh3"], "metadata_xxh3", (1 << 64) - 1),
+            created,
+            [factor, jump],
+            d["format"],
+            _count(d.get("nonfinite_items", 0), "nonfinite_items", MAX_BYTES, len(nonfinite)),
+            nonfinite,
+            d.get("cliques"),
+            d.get("domains"),
+        )
         _check_layout(marker)
         return marker
 
@@ -274,22 +437,32 @@ class Marker:
         return next((p for p in self.parts if p.rank == rank), None)
 
 
+_MARKER_REQUIRED = {"step", "namespace", "world_size", "parts", "metadata_size", "metadata_xxh3", "format"}
+_MARKER_OPTIONAL = {"created", "replication", "nonfinite_items", "nonfinite", "cliques", "domains"}
+
+
 def _check_layout(marker: Marker) -> None:
-    """``cliques`` split the ranks into groups of the replication factor; ``domains`` name
-    one domain per rank: a marker saying otherwise would send reads to the wrong roots."""
-    world, factor = marker.world_size, marker.replication[0]
+    """``cliques`` split the ranks into groups of the replication factor (else the jump rule
+    places them: the world a multiple of factor x jump); ``domains`` name one domain per
+    rank: a marker saying otherwise would send reads to the wrong roots."""
+    world, (factor, jump) = marker.world_size, marker.replication
     if marker.cliques is not None:
-        flat = [r for g in marker.cliques if isinstance(g, list) for r in g]
+        groups = _items(marker.cliques, "cliques", world)
+        flat = [r for g in groups if isinstance(g, list) for r in g]
         if (
-            not all(isinstance(g, list) and len(g) == factor for g in marker.cliques)
+            not all(isinstance(g, list) and len(g) == factor for g in groups)
             or not all(_is_count(r) for r in flat)
             or sorted(flat) != list(range(world))
         ):
-            raise ValueError(f"a marker's cliques must split its {world} ranks into groups of {factor}")
+            raise DamagedRecord(f"a marker's cliques must split its {world} ranks into groups of {factor}")
+    elif factor > 1 and world % (factor * jump):
+        raise DamagedRecord(f"a marker's replication {factor}x{jump} cannot place its {world} ranks")
     if marker.domains is not None and (
-        len(marker.domains) != world or not all(isinstance(d, str) for d in marker.domains)
+        not isinstance(marker.domains, list)
+        or len(marker.domains) != world
+        or not all(isinstance(d, str) and len(d) <= MAX_NAME for d in marker.domains)
     ):
-        raise ValueError(f"a marker's domains must name one domain for each of its {world} ranks")
+        raise DamagedRecord(f"a marker's domains must name one domain for each of its {world} ranks")
 
 
 def _is_count(n: object) -> bool:
@@ -314,8 +487,14 @@ class ItemKey:
 
     @classmethod
     def from_json(cls, v: list[Any]) -> ItemKey:
+        if not isinstance(v, list) or len(v) != 3:
+            raise DamagedRecord(f"an item key must be [name, offset, index], not {_shown(v)}")
         fqn, offset, index = v
-        return cls(fqn, None if offset is None else tuple(offset), index)
+        if offset is not None:
+            offset = _dims(offset, "an item's offset")
+        if index is not None:
+            _count(index, "an item's index")
+        return cls(_text(fqn, "an item's name"), offset, index)
 
 
 Chunk = tuple[int, int, int]  # (stored length, raw length, xxh3-64 of the raw bytes), as in an index
@@ -354,17 +533,94 @@ class ItemInfo:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ItemInfo:
         """From the metadata's dict, or from a record's (any format: its chunks are
-        ``[stored, raw, xxh3]``, the last two being the info's)."""
-        chunks = tuple((int(c[-2]), int(c[-1])) for c in d["chunks"])
-        shape = d.get("shape")
-        return cls(
-            int(d["rank"]),
-            d.get("kind", "bytes"),
-            chunks,
-            d.get("dtype"),
-            None if shape is None else tuple(shape),
-            bool(d.get("nonfinite", False)),
+        ``[stored, raw, xxh3]``, the last two being the info's); each field checked
+        (``DamagedRecord``): a tensor's shape and dtype account for its raw bytes."""
+        if not isinstance(d, dict):
+            raise DamagedRecord(f"an item must be an object, not {_shown(d)}")
+        return cls.of_chunks(d, tuple((n, h) for _, n, h in _chunks(d.get("chunks"))))
+
+    @classmethod
+    def of_chunks(cls, d: dict[str, Any], chunks: tuple[tuple[int, int], ...]) -> ItemInfo:
+        """``from_dict`` with the chunks already parsed (``Record.from_dict`` parses them once)."""
+        kind, dtype, shape = d.get("kind", "bytes"), d.get("dtype"), d.get("shape")
+        if kind not in ("tensor", "bytes"):
+            raise DamagedRecord(f"an item's kind must be tensor or bytes, not {_shown(kind)}")
+        if dtype is not None and not (type(dtype) is str and len(dtype) <= 64):
+            _text(dtype, "an item's dtype", 64)
+        if shape is not None:
+            shape = _dims(shape, "an item's shape")
+        nonfinite = d.get("nonfinite", False)
+        if type(nonfinite) is not bool:
+            raise DamagedRecord(f"nonfinite must be true or false, not {_shown(nonfinite)}")
+        rank = d.get("rank")
+        if type(rank) is not int or not 0 <= rank < MAX_WORLD:
+            _count(rank, "an item's rank", MAX_WORLD - 1)  # raises, saying why
+        if kind == "tensor":
+            if dtype is None or shape is None:
+                raise DamagedRecord("a tensor item names no dtype or shape")
+            size = DTYPE_BYTES.get(dtype)
+            raw = sum(n for n, _ in chunks)
+            if size is not None and math.prod(shape) * size != raw:
+                raise DamagedRecord(
+                    f"a {dtype} tensor of shape {list(shape)[:8]} has {math.prod(shape) * size} bytes, "
+                    f"not the {raw} its chunks hold"
+                )
+        return cls(rank, kind, chunks, dtype, shape, nonfinite)
+
+    def same_item(self, other: ItemInfo) -> bool:
+        """Whether ``other`` says what this says of the item (its ``nonfinite`` aside: only an
+        index knows it), so that bytes read for one are the other's."""
+        return (self.rank, self.kind, self.raw_chunks, self.dtype, self.shape) == (
+            other.rank,
+            other.kind,
+            other.raw_chunks,
+            other.dtype,
+            other.shape,
         )
+
+
+def _chunks(v: Any) -> list[tuple[int, int, int]]:
+    """Chunks as a record (``[stored, raw, xxh3]``) or the metadata (``[raw, xxh3]``) has
+    them, as (stored, raw, xxh3): a metadata chunk's stored length is its raw one. Written
+    for speed (an index holds tens of thousands): one pass, no call per field."""
+    if not isinstance(v, list):
+        raise DamagedRecord(f"an item's chunks must be a list, not {_shown(v)}")
+    out = []
+    for c in v:
+        if type(c) is list and len(c) == 3:
+            s, n, h = c
+        elif type(c) is list and len(c) == 2:
+            n, h = c
+            s = n
+        else:
+            raise DamagedRecord(f"a chunk must be [stored, raw, xxh3], not {_shown(c)}")
+        if not (
+            type(s) is int
+            and type(n) is int
+            and type(h) is int
+            and 0 <= n <= CHUNK_BYTES
+            and 0 <= s <= STORED_CHUNK_BYTES
+            and 0 <= h < 1 << 64
+        ):
+            raise DamagedRecord(
+                f"a chunk must be [stored <= {STORED_CHUNK_BYTES}, raw <= {CHUNK_BYTES}, xxh3 < 2^64], "
+                f"not {_shown(c)}"
+            )
+        out.append((s, n, h))
+    return out
+
+
+# The bytes per element of torch's dtypes, by name (torch-free): a tensor item's shape then
+# accounts for its raw bytes. A name not here (a dtype of a newer torch) is not counted.
+DTYPE_BYTES = {
+    **dict.fromkeys(["torch.float64", "torch.int64", "torch.uint64", "torch.complex64"], 8),
+    **dict.fromkeys(["torch.float32", "torch.int32", "torch.uint32", "torch.complex32"], 4),
+    **dict.fromkeys(["torch.float16", "torch.bfloat16", "torch.int16", "torch.uint16"], 2),
+    **dict.fromkeys(["torch.int8", "torch.uint8", "torch.bool"], 1),
+    **dict.fromkeys(["torch.float8_e4m3fn", "torch.float8_e5m2", "torch.float8_e4m3fnuz"], 1),
+    **dict.fromkeys(["torch.float8_e5m2fnuz", "torch.float8_e8m0fnu"], 1),
+    "torch.complex128": 16,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,26 +684,43 @@ class Record:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], directory: str | None = None) -> Record:
-        """A record from its dict. Formats 1 and 2 name the file by its base name only:
-        ``directory`` (the step's directory) completes it."""
-        file = str(d["file"]) if directory is None else f"{directory}/{d['file']}"
+        """A record from its dict, each field checked (``DamagedRecord``). Formats 1 and 2
+        name the file by its base name only: ``directory`` (the step's directory) completes it."""
+        if not isinstance(d, dict):
+            raise DamagedRecord(f"a record must be an object, not {_shown(d)}")
+        file, offset, codec = d.get("file"), d.get("offset"), d.get("codec")
+        if not (type(file) is str and len(file) <= MAX_NAME):
+            _text(file, "a record's file")  # raises, saying why
+        if not (type(offset) is int and 0 <= offset <= MAX_BYTES):
+            _count(offset, "a record's offset")
+        if not (type(codec) is str and len(codec) <= 16):
+            _text(codec, "a codec", 16)
+        chunks = _chunks(d.get("chunks"))
+        stored = tuple(s for s, _, _ in chunks)
         blocks, codecs = d.get("blocks"), d.get("codecs")
+        if blocks is not None:
+            blocks = tuple(_text(b, "a block id", 32) for b in _items(blocks, "blocks", len(chunks)))
+        if codecs is not None:
+            codecs = tuple(_text(c, "a codec", 16) for c in _items(codecs, "codecs", len(chunks)))
+        for named, what in ((blocks, "blocks"), (codecs, "codecs")):
+            if named is not None and len(named) != len(chunks):
+                raise DamagedRecord(f"a record names {len(named)} {what} for {len(chunks)} chunks")
         return cls(
-            file,
-            int(d["offset"]),
-            d["codec"],
-            tuple(int(s) for s, _, _ in d["chunks"]),
-            ItemInfo.from_dict(d),
-            None if blocks is None else tuple(str(b) for b in blocks),
-            None if codecs is None else tuple(str(c) for c in codecs),
+            file if directory is None else f"{directory}/{file}",
+            offset,
+            codec,
+            stored,
+            ItemInfo.of_chunks(d, tuple((n, h) for _, n, h in chunks)),
+            blocks,
+            codecs,
         )
 
 
 # -- per-part indexes ----------------------------------------------------------------------
 
 
-class BadIndex(ValueError):
-    """An index file that cannot be parsed: the part is treated as absent from that root."""
+class BadIndex(DamagedRecord):
+    """An index file that fails its checks: the part is treated as absent from that root."""
 
 
 @dataclass(frozen=True)
@@ -482,18 +755,47 @@ class PartIndex:
         namespace's layout (``check_names``)."""
         try:
             if data[:1] == b"{":
-                doc = json.loads(data)
-                records = {ItemKey.from_json(d["key"]): Record.from_dict(d) for d in doc["items"]}
-                written = None if doc.get("written") is None else int(doc["written"])
-                index = cls(int(doc["rank"]), int(doc["size"]), records, written)
+                doc = _fields(
+                    parse_json(data, "the index"),
+                    "the index",
+                    {"format", "rank", "size", "items"},
+                    {"written"},
+                )
+                if doc["format"] not in READABLE_FORMATS or type(doc["format"]) is not int:
+                    raise DamagedRecord(f"unsupported index format {_shown(doc['format'])}")
+                records = {}
+                for d in _items(doc["items"], "items", MAX_BYTES):
+                    if not isinstance(d, dict):
+                        raise DamagedRecord(f"an item must be an object, not {_shown(d)}")
+                    records[ItemKey.from_json(d.get("key"))] = Record.from_dict(d)
+                written = doc.get("written")
+                written = None if written is None else _count(written, "written")
+                index = cls(
+                    _count(doc["rank"], "the index's rank", rank, rank),
+                    _count(doc["size"], "size"),
+                    records,
+                    written,
+                )
             else:
                 legacy = _LegacyUnpickler(io.BytesIO(data)).load()
+                if not isinstance(legacy, dict):
+                    raise DamagedRecord(f"a format 2 index holds a {type(legacy).__name__}")
                 directory = step_dir(namespace, step)
                 records = {_legacy_key(k): Record.from_dict(r, directory) for k, r in legacy.items()}
                 index = cls(rank, sum(r.length for r in records.values()), records)
-        except (ValueError, KeyError, TypeError, AttributeError, EOFError, pickle.UnpicklingError) as e:
-            raise BadIndex(f"{type(e).__name__}: {e}") from e
-        return index.check_names(namespace)
+        except DamagedRecord as e:
+            raise BadIndex(str(e)) from None
+        except (
+            ValueError,
+            TypeError,
+            AttributeError,
+            EOFError,
+            RecursionError,
+            MemoryError,
+            pickle.UnpicklingError,
+        ) as e:
+            raise BadIndex(f"{type(e).__name__}: {str(e)[:200]}") from None
+        return index.check_names(namespace).check_extents(part_key(namespace, step, rank))
 
     def check_names(self, namespace: str) -> PartIndex:
         """This index, if every record names only objects of the namespace's layout
@@ -506,6 +808,21 @@ class PartIndex:
                     f"item {key.fqn!r} names {name!r}, which is no part file of a step nor a "
                     f"block of namespace {namespace!r}: not read"
                 )
+        return self
+
+    def check_extents(self, part: str) -> PartIndex:
+        """This index, if each record's bytes in its own part (``part``) lie inside the part's
+        size and raw chunks are stored at their raw length; else BadIndex."""
+        for key, rec in self.records.items():
+            if rec.blocks is not None:  # a block's codec is in its header
+                continue
+            if rec.file == part and rec.offset + rec.length > self.size:
+                raise BadIndex(
+                    f"item {key.fqn!r} lies at {rec.offset}+{rec.length}, past the part's {self.size} bytes"
+                )
+            for i, (s, (n, _)) in enumerate(zip(rec.stored, rec.info.raw_chunks, strict=True)):
+                if rec.chunk_codec(i) == "raw" and s != n:
+                    raise BadIndex(f"item {key.fqn!r}: raw chunk {i} stored in {s} bytes, not {n}")
         return self
 
     @classmethod
@@ -522,11 +839,15 @@ def write_index(store: Storage, namespace: str, step: int, index: PartIndex) -> 
     store.write(index_key(namespace, step, index.rank), [index.to_bytes()])
 
 
-def read_index(store: Storage, namespace: str, step: int, rank: int) -> PartIndex:
-    """Rank's index in ``store``. Raises FileNotFoundError when there is none, BadIndex when
-    it cannot be parsed, OSError when it cannot be read."""
+def read_index(store: Storage, namespace: str, step: int, rank: int, limit: int) -> PartIndex:
+    """Rank's index in ``store``, at most ``limit`` bytes (``records_limit``). Raises
+    FileNotFoundError when there is none, BadIndex when it fails its checks, OSError when it
+    cannot be read."""
     key = index_key(namespace, step, rank)
-    data = store.read(key)
+    try:
+        data = read_record(store, key, limit)
+    except DamagedRecord as e:
+        raise BadIndex(str(e)) from None
     try:
         return PartIndex.from_bytes(data, namespace, step, rank)
     except BadIndex as e:
@@ -543,13 +864,13 @@ class IndexCache:
     def __init__(self) -> None:
         self._got: dict[tuple[str, str], PartIndex | BadIndex] = {}
 
-    def get(self, store: Storage, namespace: str, step: int, rank: int) -> PartIndex | None:
-        """Rank's index in ``store``, None where it has none; raises BadIndex, and OSError
-        when it cannot be read (not remembered: that may pass)."""
+    def get(self, store: Storage, namespace: str, step: int, rank: int, limit: int) -> PartIndex | None:
+        """Rank's index in ``store`` (at most ``limit`` bytes), None where it has none; raises
+        BadIndex, and OSError when it cannot be read (not remembered: that may pass)."""
         key = (store.url, index_key(namespace, step, rank))
         if key not in self._got:
             try:
-                self._got[key] = read_index(store, namespace, step, rank)
+                self._got[key] = read_index(store, namespace, step, rank, limit)
             except FileNotFoundError:
                 return None
             except BadIndex as e:

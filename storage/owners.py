@@ -45,7 +45,9 @@ def owner_alive(data: bytes, unreadable: bool) -> bool:
     try:
         rec = json.loads(data)
         host, pid, expires = rec["host"], int(rec["pid"]), float(rec["expires"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return unreadable
+    if not 0 < pid < 1 << 31:  # no process has it (and the kernel would refuse to look)
         return unreadable
     if host == HOST:
         return pid_alive(pid)

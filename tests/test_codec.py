@@ -72,7 +72,7 @@ def test_zstd_tier_stores_floats_grouped_and_loads_exactly(tmp_path):
     dcp.save(sd, storage_writer=TieredWriter(cfg, step=1))
     from tiered_dcp.storage import open_storage
 
-    index = read_index(open_storage(str(tmp_path / "b")), "run", 1, 0)
+    index = read_index(open_storage(str(tmp_path / "b")), "run", 1, 0, 1 << 30)
     codecs = {k.fqn: r.codec for k, r in index.records.items()}
     assert codecs["bf16"] == "zstd-bg2" and codecs["fp32"] == "zstd-bg4" and codecs["ints"] == "zstd"
     raw = index.logical_bytes

@@ -150,7 +150,7 @@ def forge(
     """Step's record of ``w`` now says its bytes are ``evil`` (in ``file``, or ``blocks``), at
     offset 0 or where they were, with the index, the metadata and the marker agreeing."""
     store = LocalStorage(str(root))
-    index = read_index(store, NS, step, 0)
+    index = read_index(store, NS, step, 0, 1 << 30)
     key = next(k for k in index.records if k.fqn == "w")
     rec = index.records[key]
     n, h = len(evil), checksum(evil)
@@ -218,7 +218,7 @@ def craft(case: str, root: Path, step: int = 2) -> Path:
 def evil_part(root: Path, step: int) -> bytes:
     """Step's part with the bytes of ``w`` replaced by EVIL's, its checksums made to match
     them (the part file itself is left as it is)."""
-    records = read_index(LocalStorage(str(root)), NS, step, 0).records
+    records = read_index(LocalStorage(str(root)), NS, step, 0, 1 << 30).records
     at = next(r for k, r in records.items() if k.fqn == "w").offset
     forge(root, step, None, raw(EVIL))  # the record stays; the bytes it points at change
     data = bytearray((root / part_key(NS, step, 0)).read_bytes())

@@ -220,7 +220,8 @@ def test_flipped_byte_in_a_shared_block_is_caught_by_every_step_and_read_elsewhe
 
     store = LocalStorage(str(ram))
     used = [
-        {b for r in read_index(store, "run", s, 0).records.values() for b in r.blocks or ()} for s in (1, 2)
+        {b for r in read_index(store, "run", s, 0, 1 << 30).records.values() for b in r.blocks or ()}
+        for s in (1, 2)
     ]
     common = sorted(used[0] & used[1])
     victim = next(f for f in shared if os.path.basename(f) == common[0])

@@ -203,7 +203,7 @@ def test_a_piece_read_on_the_host_path_is_exact(tmp_path):
 
 def flip_in(root: Path, step: int, fqn: str, at: int) -> str:
     """Flip a byte ``at`` bytes into item ``fqn`` of rank 0's part file under ``root``."""
-    index = read_index(LocalStorage(str(root)), "run", step, 0)
+    index = read_index(LocalStorage(str(root)), "run", step, 0, 1 << 30)
     rec = next(r for k, r in index.records.items() if k.fqn == fqn)
     path = root / part_key("run", step, 0)
     with open(path, "r+b") as f:

@@ -34,6 +34,8 @@ from tiered_dcp.storage.local import LocalStorage
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
 from tiered_dcp.ops.verify import verify_step
 
+LIMIT = 1 << 20  # bytes an index may have in these tests
+
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
@@ -79,7 +81,7 @@ def test_record_round_trips_through_json():
 TODAYS_INDEX = (
     b'{"format":3,"rank":1,"size":67,"items":[{"key":["model.w",[0,0],0],"file":"run/blocks",'
     b'"offset":0,"codec":"zstd-bg2","chunks":[[10,100,18446744073709551615],[5,20,7]],"rank":1,'
-    b'"kind":"tensor","dtype":"torch.bfloat16","shape":[5,6],"blocks":["00000000000000000000000000000000",'
+    b'"kind":"tensor","dtype":"torch.float32","shape":[5,6],"blocks":["00000000000000000000000000000000",'
     b'"ffffffffffffffffffffffffffffffff"],"codecs":["zstd-bg2","zstd"],"nonfinite":true},'
     b'{"key":["extra",null,null],"file":"run/step_000000000001/rank_00001.part","offset":64,'
     b'"codec":"raw","chunks":[[3,3,9]],"rank":1,"kind":"bytes"}],"written":90}'
@@ -87,7 +89,7 @@ TODAYS_INDEX = (
 
 
 def _todays_records() -> dict[ItemKey, Record]:
-    info = ItemInfo(1, "tensor", ((100, 2**64 - 1), (20, 7)), "torch.bfloat16", (5, 6), nonfinite=True)
+    info = ItemInfo(1, "tensor", ((100, 2**64 - 1), (20, 7)), "torch.float32", (5, 6), nonfinite=True)
     blocked = Record("run/blocks", 0, "zstd-bg2", (10, 5), info, ("0" * 32, "f" * 32), ("zstd-bg2", "zstd"))
     small = Record("run/step_000000000001/rank_00001.part", 64, "raw", (3,), ItemInfo(1, "bytes", ((3, 9),)))
     return {ItemKey("model.w", (0, 0), 0): blocked, ItemKey("extra"): small}
@@ -107,7 +109,7 @@ def test_records_are_written_in_todays_layout():
         "rank": 1,
         "kind": "tensor",
         "chunks": [[100, 2**64 - 1], [20, 7]],
-        "dtype": "torch.bfloat16",
+        "dtype": "torch.float32",
         "shape": [5, 6],
     }
 
@@ -186,28 +188,28 @@ def test_index_written_read_and_cached_once(tmp_path):
     write_index(store, "run", 1, index)
     raw = store.read(index_key("run", 1, 1))
     assert json.loads(raw)["format"] == 3  # JSON, not a pickle
-    assert read_index(store, "run", 1, 1) == index
+    assert read_index(store, "run", 1, 1, LIMIT) == index
     cache = IndexCache()
-    assert cache.get(store, "run", 1, 1) == index
+    assert cache.get(store, "run", 1, 1, LIMIT) == index
     os.remove(tmp_path / index_key("run", 1, 1))
-    assert cache.get(store, "run", 1, 1) == index  # read once per operation
-    assert IndexCache().get(store, "run", 1, 1) is None  # a fresh one sees it is gone
+    assert cache.get(store, "run", 1, 1, LIMIT) == index  # read once per operation
+    assert IndexCache().get(store, "run", 1, 1, LIMIT) is None  # a fresh one sees it is gone
     with pytest.raises(FileNotFoundError):
-        read_index(store, "run", 1, 1)
+        read_index(store, "run", 1, 1, LIMIT)
     store.write(index_key("run", 1, 1), [raw[: len(raw) // 2]])  # cut short
     damaged = IndexCache()
     with pytest.raises(BadIndex):
-        damaged.get(store, "run", 1, 1)
+        damaged.get(store, "run", 1, 1, LIMIT)
     store.write(index_key("run", 1, 1), [raw])
     with pytest.raises(BadIndex):
-        damaged.get(store, "run", 1, 1)  # remembered for the rest of the operation
-    assert IndexCache().get(store, "run", 1, 1) == index
+        damaged.get(store, "run", 1, 1, LIMIT)  # remembered for the rest of the operation
+    assert IndexCache().get(store, "run", 1, 1, LIMIT) == index
 
 
 def test_format2_pickled_index_is_read_without_torch_classes():
     store = LocalStorage(os.path.join(DATA, "format2", "ram", "0"))
     marker = Marker.from_bytes(store.read(marker_key("legacy", 2)))
-    index = read_index(store, "legacy", 2, 1)
+    index = read_index(store, "legacy", 2, 1, LIMIT)
     assert marker.format == 2 and index.size == marker.part(1).size
     rec = index.records[ItemKey("nested.half", (0,))]
     assert rec.file == "legacy/step_000000000002/rank_00001.part"  # the base name, completed
@@ -224,7 +226,7 @@ def test_an_index_that_would_run_code_is_refused(tmp_path):
     store = LocalStorage(str(tmp_path))
     store.write(index_key("run", 1, 0), [pickle.dumps({"x": _Evil()}, protocol=5)])
     with pytest.raises(BadIndex, match="shutil.rmtree has no place in an index file"):
-        read_index(store, "run", 1, 0)
+        read_index(store, "run", 1, 0, LIMIT)
 
 
 def test_a_record_pointing_into_another_steps_file_is_honoured(tmp_path):
@@ -235,7 +237,7 @@ def test_a_record_pointing_into_another_steps_file_is_honoured(tmp_path):
         state = {"frozen": frozen, "moving": torch.full((500,), float(step))}
         dcp.save(state, storage_writer=TieredWriter(cfg, step=step))
     store = LocalStorage(str(tmp_path / "ram"))
-    old, new = read_index(store, "ptr", 1, 0), read_index(store, "ptr", 2, 0)
+    old, new = read_index(store, "ptr", 1, 0, LIMIT), read_index(store, "ptr", 2, 0, LIMIT)
     key = ItemKey("frozen", (0,))
     moved = PartIndex(0, new.size, {**new.records, key: old.records[key]})
     write_index(store, "ptr", 2, moved)

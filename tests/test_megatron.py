@@ -234,7 +234,7 @@ def flip_item(root: str, step: int, fqn: str) -> None:
     from tiered_dcp.storage.format import read_index
 
     store = open_storage(f"{root}/ram/0")
-    (record,) = [r for k, r in read_index(store, "mg", step, 0).records.items() if k.fqn == fqn]
+    (record,) = [r for k, r in read_index(store, "mg", step, 0, 1 << 30).records.items() if k.fqn == fqn]
     with open(f"{root}/ram/0/{record.file}", "r+b") as f:
         f.seek(record.offset + 5)
         byte = f.read(1)

@@ -204,7 +204,7 @@ def test_what_ranks_exchange_through_the_store_is_plain_data():
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     idx = MetadataIndex("a.b", torch.Size([4, 0]), 3)
-    info = ItemInfo(0, "tensor", ((16, 123),), "torch.float32", (4, 4))
+    info = ItemInfo(0, "tensor", ((64, 123),), "torch.float32", (4, 4))
     rec = Record("run/step_000000000001/rank_00000.part", 8, "zstd", (5,), info)
     small = Record("f", 0, "raw", (3,), ItemInfo(0, "bytes", ((3, 9),)))
     raw = records_to_json({idx: rec, MetadataIndex("n"): small})

@@ -31,7 +31,7 @@ def _saved(root: str, compression: str | None = None) -> tuple[dict, object, dic
     config = TieredConfig("serve", [Tier(f"{root}/ram", every=1, keep=1, compression=compression)])
     dcp.save(state, storage_writer=TieredWriter(config, step=1), no_dist=True)
     store = open_storage(f"{root}/ram")
-    index = IndexCache().get(store, "serve", 1, 0)
+    index = IndexCache().get(store, "serve", 1, 0, 1 << 30)
     assert index is not None
     return state, store, {k.fqn: r for k, r in index.records.items()}
 
@@ -52,7 +52,7 @@ def test_an_item_is_served_chunk_by_chunk_into_a_reused_buffer(tmp_path):
     big = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: three chunks
     config = TieredConfig("serve", [Tier(f"{tmp_path}/ram", every=1, keep=2)])
     dcp.save({"big": big}, storage_writer=TieredWriter(config, step=2), no_dist=True)
-    index = IndexCache().get(store, "serve", 2, 0)
+    index = IndexCache().get(store, "serve", 2, 0, 1 << 30)
     assert index is not None
     rec = next(r for k, r in index.records.items() if k.fqn == "big")
     assert len(rec.info.raw_chunks) == 3

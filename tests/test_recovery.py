@@ -221,7 +221,7 @@ def test_every_tiers_index_says_an_item_was_nonfinite_blocks_included(tmp_path):
     dcp.save(sd, storage_writer=TieredWriter(cfg, step=2))
     shutdown()
     for tier in ("ram", "ssd"):
-        index = read_index(LocalStorage(str(tmp_path / tier / "0")), "run", 2, 0)
+        index = read_index(LocalStorage(str(tmp_path / tier / "0")), "run", 2, 0, 1 << 30)
         recs = {k.fqn: r for k, r in index.records.items()}
         assert recs["big"].blocks is not None and recs["small"].blocks is None, tier
         assert recs["big"].info.nonfinite and recs["small"].info.nonfinite, tier

@@ -143,7 +143,7 @@ def test_second_save_sends_and_writes_only_the_changed_blocks(saved):
         store = LocalStorage(str(root / f"ram/{node}"))
         for step in (1, 2):
             for rank in (0, 1):  # the replica's records point into this root's own block store
-                index = read_index(store, "job", step, rank)
+                index = read_index(store, "job", step, rank, 1 << 30)
                 assert index.size < 64 << 10  # the part file keeps the small items only
                 assert sum(len(r.blocks or ()) for r in index.records.values()) == 7, (node, step, rank)
     for step in (1, 2):  # every block of every copy, replicas included, reads back right
@@ -191,7 +191,7 @@ def _load_whole(rank, world, root, steps):
 def test_flipped_byte_in_a_replica_block_is_caught_and_read_from_the_peer(root):
     # a backbone block of rank 1's part, in node 0's root (the replica): both steps use it
     store = LocalStorage(str(root / "ram/0"))
-    index = read_index(store, "job", 2, 1)
+    index = read_index(store, "job", 2, 1, 1 << 30)
     block = next(b for k, r in index.records.items() if "backbone" in k.fqn for b in r.blocks)
     victim = root / f"ram/0/job/blocks/{block[:2]}/{block}"
     data = bytearray(victim.read_bytes())
@@ -233,7 +233,7 @@ def test_a_damaged_block_sent_to_a_peer_is_caught_on_arrival(root):
     # node 1 replaced (empty): rank 0 sends it the frozen blocks it holds, read from its root,
     # where one of them is damaged: the peer's check on arrival fails the save
     shutil.rmtree(root / "ram/1")
-    index = read_index(LocalStorage(str(root / "ram/0")), "job", 2, 0)
+    index = read_index(LocalStorage(str(root / "ram/0")), "job", 2, 0, 1 << 30)
     block = next(b for k, r in index.records.items() if "backbone" in k.fqn for b in r.blocks)
     victim = root / f"ram/0/job/blocks/{block[:2]}/{block}"
     data = bytearray(victim.read_bytes())

@@ -103,7 +103,7 @@ def _recycled(rank: int, world: int, shm: str, ssd: str, mode: str) -> list[str]
         problems += _save_change_load(cfg, range(step, step + 1), kind, mode.startswith("background"))
         part = _part(cfg, step)
         inodes[step] = part.stat().st_ino
-        index = read_index(LocalStorage(cfg.tiers[0].root(0, 0)), cfg.namespace, step, 0)
+        index = read_index(LocalStorage(cfg.tiers[0].root(0, 0)), cfg.namespace, step, 0, 1 << 30)
         if part.stat().st_size != index.size:  # exactly its records: no stale tail, no gap
             problems.append(f"step {step}: part of {part.stat().st_size} bytes, index says {index.size}")
     # retention dropped steps 1.. and their files were staged into again (same inode, new step)
@@ -219,7 +219,7 @@ def writes_shared(cfg: TieredConfig, step: int) -> int:
     """The rank whose part holds the replicated tensor (DCP's plan picks one)."""
     store = LocalStorage(cfg.tiers[0].root(0, 0))
     for rank in (0, 1):
-        index = read_index(store, cfg.namespace, step, rank)
+        index = read_index(store, cfg.namespace, step, rank, 1 << 30)
         if any(key.fqn == "shared" for key in index.records):
             return rank
     return -1

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from torch.distributed.checkpoint.metadata import Metadata
 
 from tiered_dcp.planners.load import PooledTier, Sources
-from tiered_dcp.storage.codec import ChecksumMismatch, checksum
+from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import IndexCache, metadata_key
 
 from ..config import TieredConfig, node_of
@@ -115,6 +115,7 @@ class OpenStep:
             opened.cluster = [c[opened.step] for _, c in sorted(cluster.items()) if opened.step in c]
             leased = opened._lease(found, cluster)
             if opened.with_group:  # one collective: leased everywhere, metadata read everywhere
+                opened.own = opened._own_copies()
                 own_md = opened._own_metadata()
                 leased, everywhere = all_agree(leased, own_md is not None)
                 own_md = own_md if everywhere else None
@@ -135,7 +136,6 @@ class OpenStep:
         opened.copies = found.copies.get(opened.step, [])
         opened.metadata = StepMetadata(opened.step, opened.views)
         if opened.with_group:
-            opened.own = opened._own_copies()
             opened._explain(lost)
             if opened.cluster:
                 try:
@@ -362,36 +362,31 @@ class OpenStep:
         the metadata to every rank costs far more than each reading its node's copy.
         """
         cc = self.cluster[0] if self.cluster else None
-        if cc is None or self.rank not in cc.metadata_at:
+        copy = None if cc is None else self.own.get(cc.tier_index)
+        if cc is None or copy is None or self.rank not in cc.metadata_at:
             return None
-        try:
-            blob = self.views[cc.tier_index].own.read(metadata_key(self.config.namespace, self.step))
-            return md_blob.loads(blob) if checksum(blob) == cc.ident else None
+        try:  # the own marker is the chosen save's (``_own_copies``): its checksum is ``cc.ident``
+            return md_blob.loads(read_metadata_blob(copy), copy.marker.world_size)
         except (OSError, ChecksumMismatch):  # missing, damaged or refused: broadcast from a holder
             return None
 
     def _share_metadata(self, cc: ClusterCopy) -> Metadata:
         """The chosen save's metadata, read where a rank holds it and broadcast to all."""
-        view = self.views[cc.tier_index]
         key = metadata_key(self.config.namespace, self.step)
         refused = []
+        own = self.own.get(cc.tier_index)
         for src in cc.metadata_at:
             blob = None
-            if src == self.rank:
+            if src == self.rank and own is not None:
                 try:
-                    blob = view.own.read(key)
-                except OSError as e:
-                    log.warning("step %d: metadata unreadable on rank %d: %s", self.step, src, e)
-                if blob is not None and checksum(blob) != cc.ident:
-                    log.warning(
-                        "step %d: metadata on rank %d differs from its marker's checksum", self.step, src
-                    )
-                    blob = None
+                    blob = read_metadata_blob(own)  # its size and checksum: the marker's
+                except (OSError, ChecksumMismatch) as e:
+                    log.warning("step %d: metadata unusable on rank %d: %s", self.step, src, e)
             flagged = None if src != self.rank else b"\x00" if blob is None else b"\x01" + blob
             got = broadcast_bytes(flagged, src=src)  # bytes, loaded below through the allowlist
             if got[:1] == b"\x01":
                 try:
-                    return md_blob.loads(got[1:])
+                    return md_blob.loads(got[1:], cc.world_size)
                 except ChecksumMismatch as e:  # every rank sees the same bytes: all try the next
                     refused.append(f"{self.urls[cc.tier_index][src].rstrip('/')}/{key}: {e}")
                     log.warning("step %d: %s", self.step, refused[-1])
@@ -417,7 +412,7 @@ class OpenStep:
             md = None
             if got[:1] == b"\x01":
                 try:
-                    md = md_blob.loads(got[1:])
+                    md = md_blob.loads(got[1:], copy.marker.world_size)
                 except ChecksumMismatch as e:
                     why = f"{copy.store.describe(metadata_key(self.config.namespace, self.step))}: {e}"
             else:

@@ -59,6 +59,7 @@ class ClusterCopy:
     metadata_at: list[int] = field(default_factory=list)  # ranks whose root has the metadata
     marks: StepMarks | None = None  # quarantined (a mark in any rank's root) or non-finite
     legacy: bool = False  # a format 1/2 step (``Holding.legacy``)
+    world_size: int = 0  # the save's, as its markers say
 
     @property
     def step_marks(self) -> StepMarks:
@@ -141,7 +142,7 @@ def cluster_copies(
             if c.marks is None:
                 why = marks.get((step, h.ident))
                 c.marks = StepMarks(step, why, h.nonfinite_items, h.nonfinite)
-            sizes[(step, h.ident)] = h.world_size
+            sizes[(step, h.ident)] = c.world_size = h.world_size
             for p in sorted(h.parts):
                 c.holders.setdefault(p, []).append(rank)
             if h.metadata:

@@ -166,6 +166,16 @@ class StepReads:
         store = view.own if own_only else view.part_store(copy.marker, info.rank)
         index = self._part_index(view, store, copy, info.rank, md)
         rec = None if index is None else index.records.get(md_blob.item_key(req.storage_index))
+        if rec is not None and not rec.info.same_item(info):  # the metadata is checked, the index not
+            log.warning(
+                "step %d: item %r: the index of rank %d's part in %s disagrees with the metadata "
+                "(its chunks, dtype or shape); trying another copy",
+                self.step,
+                req.storage_index.fqn,
+                info.rank,
+                store.url,
+            )
+            return None
         return None if rec is None else (rec, store)
 
     def _start(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> _Attempt:

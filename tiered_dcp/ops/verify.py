@@ -23,7 +23,9 @@ from tiered_dcp.storage.format import (
     ItemKey,
     Marker,
     PartIndex,
+    index_key,
     part_key,
+    records_limit,
     step_dir,
 )
 
@@ -85,7 +87,10 @@ def verify_step(config: TieredConfig, step: int, node: int = 0, rank: int = 0) -
     try:
         for view in views(config, node, rank, IndexCache()):
             copy = view.committed().get(step)
+            bad = [why for (_, s), why in view.bad_markers.items() if s == step]
             if copy is None:
+                if bad:  # a marker there, but none to trust: the copy is damaged
+                    checks.append(TierCheck(view.index, view.tier.path, step, tier_problems=bad))
                 continue
             for root in view.scan_roots():
                 leases.take(root)
@@ -178,7 +183,7 @@ def _verify_copy(
         root.problems.append(f"{store.describe(key)}: {which} is missing")
         return False
     try:
-        index: PartIndex | None = view.indexes.get(store, ns, step, part)
+        index: PartIndex | None = view.indexes.get(store, ns, step, part, records_limit(marker.metadata_size))
         if index is None and not marker.has_indexes:  # format 1/2: the metadata's records
             index = legacy_index(md, ns, step, part)
     except (BadIndex, OSError) as e:  # BadIndex: damaged, or naming what is no object of the layout
@@ -198,12 +203,13 @@ def _verify_copy(
             root.problems.append(f"{store.describe(key)}: item {fqn!r} of {which} is not in its index")
             good = False
             continue
-        if rec.info.raw_chunks != info.raw_chunks:
+        if not rec.info.same_item(info):  # nothing is read (nor allocated) for it
             root.problems.append(
-                f"{store.describe(rec.file)}: item {fqn!r} of {which}: "
-                "its index and the metadata disagree on its chunks"
+                f"{store.describe(index_key(ns, step, part))}: item {fqn!r} of {which}: "
+                "its index and the metadata disagree on the item (its chunks, dtype or shape)"
             )
             good = False
+            continue
         try:
             read_item(store, rec, memoryview(bytearray(rec.info.raw_length)))
         except (OSError, ChecksumMismatch) as e:

@@ -21,7 +21,9 @@ from tiered_dcp.storage import Storage, open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.format import (
     METADATA,
+    NOTE_LIMIT,
     BadIndex,
+    DamagedRecord,
     IndexCache,
     Marker,
     PartIndex,
@@ -34,6 +36,8 @@ from tiered_dcp.storage.format import (
     part_key,
     part_name,
     quarantine_key,
+    read_marker_bytes,
+    records_limit,
     step_dir,
 )
 from tiered_dcp.storage.format import is_pin as _is_pin
@@ -88,7 +92,7 @@ def read_metadata_blob(copy: StepCopy) -> bytes:
     Raises OSError when it cannot be read and ChecksumMismatch when it is damaged.
     """
     key = metadata_key(copy.marker.namespace, copy.step)
-    blob = copy.store.read(key)
+    blob = copy.store.read(key, 0, copy.marker.metadata_size + 1)  # never more than the marker says
     if len(blob) != copy.marker.metadata_size or checksum(blob) != copy.marker.metadata_xxh3:
         raise ChecksumMismatch(f"{copy.store.describe(key)}: checksum differs from the commit marker's")
     return blob
@@ -118,6 +122,9 @@ class TierView:
         self.listings: dict[tuple[str, int], dict[str, int]] = {}
         # root url -> (step, ident) -> the names of the quarantine marks its last listing showed
         self.marks: dict[str, dict[tuple[int, int], list[str]]] = {}
+        # (root url, step) -> why the step's marker there is not trusted (the file and the
+        # check it failed): ``status`` and ``verify`` report such a copy as damaged
+        self.bad_markers: dict[tuple[str, int], str] = {}
 
     def answer(self, fn: Callable[[], T], empty: T) -> T:
         """``fn()``; on a shared tier, ``empty`` when it does not answer.
@@ -195,7 +202,7 @@ class TierView:
         if not names:
             return None
         with contextlib.suppress(OSError):
-            return store.read(f"{self.config.namespace}/{names[0]}")[:400].decode("utf-8", "replace")
+            return store.read(f"{self.config.namespace}/{names[0]}", 0, 400).decode("utf-8", "replace")
         return "a load found it damaged with no good copy left"
 
     def quarantine(self, store: Storage, step: int, ident: int, rank: int, why: str) -> None:
@@ -205,18 +212,19 @@ class TierView:
     def read_marker(self, store: Storage, step: int) -> Marker | None:
         key = marker_key(self.config.namespace, step)
         try:
-            data = store.read(key)
-        except (FileNotFoundError, OSError):
+            marker = Marker.from_bytes(read_marker_bytes(store, key))
+        except FileNotFoundError:
             return None
-        try:
-            marker = Marker.from_bytes(data)
-        except (ValueError, TypeError, KeyError) as e:
-            log.warning("ignoring unreadable commit marker %s: %s", store.describe(key), e)
-            return None
-        if marker.namespace != self.config.namespace:  # its namespace names the metadata's key
-            log.warning("ignoring commit marker %s of namespace %r", store.describe(key), marker.namespace)
-            return None
-        return marker if marker.step == step else None
+        except (OSError, DamagedRecord) as e:  # OSError: no file to read (a FIFO, a directory...)
+            why = str(e) if str(e).startswith(store.describe(key)) else f"{store.describe(key)}: {e}"
+        else:
+            if marker.namespace == self.config.namespace and marker.step == step:
+                self.bad_markers.pop((store.url, step), None)
+                return marker
+            why = f"{store.describe(key)}: the marker of step {marker.step} of {marker.namespace!r}"
+        log.warning("ignoring commit marker (the step is not whole there): %s", why)
+        self.bad_markers[(store.url, step)] = why
+        return None
 
     def holders(self, marker: Marker, rank: int) -> list[Storage]:
         """The roots that hold (a copy of) rank's part: its own first, then its clique's."""
@@ -228,7 +236,8 @@ class TierView:
     def part_index(self, store: Storage, marker: Marker, rank: int) -> PartIndex | None:
         """Rank's index in ``store`` (read once per view), None where it is missing or damaged."""
         try:
-            return self.indexes.get(store, self.config.namespace, marker.step, rank)
+            limit = records_limit(marker.metadata_size)
+            return self.indexes.get(store, self.config.namespace, marker.step, rank, limit)
         except (BadIndex, OSError) as e:
             log.debug("step %d: rank %d's index in %s unreadable: %s", marker.step, rank, store.url, e)
             return None
@@ -326,9 +335,9 @@ class TierView:
         for name in names:
             if _is_pin(name):
                 try:
-                    if owner_alive(store.read(f"{sdir}/{name}")):
+                    if owner_alive(store.read(f"{sdir}/{name}", 0, NOTE_LIMIT)):
                         return False  # its save may still commit it (an async save in flight)
-                except FileNotFoundError:
+                except OSError:  # gone, or no file to read (a pin is never that)
                     continue
         return True
 
@@ -337,8 +346,8 @@ class TierView:
         sdir = step_dir(self.config.namespace, step)
         notes = []
         for name in sorted(n for n in store.list(sdir) if is_failed_note(n)):
-            with contextlib.suppress(FileNotFoundError):
-                notes.append(store.read(f"{sdir}/{name}").decode("utf-8", "replace"))
+            with contextlib.suppress(OSError):  # gone, or no file to read
+                notes.append(store.read(f"{sdir}/{name}", 0, NOTE_LIMIT).decode("utf-8", "replace"))
         return "; ".join(notes) or None
 
 

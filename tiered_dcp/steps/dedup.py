@@ -34,6 +34,7 @@ from tiered_dcp.storage.blocks import (
 from tiered_dcp.storage.codec import ChecksumMismatch, Encoder, decode_chunk
 from tiered_dcp.storage.format import (
     BLOCK_HEADER,
+    BLOCK_LIMIT,
     Chunk,
     ItemInfo,
     Record,
@@ -168,7 +169,7 @@ def block_file(view: TierView, kept: Mapping[str, list[Buffer]], block: str) -> 
     if block in kept:
         return kept[block]
     try:
-        data = memoryview(view.own.read(block_key(blocks_dir(view.config.namespace), block)))
+        data = memoryview(view.own.read(block_key(blocks_dir(view.config.namespace), block), 0, BLOCK_LIMIT))
     except OSError:
         return None
     return [data[:BLOCK_HEADER], data[BLOCK_HEADER:]]

@@ -22,7 +22,7 @@ import threading
 import uuid
 
 from tiered_dcp.storage import Storage, owners
-from tiered_dcp.storage.format import is_lease, lease_key, marker_key, step_dir
+from tiered_dcp.storage.format import NOTE_LIMIT, is_lease, lease_key, marker_key, step_dir
 from tiered_dcp.storage.owners import HOST
 
 log = logging.getLogger("tiered_dcp")
@@ -52,9 +52,9 @@ def leased(store: Storage, namespace: str, step: int, names: list[str] | None = 
         if not is_lease(name):
             continue
         try:
-            data = store.read(f"{sdir}/{name}")
-        except FileNotFoundError:
-            continue  # released while we looked
+            data = store.read(f"{sdir}/{name}", 0, NOTE_LIMIT)
+        except OSError:
+            continue  # released while we looked, or no file to read
         if owner_alive(data):
             return True
     return False

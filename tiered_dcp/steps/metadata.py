@@ -3,7 +3,8 @@
 A save pickles DCP's Metadata with ``storage_data`` mapping each ``MetadataIndex`` to its
 ``ItemInfo`` as a plain dict (what is true of the item on every tier), so the blob is the
 same bytes on every tier and checkpoints do not depend on this package's class names.
-Reading it back admits only DCP's metadata classes and plain data (``_MetadataUnpickler``).
+Reading it back admits only DCP's metadata classes and plain data (``_MetadataUnpickler``),
+then checks that it describes a checkpoint whole (``check``) before any reader uses it.
 Formats 1 and 2 kept each item's full record there instead; where such a step has no index
 next to a part, ``legacy_index`` rebuilds one from those records.
 
@@ -17,16 +18,32 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
+import operator
 import pickle
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from tiered_dcp.storage.codec import ChecksumMismatch
-from tiered_dcp.storage.format import ItemInfo, ItemKey, PartIndex, Record, metadata_key, step_dir
+from tiered_dcp.storage.format import (
+    DamagedRecord,
+    ItemInfo,
+    ItemKey,
+    PartIndex,
+    Record,
+    metadata_key,
+    step_dir,
+)
 
 from .catalog import StepCopy, read_metadata_blob
 
@@ -65,17 +82,124 @@ def build_blob(metadata: Metadata, records: Mapping[MetadataIndex, Record]) -> b
     )
 
 
-def loads(blob: bytes, stock: bool = False) -> Metadata:
+def loads(blob: bytes, world: int | None = None, stock: bool = False) -> Metadata:
     """Unpickle a metadata blob, admitting only what DCP's metadata is made of (``stock``:
-    also what a stock ``FileSystemWriter`` puts in it, for an import)."""
+    also what a stock ``FileSystemWriter`` puts in it, for an import), and check that it
+    describes a checkpoint (``check``; ``world``: its ranks, where known). ChecksumMismatch
+    (damage) otherwise."""
     unpickler = _StockMetadataUnpickler if stock else _MetadataUnpickler
     try:
         md = unpickler(io.BytesIO(blob)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise ChecksumMismatch(f"metadata refused: {e}") from e
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, RecursionError) as e:
+        raise ChecksumMismatch(f"metadata refused: {str(e)[:300]}") from None
     if not isinstance(md, Metadata):
         raise ChecksumMismatch(f"metadata holds a {type(md).__name__}, not DCP's Metadata")
+    if not stock:
+        key = (bytes(blob), world)  # the bytes themselves: no checksum collision passes a blob
+        checked = _CHECKED.get(key)
+        try:
+            if checked is None:
+                checked = check(md, world)
+        except DamagedRecord as e:
+            raise ChecksumMismatch(f"metadata refused: {e}") from None
+        setattr(md, CHECKED, checked)  # ``item_info`` reads them, rather than parse each again
+        if len(blob) <= CHECKED_BYTES:
+            _CHECKED[key] = checked
+        while len(_CHECKED) > CHECKED_KEPT:
+            _CHECKED.pop(next(iter(_CHECKED)))
     return md
+
+
+# The item facts of the metadata blobs checked last, by (blob, world): a load of the same
+# save again in this process (a restart in the same process, a benchmark) checks it once.
+CHECKED_KEPT = 4
+CHECKED_BYTES = 64 << 20  # larger blobs are checked each time rather than kept
+_CHECKED: dict[tuple[bytes, int | None], dict] = {}
+
+
+CHECKED = "_tiered_dcp_items"  # the attribute ``check`` leaves on a metadata: its items' facts
+
+
+def check(md: Metadata, world: int | None) -> dict[tuple[str, tuple[int, ...] | None], ItemInfo]:
+    """That ``md`` describes a checkpoint whole, as DCP's planner checks a save's plan: every
+    tensor chunk inside its tensor and the chunks' volumes its volume; every item of the state
+    dict with a stored item that says the same of it (kind, dtype, shape, its bytes), stored
+    by a rank of the save, and no stored item of nothing. DamagedRecord (what, why) else;
+    its items' facts by (name, offset) if it does."""
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        raise DamagedRecord("its state dict or storage data is not a mapping")
+    stored: dict[tuple[str, tuple[int, ...] | None], ItemInfo] = {}
+    for index, d in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise DamagedRecord(f"a storage key is a {type(index).__name__}, not a MetadataIndex")
+        info = ItemInfo.from_dict(d)
+        if world is not None and info.rank >= world:
+            raise DamagedRecord(f"item {index.fqn!r} is stored by rank {info.rank} of a save by {world}")
+        stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = info
+    described = set()
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            described |= _check_tensor(fqn, entry, stored)
+        elif isinstance(entry, BytesStorageMetadata):
+            info = stored.get((fqn, None))
+            if info is None or info.kind != "bytes":
+                raise DamagedRecord(f"value {fqn!r} has no stored item")
+            described.add((fqn, None))
+        else:
+            raise DamagedRecord(f"entry {fqn!r} is a {type(entry).__name__}")
+    extra = next((key for key in stored if key not in described), None)
+    if extra is not None:
+        raise DamagedRecord(f"stored item {extra[0]!r} is of nothing in the state dict")
+    return stored
+
+
+_DTYPES: dict[torch.dtype, tuple[int, str]] = {}  # a dtype's element size and name
+
+
+def _whole(dims: tuple) -> bool:
+    """Whether every one of ``dims`` is a whole number >= 0 (builtins alone: it runs per chunk)."""
+    return set(map(type, dims)) <= {int} and (not dims or min(dims) >= 0)
+
+
+def _check_tensor(fqn: str, entry: TensorStorageMetadata, stored: dict) -> set:
+    """The stored items of tensor ``fqn``'s chunks, each checked (``check``)."""
+    props, size = entry.properties, entry.size
+    if not isinstance(props.dtype, torch.dtype) or not _whole(size):
+        raise DamagedRecord(f"tensor {fqn!r} has no dtype or a bad size")
+    facts = _DTYPES.get(props.dtype)
+    if facts is None:
+        facts = _DTYPES[props.dtype] = (torch.empty(0, dtype=props.dtype).element_size(), str(props.dtype))
+    itemsize, name = facts
+    volume, keys = 0, set()
+    for c in entry.chunks:
+        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise DamagedRecord(
+                f"a chunk of tensor {fqn!r} has {len(sizes)} dimensions, the tensor {len(size)}"
+            )
+        if not (
+            _whole(offsets)
+            and _whole(sizes)
+            and all(map(operator.le, map(operator.add, offsets, sizes), size))
+        ):
+            raise DamagedRecord(f"a chunk of tensor {fqn!r} lies outside its size {list(size)}")
+        info = stored.get((fqn, offsets))
+        numel = math.prod(sizes)
+        if (
+            info is None
+            or info.kind != "tensor"
+            or info.shape != sizes
+            or info.dtype != name
+            or info.raw_length != numel * itemsize
+        ):
+            raise DamagedRecord(
+                f"the chunk at {list(offsets)} of tensor {fqn!r} has no stored item of its dtype and shape"
+            )
+        volume += numel
+        keys.add((fqn, offsets))
+    if volume != math.prod(size):
+        raise DamagedRecord(f"the chunks of tensor {fqn!r} hold {volume} elements, not its {math.prod(size)}")
+    return keys
 
 
 def load_metadata(copy: StepCopy) -> Metadata:
@@ -85,14 +209,18 @@ def load_metadata(copy: StepCopy) -> Metadata:
     """
     blob = read_metadata_blob(copy)
     try:
-        return loads(blob)
+        return loads(blob, copy.marker.world_size)
     except ChecksumMismatch as e:
         key = metadata_key(copy.marker.namespace, copy.step)
         raise ChecksumMismatch(f"{copy.store.describe(key)}: {e}") from e
 
 
 def item_info(md: Metadata, index: MetadataIndex) -> ItemInfo | None:
-    """What the metadata says of an item, in any format; None when it does not know it."""
+    """What the metadata says of an item, in any format; None when it does not know it.
+    From the facts ``check`` parsed (each once per load), where it did."""
+    checked = getattr(md, CHECKED, None)
+    if checked is not None:
+        return checked.get((index.fqn, None if index.offset is None else tuple(index.offset)))
     d = md.storage_data.get(index) if isinstance(md.storage_data, dict) else None
     return None if d is None else ItemInfo.from_dict(d)
 
@@ -130,7 +258,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     _DCP = "torch.distributed.checkpoint.metadata"
 
-    _BUILTINS = ("tuple", "list", "dict", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice")
+    # no bytes nor bytearray: called with a number they allocate it (pickle stores bytes as
+    # data, never as a call)
+    _BUILTINS = ("tuple", "list", "dict", "set", "frozenset", "int", "float", "str", "bool", "slice")
     _PLAIN = {("builtins", n) for n in _BUILTINS} | {
         ("collections", "OrderedDict"),
         ("torch", "Size"),

@@ -13,7 +13,14 @@ from __future__ import annotations
 import contextlib
 
 from tiered_dcp.storage import Storage, blocks
-from tiered_dcp.storage.format import Marker, is_pin, marker_key, step_dir
+from tiered_dcp.storage.format import (
+    DamagedRecord,
+    Marker,
+    is_pin,
+    marker_key,
+    read_marker_bytes,
+    step_dir,
+)
 
 from . import part_file
 from .catalog import TierView
@@ -105,8 +112,8 @@ def drop(view: TierView, step: int, pins_hold: bool = True) -> bool:
     if held(view, store, step, pins_hold):
         return False
     try:
-        raw = store.read(marker_key(ns, step))
-    except FileNotFoundError:
+        raw = read_marker_bytes(store, marker_key(ns, step))
+    except (OSError, DamagedRecord):  # none, or none to trust: nothing to put back
         raw = None
     store.delete(marker_key(ns, step))
     if raw is not None and held(view, store, step, pins_hold):  # leased in the meantime: its reader saw

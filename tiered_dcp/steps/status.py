@@ -113,6 +113,9 @@ def _uncommitted(view: TierView, store: Storage, step: int) -> StepState | None:
     names = store.list(sdir)
     data = [n for n in names if not (is_pin(n) or is_lease(n) or is_failed_note(n))]
     size = sum(store.size(f"{sdir}/{n}") or 0 for n in data)
+    bad = view.bad_markers.get((store.url, step))
+    if bad is not None:  # a marker that fails its checks: committed once, perhaps, but not loadable
+        return StepState(view.index, view.tier.path, step, StepStatus.DAMAGED, size, None, bad)
     error = view.failure(store, step)
     if error is None and not data:
         if not any(is_pin(n) for n in names):

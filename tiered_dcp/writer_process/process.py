@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
-from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
+from tiered_dcp.storage.format import PartIndex, part_key, pin_key, records_limit, step_dir, write_index
 from tiered_dcp.storage.owners import pid_alive
 
 from ..config import TieredConfig
@@ -459,7 +459,8 @@ class Persister:
             self.rd.writer.staging.wait(progress)
 
         for rank in dst.placement.parts_written_by(job.rank, nodes, Layout.of_marker(copy.marker)):
-            index = src.indexes.get(src.own, ns, step, rank)  # BadIndex: damaged (a name included)
+            limit = records_limit(copy.marker.metadata_size)
+            index = src.indexes.get(src.own, ns, step, rank, limit)  # BadIndex: damaged (a name included)
             if index is None:
                 raise FileNotFoundError(
                     f"step {step}: no readable index of rank {rank}'s part in {src.own.url}"
