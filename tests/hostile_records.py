@@ -190,15 +190,17 @@ def _write_json(path: Path, doc: Any) -> None:
 
 
 def _paths(doc: Any, at: tuple = ()) -> list[tuple]:
-    """Every field of a JSON document: dict keys and each list's first element, nested."""
+    """Every field of a JSON document: dict keys, every element of a short list (a chunk's
+    [stored, raw, xxh3], a key, replication's [factor, jump]) and a long one's first, nested."""
     out = []
     if isinstance(doc, dict):
         for k, v in doc.items():
             out.append((*at, k))
             out += _paths(v, (*at, k))
     elif isinstance(doc, list) and doc:
-        out.append((*at, 0))
-        out += _paths(doc[0], (*at, 0))
+        for i in range(len(doc) if len(doc) <= 3 else 1):
+            out.append((*at, i))
+            out += _paths(doc[i], (*at, i))
     return out
 
 
@@ -264,6 +266,16 @@ def _json_cases(record: str, file: str, doc: Any) -> dict[str, Callable[[Path], 
             cases[f"{record}:{name}:extra_key"] = mutate(path, lambda v: {**v, "zzz": [1]})
     cases[f"{record}:extra_key"] = _add_top_key(file)
     return cases
+
+
+def _mutate_json(file: str, path: tuple, value: Any) -> Callable[[Path], None]:
+    def apply(root: Path) -> None:
+        where = root / "t0" / STEP / file
+        d = _read_json(where)
+        _get(d, path[:-1])[path[-1]] = value
+        _write_json(where, d)
+
+    return apply
 
 
 def _add_top_key(file: str) -> Callable[[Path], None]:
@@ -462,6 +474,15 @@ def cases(clean: Path) -> dict[str, Callable[[Path], None]]:
 
             out[f"marker:{extra}:{m}"] = apply
     out.update(_json_cases("index", "rank_00000.index", index))
+    for name, field, value in (
+        ("dtype_bogus", "dtype", "torch.bogus"),
+        ("dtype_other", "dtype", "torch.float64"),
+        ("shape_other", "shape", [64, 64]),
+        ("kind_bytes", "kind", "bytes"),
+        ("offset_past_part", "offset", 1 << 40),
+        ("file_other_part", "file", "run/step_000000000001/rank_00000.part"),
+    ):  # the first item's record saying other, well-formed, things of it than the metadata
+        out[f"index:items.0:{name}"] = _mutate_json("rank_00000.index", ("items", 0, field), value)
     md = {
         "storage_key_missing": _md_case(_md_drop_storage_key),
         "state_dict_key_missing": _md_case(_md_drop_sd_key),
