@@ -45,20 +45,16 @@ from .format import (
     BLOCK_HEADER,
     GC_EPOCH,
     GC_LEASE,
-    NOTE_LIMIT,
-    REFS_LIMIT,
-    DamagedRecord,
     Record,
     block_key,
     blocks_dir,
     is_block_id,
     parse_block_header,
-    parse_json,
     parse_step_dir,
-    read_record,
     refs_key,
     step_dir,
 )
+from .records import NOTE_LIMIT, REFS_LIMIT, DamagedRecord, parse_json, read_record
 
 log = logging.getLogger("tiered_dcp")
 

@@ -26,13 +26,30 @@ import json
 import logging
 import math
 import pickle
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .base import Storage
+from .records import (
+    CHUNK_BYTES,
+    MAX_BYTES,
+    MAX_NAME,
+    MAX_STEP,
+    MAX_WORLD,
+    METADATA_LIMIT,
+    STORED_CHUNK_BYTES,
+    DamagedRecord,
+    dimensions,
+    json_object,
+    parse_json,
+    read_record,
+    short_list,
+    short_text,
+    shown,
+    whole_number,
+)
 
 log = logging.getLogger("tiered_dcp")
 
@@ -46,23 +63,6 @@ PIN_PREFIX = "pin."
 LEASE_PREFIX = "lease."
 FAILED_PREFIX = "failed."
 QUARANTINE_INFIX = ".quarantined."
-
-# Bounds on what a tier may hold, checked before anything read off it is trusted (see
-# "reading records" below): whoever can write a tier writes these files.
-CHUNK_BYTES = 8 << 20  # raw bytes of a chunk at most (the writer cuts items so; blocks are smaller)
-STORED_CHUNK_BYTES = 2 * CHUNK_BYTES  # stored bytes of a chunk at most (compression never doubles)
-MAX_WORLD = 1 << 20  # ranks of a step
-MAX_STEP = (1 << 63) - 1  # a step number (a signed 64-bit tensor carries it between ranks)
-MAX_BYTES = 1 << 62  # any length or offset
-MAX_DIMS = 64  # a tensor's dimensions
-MAX_NAME = 4096  # characters of a name (a namespace, an item's key, a file, a domain)
-MARKER_LIMIT = 16 << 20  # a commit marker's bytes (~120 per rank: 130k ranks)
-MARKER_HEAD = 32 << 10  # a marker's first bytes: its world size among them (``read_marker_bytes``)
-MARKER_PER_RANK = 512  # a marker's bytes per rank at most (a part, a clique's share, a domain)
-METADATA_LIMIT = 4 << 30  # the metadata blob's bytes, as a marker may give them
-NOTE_LIMIT = 64 << 10  # a pin, lease, failure note or quarantine mark's bytes (read: the start)
-RECORDS_PER_METADATA_BYTE = 4  # an index or blocks list describes at most what the metadata does
-RECORDS_BASE = 64 << 10
 
 # -- names -------------------------------------------------------------------------------
 
@@ -166,7 +166,6 @@ GC_EPOCH = "GC.epoch"  # rewritten by a GC before it deletes a block: what a sav
 BLOCK_MAGIC = b"TDBLOCK1"  # a block file: magic, its codec (8 ASCII bytes, NUL-padded), payload
 BLOCK_HEADER = 16
 BLOCK_LIMIT = BLOCK_HEADER + STORED_CHUNK_BYTES  # a block file's bytes at most
-REFS_LIMIT = 64 << 20  # a blocks list's bytes (35 per block of 1 MiB: a 1.8 TiB part)
 
 
 SPARE_DIR = "spare"  # a memory tier's recycled part files, each named by its inode (``steps.part_file``)
@@ -234,105 +233,6 @@ def parse_block_header(data: bytes) -> str:
     return data[8:BLOCK_HEADER].rstrip(b"\0").decode("ascii", "replace")
 
 
-# -- reading records -----------------------------------------------------------------------
-#
-# Every record read off a tier (marker, index, blocks list, note) is read here, bounded in
-# size before a byte is read, parsed with a depth limit and checked field by field before any
-# other code sees it. A record that fails is damage: the step is not whole in that root, and
-# readers go to the next copy, as for a checksum mismatch.
-
-
-class DamagedRecord(ValueError):
-    """A record read from a tier that fails its checks; the message names the file and why."""
-
-
-def read_record(store: Storage, key: str, limit: int) -> bytes:
-    """``key``'s bytes, at most ``limit`` of them: one byte more is read, never the rest of a
-    larger (or sparse, or endless) file. DamagedRecord past the limit; OSError as ``read``."""
-    data = store.read(key, 0, limit + 1)
-    if len(data) > limit:
-        raise DamagedRecord(f"{store.describe(key)}: larger than {limit} bytes, which no such record is")
-    return data
-
-
-_WORLD_SIZE = re.compile(rb'"world_size":\s*(\d{1,7})[,\s}]')
-
-
-def read_marker_bytes(store: Storage, key: str) -> bytes:
-    """A commit marker's bytes, bounded by the world it describes: a marker longer than its
-    head (``MARKER_HEAD``) must say its world size there (``to_bytes`` puts it third), and
-    is read up to ``MARKER_PER_RANK`` bytes a rank (``MARKER_LIMIT`` at most). So a marker
-    padded with what no rank needs is refused before it is read, let alone parsed."""
-    head = store.read(key, 0, MARKER_HEAD)
-    if len(head) < MARKER_HEAD:
-        return head
-    found = _WORLD_SIZE.search(head)
-    if found is None:
-        raise DamagedRecord(f"{store.describe(key)}: no world_size in its first {MARKER_HEAD} bytes")
-    limit = min(MARKER_LIMIT, MARKER_HEAD + MARKER_PER_RANK * int(found.group(1)))
-    return read_record(store, key, limit)
-
-
-def records_limit(metadata_size: int) -> int:
-    """The bytes an index (or a blocks list) of a step whose metadata has ``metadata_size``
-    bytes may have: its records describe some of the items the metadata describes."""
-    return RECORDS_BASE + RECORDS_PER_METADATA_BYTE * metadata_size
-
-
-def parse_json(data: bytes, what: str) -> Any:
-    """``data`` parsed; DamagedRecord if it is not JSON or nests deeper than the interpreter's
-    recursion limit (the parser stops there: no record of ours nests more than 6 deep)."""
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise DamagedRecord(f"{what} is not JSON ({type(e).__name__}: {str(e)[:120]})") from None
-
-
-def _count(v: Any, what: str, most: int = MAX_BYTES, least: int = 0) -> int:
-    """``v``, a whole number from ``least`` to ``most`` (not a bool), else DamagedRecord."""
-    if type(v) is not int or not least <= v <= most:
-        raise DamagedRecord(f"{what} must be a whole number from {least} to {most}, not {_shown(v)}")
-    return v
-
-
-def _text(v: Any, what: str, most: int = MAX_NAME) -> str:
-    if not isinstance(v, str) or len(v) > most:
-        raise DamagedRecord(f"{what} must be text of at most {most} characters, not {_shown(v)}")
-    return v
-
-
-def _items(v: Any, what: str, most: int) -> list:
-    if not isinstance(v, list) or len(v) > most:
-        raise DamagedRecord(f"{what} must be a list of at most {most} entries, not {_shown(v)}")
-    return v
-
-
-def _fields(d: Any, what: str, required: set[str], optional: set[str] = frozenset()) -> dict:  # type: ignore[assignment]
-    """``d``, a JSON object with every ``required`` key and no key beyond ``optional``."""
-    if not isinstance(d, dict):
-        raise DamagedRecord(f"{what} must be an object, not {_shown(d)}")
-    missing, extra = required - d.keys(), d.keys() - required - optional
-    if missing or extra:
-        said = [f"missing {sorted(missing)}"] * bool(missing) + [f"unknown {sorted(extra)[:5]}"] * bool(extra)
-        raise DamagedRecord(f"{what}: {', '.join(said)}")
-    return d
-
-
-def _dims(v: Any, what: str) -> tuple[int, ...]:
-    """A tensor's shape or offset: at most ``MAX_DIMS`` whole numbers, each at most
-    ``MAX_BYTES`` (checked with builtins alone: an index holds tens of thousands)."""
-    if type(v) is not list or len(v) > MAX_DIMS or not set(map(type, v)) <= {int}:
-        raise DamagedRecord(f"{what} must be at most {MAX_DIMS} whole numbers, not {_shown(v)}")
-    if v and (min(v) < 0 or max(v) > MAX_BYTES):
-        raise DamagedRecord(f"{what} must be whole numbers from 0 to {MAX_BYTES}, not {_shown(v)}")
-    return tuple(v)
-
-
-def _shown(v: Any) -> str:
-    text = repr(v) if not isinstance(v, list | dict) else f"a {type(v).__name__} of {len(v)}"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 # -- the commit marker ---------------------------------------------------------------------
 
 
@@ -375,46 +275,46 @@ class Marker:
         """A marker from its bytes, every field checked (``DamagedRecord`` naming the first
         that fails): types, ranges, one part per rank in rank order, a layout that places
         every rank, and no divisor zero."""
-        d = _fields(
+        d = json_object(
             parse_json(data, "the commit marker"), "the commit marker", _MARKER_REQUIRED, _MARKER_OPTIONAL
         )
         if type(d.get("format")) is not int or d.get("format") not in READABLE_FORMATS:
-            raise DamagedRecord(f"unsupported marker format {_shown(d.get('format'))}")
-        world = _count(d["world_size"], "world_size", MAX_WORLD, 1)
+            raise DamagedRecord(f"unsupported marker format {shown(d.get('format'))}")
+        world = whole_number(d["world_size"], "world_size", MAX_WORLD, 1)
         parts = []
-        for r, p in enumerate(_items(d["parts"], "parts", world)):
-            p = _fields(p, f"part {r}", {"rank", "node", "size"})
+        for r, p in enumerate(short_list(d["parts"], "parts", world)):
+            p = json_object(p, f"part {r}", {"rank", "node", "size"})
             parts.append(
                 PartInfo(
-                    _count(p["rank"], "a part's rank", r, r),
-                    _count(p["node"], "a node", MAX_WORLD),
-                    _count(p["size"], "a part's size"),
+                    whole_number(p["rank"], "a part's rank", r, r),
+                    whole_number(p["node"], "a node", MAX_WORLD),
+                    whole_number(p["size"], "a part's size"),
                 )
             )
         if len(parts) != world:
             raise DamagedRecord(f"the marker lists {len(parts)} parts for {world} ranks")
-        replication = _items(d.get("replication", [1, 1]), "replication", 2)
+        replication = short_list(d.get("replication", [1, 1]), "replication", 2)
         if len(replication) != 2:
             raise DamagedRecord("replication must be [factor, jump]")
-        factor, jump = (_count(n, "a replication factor or jump", MAX_WORLD, 1) for n in replication)
+        factor, jump = (whole_number(n, "a replication factor or jump", MAX_WORLD, 1) for n in replication)
         created = d.get("created", 0.0)
         if type(created) not in (int, float) or not math.isfinite(created):
-            raise DamagedRecord(f"created must be a time, not {_shown(created)}")
+            raise DamagedRecord(f"created must be a time, not {shown(created)}")
         nonfinite = [
-            _text(n, "a non-finite item's name")
-            for n in _items(d.get("nonfinite", []), "nonfinite", NONFINITE_NAMES)
+            short_text(n, "a non-finite item's name")
+            for n in short_list(d.get("nonfinite", []), "nonfinite", NONFINITE_NAMES)
         ]
         marker = cls(
-            _count(d["step"], "step", MAX_STEP),
-            _text(d["namespace"], "namespace"),
+            whole_number(d["step"], "step", MAX_STEP),
+            short_text(d["namespace"], "namespace"),
             world,
             parts,
-            _count(d["metadata_size"], "metadata_size", METADATA_LIMIT),
-            _count(d["metadata_xxh3"], "metadata_xxh3", (1 << 64) - 1),
+            whole_number(d["metadata_size"], "metadata_size", METADATA_LIMIT),
+            whole_number(d["metadata_xxh3"], "metadata_xxh3", (1 << 64) - 1),
             created,
             [factor, jump],
             d["format"],
-            _count(d.get("nonfinite_items", 0), "nonfinite_items", MAX_BYTES, len(nonfinite)),
+            whole_number(d.get("nonfinite_items", 0), "nonfinite_items", MAX_BYTES, len(nonfinite)),
             nonfinite,
             d.get("cliques"),
             d.get("domains"),
@@ -447,7 +347,7 @@ def _check_layout(marker: Marker) -> None:
     rank: a marker saying otherwise would send reads to the wrong roots."""
     world, (factor, jump) = marker.world_size, marker.replication
     if marker.cliques is not None:
-        groups = _items(marker.cliques, "cliques", world)
+        groups = short_list(marker.cliques, "cliques", world)
         flat = [r for g in groups if isinstance(g, list) for r in g]
         if (
             not all(isinstance(g, list) and len(g) == factor for g in groups)
@@ -488,13 +388,13 @@ class ItemKey:
     @classmethod
     def from_json(cls, v: list[Any]) -> ItemKey:
         if not isinstance(v, list) or len(v) != 3:
-            raise DamagedRecord(f"an item key must be [name, offset, index], not {_shown(v)}")
+            raise DamagedRecord(f"an item key must be [name, offset, index], not {shown(v)}")
         fqn, offset, index = v
         if offset is not None:
-            offset = _dims(offset, "an item's offset")
+            offset = dimensions(offset, "an item's offset")
         if index is not None:
-            _count(index, "an item's index")
-        return cls(_text(fqn, "an item's name"), offset, index)
+            whole_number(index, "an item's index")
+        return cls(short_text(fqn, "an item's name"), offset, index)
 
 
 Chunk = tuple[int, int, int]  # (stored length, raw length, xxh3-64 of the raw bytes), as in an index
@@ -536,7 +436,7 @@ class ItemInfo:
         ``[stored, raw, xxh3]``, the last two being the info's); each field checked
         (``DamagedRecord``): a tensor's shape and dtype account for its raw bytes."""
         if not isinstance(d, dict):
-            raise DamagedRecord(f"an item must be an object, not {_shown(d)}")
+            raise DamagedRecord(f"an item must be an object, not {shown(d)}")
         return cls.of_chunks(d, tuple((n, h) for _, n, h in _chunks(d.get("chunks"))))
 
     @classmethod
@@ -544,17 +444,17 @@ class ItemInfo:
         """``from_dict`` with the chunks already parsed (``Record.from_dict`` parses them once)."""
         kind, dtype, shape = d.get("kind", "bytes"), d.get("dtype"), d.get("shape")
         if kind not in ("tensor", "bytes"):
-            raise DamagedRecord(f"an item's kind must be tensor or bytes, not {_shown(kind)}")
+            raise DamagedRecord(f"an item's kind must be tensor or bytes, not {shown(kind)}")
         if dtype is not None and not (type(dtype) is str and len(dtype) <= 64):
-            _text(dtype, "an item's dtype", 64)
+            short_text(dtype, "an item's dtype", 64)
         if shape is not None:
-            shape = _dims(shape, "an item's shape")
+            shape = dimensions(shape, "an item's shape")
         nonfinite = d.get("nonfinite", False)
         if type(nonfinite) is not bool:
-            raise DamagedRecord(f"nonfinite must be true or false, not {_shown(nonfinite)}")
+            raise DamagedRecord(f"nonfinite must be true or false, not {shown(nonfinite)}")
         rank = d.get("rank")
         if type(rank) is not int or not 0 <= rank < MAX_WORLD:
-            _count(rank, "an item's rank", MAX_WORLD - 1)  # raises, saying why
+            whole_number(rank, "an item's rank", MAX_WORLD - 1)  # raises, saying why
         if kind == "tensor":
             if dtype is None or shape is None:
                 raise DamagedRecord("a tensor item names no dtype or shape")
@@ -584,7 +484,7 @@ def _chunks(v: Any) -> list[tuple[int, int, int]]:
     them, as (stored, raw, xxh3): a metadata chunk's stored length is its raw one. Written
     for speed (an index holds tens of thousands): one pass, no call per field."""
     if not isinstance(v, list):
-        raise DamagedRecord(f"an item's chunks must be a list, not {_shown(v)}")
+        raise DamagedRecord(f"an item's chunks must be a list, not {shown(v)}")
     out = []
     for c in v:
         if type(c) is list and len(c) == 3:
@@ -593,7 +493,7 @@ def _chunks(v: Any) -> list[tuple[int, int, int]]:
             n, h = c
             s = n
         else:
-            raise DamagedRecord(f"a chunk must be [stored, raw, xxh3], not {_shown(c)}")
+            raise DamagedRecord(f"a chunk must be [stored, raw, xxh3], not {shown(c)}")
         if not (
             type(s) is int
             and type(n) is int
@@ -604,7 +504,7 @@ def _chunks(v: Any) -> list[tuple[int, int, int]]:
         ):
             raise DamagedRecord(
                 f"a chunk must be [stored <= {STORED_CHUNK_BYTES}, raw <= {CHUNK_BYTES}, xxh3 < 2^64], "
-                f"not {_shown(c)}"
+                f"not {shown(c)}"
             )
         out.append((s, n, h))
     return out
@@ -687,21 +587,21 @@ class Record:
         """A record from its dict, each field checked (``DamagedRecord``). Formats 1 and 2
         name the file by its base name only: ``directory`` (the step's directory) completes it."""
         if not isinstance(d, dict):
-            raise DamagedRecord(f"a record must be an object, not {_shown(d)}")
+            raise DamagedRecord(f"a record must be an object, not {shown(d)}")
         file, offset, codec = d.get("file"), d.get("offset"), d.get("codec")
         if not (type(file) is str and len(file) <= MAX_NAME):
-            _text(file, "a record's file")  # raises, saying why
+            short_text(file, "a record's file")  # raises, saying why
         if not (type(offset) is int and 0 <= offset <= MAX_BYTES):
-            _count(offset, "a record's offset")
+            whole_number(offset, "a record's offset")
         if not (type(codec) is str and len(codec) <= 16):
-            _text(codec, "a codec", 16)
+            short_text(codec, "a codec", 16)
         chunks = _chunks(d.get("chunks"))
         stored = tuple(s for s, _, _ in chunks)
         blocks, codecs = d.get("blocks"), d.get("codecs")
         if blocks is not None:
-            blocks = tuple(_text(b, "a block id", 32) for b in _items(blocks, "blocks", len(chunks)))
+            blocks = tuple(short_text(b, "a block id", 32) for b in short_list(blocks, "blocks", len(chunks)))
         if codecs is not None:
-            codecs = tuple(_text(c, "a codec", 16) for c in _items(codecs, "codecs", len(chunks)))
+            codecs = tuple(short_text(c, "a codec", 16) for c in short_list(codecs, "codecs", len(chunks)))
         for named, what in ((blocks, "blocks"), (codecs, "codecs")):
             if named is not None and len(named) != len(chunks):
                 raise DamagedRecord(f"a record names {len(named)} {what} for {len(chunks)} chunks")
@@ -755,24 +655,24 @@ class PartIndex:
         namespace's layout (``check_names``)."""
         try:
             if data[:1] == b"{":
-                doc = _fields(
+                doc = json_object(
                     parse_json(data, "the index"),
                     "the index",
                     {"format", "rank", "size", "items"},
                     {"written"},
                 )
                 if doc["format"] not in READABLE_FORMATS or type(doc["format"]) is not int:
-                    raise DamagedRecord(f"unsupported index format {_shown(doc['format'])}")
+                    raise DamagedRecord(f"unsupported index format {shown(doc['format'])}")
                 records = {}
-                for d in _items(doc["items"], "items", MAX_BYTES):
+                for d in short_list(doc["items"], "items", MAX_BYTES):
                     if not isinstance(d, dict):
-                        raise DamagedRecord(f"an item must be an object, not {_shown(d)}")
+                        raise DamagedRecord(f"an item must be an object, not {shown(d)}")
                     records[ItemKey.from_json(d.get("key"))] = Record.from_dict(d)
                 written = doc.get("written")
-                written = None if written is None else _count(written, "written")
+                written = None if written is None else whole_number(written, "written")
                 index = cls(
-                    _count(doc["rank"], "the index's rank", rank, rank),
-                    _count(doc["size"], "size"),
+                    whole_number(doc["rank"], "the index's rank", rank, rank),
+                    whole_number(doc["size"], "size"),
                     records,
                     written,
                 )

@@ -25,9 +25,9 @@ from tiered_dcp.storage.format import (
     PartIndex,
     index_key,
     part_key,
-    records_limit,
     step_dir,
 )
+from tiered_dcp.storage.records import records_limit
 
 from ..config import TieredConfig
 from ..steps.catalog import StepCopy, TierView, views

@@ -21,9 +21,7 @@ from tiered_dcp.storage import Storage, open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.format import (
     METADATA,
-    NOTE_LIMIT,
     BadIndex,
-    DamagedRecord,
     IndexCache,
     Marker,
     PartIndex,
@@ -36,11 +34,10 @@ from tiered_dcp.storage.format import (
     part_key,
     part_name,
     quarantine_key,
-    read_marker_bytes,
-    records_limit,
     step_dir,
 )
 from tiered_dcp.storage.format import is_pin as _is_pin
+from tiered_dcp.storage.records import NOTE_LIMIT, DamagedRecord, read_marker_bytes, records_limit
 
 from ..config import Tier, TieredConfig
 from ..ranks.cliques import Layout

@@ -22,8 +22,9 @@ import threading
 import uuid
 
 from tiered_dcp.storage import Storage, owners
-from tiered_dcp.storage.format import NOTE_LIMIT, is_lease, lease_key, marker_key, step_dir
+from tiered_dcp.storage.format import is_lease, lease_key, marker_key, step_dir
 from tiered_dcp.storage.owners import HOST
+from tiered_dcp.storage.records import NOTE_LIMIT
 
 log = logging.getLogger("tiered_dcp")
 

@@ -35,15 +35,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tiered_dcp.storage.codec import ChecksumMismatch
-from tiered_dcp.storage.format import (
-    DamagedRecord,
-    ItemInfo,
-    ItemKey,
-    PartIndex,
-    Record,
-    metadata_key,
-    step_dir,
-)
+from tiered_dcp.storage.format import ItemInfo, ItemKey, PartIndex, Record, metadata_key, step_dir
+from tiered_dcp.storage.records import DamagedRecord
 
 from .catalog import StepCopy, read_metadata_blob
 

@@ -13,14 +13,8 @@ from __future__ import annotations
 import contextlib
 
 from tiered_dcp.storage import Storage, blocks
-from tiered_dcp.storage.format import (
-    DamagedRecord,
-    Marker,
-    is_pin,
-    marker_key,
-    read_marker_bytes,
-    step_dir,
-)
+from tiered_dcp.storage.format import Marker, is_pin, marker_key, step_dir
+from tiered_dcp.storage.records import DamagedRecord, read_marker_bytes
 
 from . import part_file
 from .catalog import TierView

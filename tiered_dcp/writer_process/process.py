@@ -42,8 +42,9 @@ from collections.abc import Callable, Iterable, Iterator
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
-from tiered_dcp.storage.format import PartIndex, part_key, pin_key, records_limit, step_dir, write_index
+from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
 from tiered_dcp.storage.owners import pid_alive
+from tiered_dcp.storage.records import records_limit
 
 from ..config import TieredConfig
 from ..ranks.cliques import Layout
