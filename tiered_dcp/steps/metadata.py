@@ -16,6 +16,7 @@ with ``_NewerTensorProperties``, which drops the strides (no older torch uses th
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -88,7 +89,7 @@ def loads(blob: bytes, world: int | None = None, stock: bool = False) -> Metadat
     if not isinstance(md, Metadata):
         raise ChecksumMismatch(f"metadata holds a {type(md).__name__}, not DCP's Metadata")
     if not stock:
-        key = (bytes(blob), world)  # the bytes themselves: no checksum collision passes a blob
+        key = (hashlib.blake2b(blob).digest(), world)  # a cryptographic digest: no blob passes as another
         checked = _CHECKED.get(key)
         try:
             if checked is None:
@@ -96,17 +97,13 @@ def loads(blob: bytes, world: int | None = None, stock: bool = False) -> Metadat
         except DamagedRecord as e:
             raise ChecksumMismatch(f"metadata refused: {e}") from None
         setattr(md, CHECKED, checked)  # ``item_info`` reads them, rather than parse each again
-        if len(blob) <= CHECKED_BYTES:
-            _CHECKED[key] = checked
-        while len(_CHECKED) > CHECKED_KEPT:
-            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED.clear()
+        _CHECKED[key] = checked
     return md
 
 
-# The item facts of the metadata blobs checked last, by (blob, world): a load of the same
-# save again in this process (a restart in the same process, a benchmark) checks it once.
-CHECKED_KEPT = 4
-CHECKED_BYTES = 64 << 20  # larger blobs are checked each time rather than kept
+# The item facts of the metadata blob checked last, by (its BLAKE2b digest, world): a load
+# of the same save again in this process (a restart in the same process) checks it once.
 _CHECKED: dict[tuple[bytes, int | None], dict] = {}
 
 
