@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from typing import Any
 
 from .base import Storage
@@ -123,5 +124,13 @@ def dimensions(v: Any, what: str) -> tuple[int, ...]:
 
 
 def shown(v: Any) -> str:
-    text = repr(v) if not isinstance(v, list | dict) else f"a {type(v).__name__} of {len(v)}"
-    return text if len(text) <= 40 else text[:37] + "..."
+    """``v`` as a message shows it: short (``reprlib``: bounded in depth, length and size,
+    whatever a tier's writer made of it), a long list or object by its length alone."""
+    if isinstance(v, list | dict) and len(v) > 8:
+        return f"a {type(v).__name__} of {len(v)}"
+    return _SHOWN.repr(v)
+
+
+_SHOWN = reprlib.Repr()  # (its keyword arguments are Python 3.12's)
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 3, 8, 8
+_SHOWN.maxstring = _SHOWN.maxlong = _SHOWN.maxother = 40

@@ -140,11 +140,16 @@ def test_every_entry_point_passes_a_damaged_record_over_to_a_good_copy(battery: 
     )
 
 
-def test_a_damaged_marker_is_reported_by_verify_and_ls_naming_the_file(battery: Battery) -> None:
-    """A copy whose marker fails its checks is damage to report, not a step that is not there."""
+def test_a_damaged_marker_or_index_is_reported_by_verify_and_ls_naming_the_file(battery: Battery) -> None:
+    """A copy whose marker or index fails its checks is damage to report, naming the record
+    and the check: not a step that is not there, nor a part file that is missing."""
     r = battery.of("marker")["marker:world_size:zero"]
     verify = r["entries"]["verify_step"]["got"]
     assert "/t0/run/step_000000000002/COMMITTED" in verify and "world_size" in verify, verify
     assert r["entries"]["cli_verify"]["got"] == "rc 1"
     ls = r["entries"]["cli_ls"]["got"]  # a row "damaged", and a line saying why
     assert "step 2 on tier 0: damaged: " in ls and "step_000000000002/COMMITTED: world_size" in ls, ls
+    r = battery.of("index")["index:items.0.chunks.0.1:huge"]  # a chunk's raw length of 10^20
+    ls, verify = r["entries"]["cli_ls"]["got"], r["entries"]["verify_step"]["got"]
+    assert "step_000000000002/rank_00000.index: a chunk must be" in ls and "100000000000" in ls, ls
+    assert "rank_00000.index: a chunk must be" in verify, verify

@@ -122,6 +122,8 @@ class TierView:
         # (root url, step) -> why the step's marker there is not trusted (the file and the
         # check it failed): ``status`` and ``verify`` report such a copy as damaged
         self.bad_markers: dict[tuple[str, int], str] = {}
+        # (root url, step, rank) -> why rank's index there is not trusted (its file and check)
+        self.bad_indexes: dict[tuple[str, int, int], str] = {}
 
     def answer(self, fn: Callable[[], T], empty: T) -> T:
         """``fn()``; on a shared tier, ``empty`` when it does not answer.
@@ -237,6 +239,8 @@ class TierView:
             return self.indexes.get(store, self.config.namespace, marker.step, rank, limit)
         except (BadIndex, OSError) as e:
             log.debug("step %d: rank %d's index in %s unreadable: %s", marker.step, rank, store.url, e)
+            if isinstance(e, BadIndex):
+                self.bad_indexes[(store.url, marker.step, rank)] = str(e)
             return None
 
     def part_present(self, store: Storage, marker: Marker, rank: int) -> bool:
@@ -283,8 +287,9 @@ class TierView:
         for p in marker.parts:
             stores = self.holders(marker, p.rank)
             if not any(self.part_present(s, marker, p.rank) for s in stores):
+                bad = [self.bad_indexes.get((s.url, step, p.rank)) for s in stores]
                 where = " or ".join(s.describe(part_key(self.config.namespace, step, p.rank)) for s in stores)
-                problems.append(f"{where} missing or wrong size")
+                problems += [b for b in bad if b] or [f"{where} missing or wrong size"]
         return problems
 
     def _missing_listed(self, store: Storage, marker: Marker, sizes: dict[str, int]) -> list[str]:
