@@ -691,7 +691,6 @@ class PartIndex:
             AttributeError,
             EOFError,
             RecursionError,
-            MemoryError,
             pickle.UnpicklingError,
         ) as e:
             raise BadIndex(f"{type(e).__name__}: {str(e)[:200]}") from None

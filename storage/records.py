@@ -31,7 +31,9 @@ MARKER_HEAD = 32 << 10  # a marker's first bytes: its world size among them (``r
 MARKER_PER_RANK = 512  # a marker's bytes per rank at most (a part, a clique's share, a domain)
 METADATA_LIMIT = 4 << 30  # the metadata blob's bytes, as a marker may give them
 NOTE_LIMIT = 64 << 10  # a pin, lease, failure note or quarantine mark's bytes (read: the start)
-RECORDS_PER_METADATA_BYTE = 4  # an index or blocks list describes at most what the metadata does
+# An index describes some of the items the metadata does: ~2.8x the metadata's bytes at most
+# measured (one rank, dedup, every chunk a block: an index names each block, the metadata not)
+RECORDS_PER_METADATA_BYTE = 16
 RECORDS_BASE = 64 << 10
 
 REFS_LIMIT = 64 << 20  # a blocks list's bytes (35 per block of 1 MiB: a 1.8 TiB part)
@@ -65,7 +67,10 @@ def read_marker_bytes(store: Storage, key: str) -> bytes:
     if found is None:
         raise DamagedRecord(f"{store.describe(key)}: no world_size in its first {MARKER_HEAD} bytes")
     limit = min(MARKER_LIMIT, MARKER_HEAD + MARKER_PER_RANK * int(found.group(1)))
-    return read_record(store, key, limit)
+    data = head + store.read(key, MARKER_HEAD, limit - MARKER_HEAD + 1)  # the rest: no byte twice
+    if len(data) > limit:
+        raise DamagedRecord(f"{store.describe(key)}: larger than {limit} bytes, which no such marker is")
+    return data
 
 
 def records_limit(metadata_size: int) -> int:
@@ -113,13 +118,18 @@ def json_object(d: Any, what: str, required: set[str], optional: set[str] = froz
     return d
 
 
+def whole_numbers(v: list | tuple) -> bool:
+    """Whether every one of ``v`` is a whole number from 0 to ``MAX_BYTES`` (not a bool):
+    builtins alone, as it runs per item and per chunk (an index holds tens of thousands)."""
+    return set(map(type, v)) <= {int} and (not v or (min(v) >= 0 and max(v) <= MAX_BYTES))
+
+
 def dimensions(v: Any, what: str) -> tuple[int, ...]:
-    """A tensor's shape or offset: at most ``MAX_DIMS`` whole numbers, each at most
-    ``MAX_BYTES`` (checked with builtins alone: an index holds tens of thousands)."""
-    if type(v) is not list or len(v) > MAX_DIMS or not set(map(type, v)) <= {int}:
-        raise DamagedRecord(f"{what} must be at most {MAX_DIMS} whole numbers, not {shown(v)}")
-    if v and (min(v) < 0 or max(v) > MAX_BYTES):
-        raise DamagedRecord(f"{what} must be whole numbers from 0 to {MAX_BYTES}, not {shown(v)}")
+    """A tensor's shape or offset, read off a tier: at most ``MAX_DIMS`` whole numbers."""
+    if type(v) is not list or len(v) > MAX_DIMS or not whole_numbers(v):
+        raise DamagedRecord(
+            f"{what} must be at most {MAX_DIMS} whole numbers up to {MAX_BYTES}, not {shown(v)}"
+        )
     return tuple(v)
 
 

@@ -249,3 +249,45 @@ def test_a_record_pointing_into_another_steps_file_is_honoured(tmp_path):
     assert torch.equal(target["frozen"], frozen) and torch.equal(target["moving"], torch.full((500,), 2.0))
     (check,) = verify_step(cfg, 2)
     assert check.ok, check.problems
+
+
+def test_a_marker_past_its_head_is_read_once_and_bounded_by_its_world(tmp_path):
+    """A marker longer than its 32 KiB head (a world of 2000 ranks) reads whole, each byte
+    once; one padded past 512 bytes a rank of the world its head states is refused unread."""
+    from tiered_dcp.storage.records import MARKER_HEAD, DamagedRecord, read_marker_bytes
+
+    class Counting(LocalStorage):
+        read_bytes = 0
+
+        def read(self, key, offset=0, length=None):
+            data = super().read(key, offset, length)
+            Counting.read_bytes += len(data)
+            return data
+
+    store = Counting(str(tmp_path))
+    big = Marker(5, "run", 2000, [PartInfo(r, r // 8, 10) for r in range(2000)], 300, 7)
+    store.write(marker_key("run", 5), [big.to_bytes()])
+    assert len(big.to_bytes()) > MARKER_HEAD
+    assert Marker.from_bytes(read_marker_bytes(store, marker_key("run", 5))) == big
+    assert Counting.read_bytes == len(big.to_bytes())  # the head, then the rest: no byte twice
+    padded = Marker(6, "run", 1, [PartInfo(0, 0, 10)], 300, 7).to_bytes()[:-1] + b" " * (1 << 20) + b"}"
+    store.write(marker_key("run", 6), [padded])
+    Counting.read_bytes = 0
+    with pytest.raises(DamagedRecord, match="larger than"):
+        read_marker_bytes(store, marker_key("run", 6))
+    assert Counting.read_bytes <= MARKER_HEAD + 512 + 1  # never the megabyte of padding
+
+
+def test_an_index_is_read_up_to_its_bound_and_no_further(tmp_path):
+    """``records_limit`` bounds an index by its step's metadata: one just inside reads, one
+    past is damage (BadIndex) after reading one byte more than the bound."""
+    from tiered_dcp.storage.records import records_limit
+
+    store = LocalStorage(str(tmp_path))
+    index = PartIndex.of(1, [(ItemKey("w"), _record(offset=0))])
+    write_index(store, "run", 1, index)
+    size = len(index.to_bytes())
+    assert read_index(store, "run", 1, 1, size) == index
+    with pytest.raises(BadIndex, match="larger than"):
+        read_index(store, "run", 1, 1, size - 1)
+    assert records_limit(1000) >= 16 * 1000  # an index ~2.8x its metadata at most (dedup, 1 rank)

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import ItemInfo, ItemKey, PartIndex, Record, metadata_key, step_dir
-from tiered_dcp.storage.records import DamagedRecord
+from tiered_dcp.storage.records import DamagedRecord, whole_numbers
 
 from .catalog import StepCopy, read_metadata_blob
 
@@ -146,15 +146,10 @@ def check(md: Metadata, world: int | None) -> dict[tuple[str, tuple[int, ...] | 
 _DTYPES: dict[torch.dtype, tuple[int, str]] = {}  # a dtype's element size and name
 
 
-def _whole(dims: tuple) -> bool:
-    """Whether every one of ``dims`` is a whole number >= 0 (builtins alone: it runs per chunk)."""
-    return set(map(type, dims)) <= {int} and (not dims or min(dims) >= 0)
-
-
 def _check_tensor(fqn: str, entry: TensorStorageMetadata, stored: dict) -> set:
     """The stored items of tensor ``fqn``'s chunks, each checked (``check``)."""
     props, size = entry.properties, entry.size
-    if not isinstance(props.dtype, torch.dtype) or not _whole(size):
+    if not isinstance(props.dtype, torch.dtype) or not whole_numbers(size):
         raise DamagedRecord(f"tensor {fqn!r} has no dtype or a bad size")
     facts = _DTYPES.get(props.dtype)
     if facts is None:
@@ -168,8 +163,8 @@ def _check_tensor(fqn: str, entry: TensorStorageMetadata, stored: dict) -> set:
                 f"a chunk of tensor {fqn!r} has {len(sizes)} dimensions, the tensor {len(size)}"
             )
         if not (
-            _whole(offsets)
-            and _whole(sizes)
+            whole_numbers(offsets)
+            and whole_numbers(sizes)
             and all(map(operator.le, map(operator.add, offsets, sizes), size))
         ):
             raise DamagedRecord(f"a chunk of tensor {fqn!r} lies outside its size {list(size)}")
