@@ -24,7 +24,10 @@ the next saves will stage into, up to ``keep + 1`` per layout (what the RAM tier
 most: its kept steps and the one being written): each made ahead with no name
 (``part_file.prepare``), mapped, every page touched and, on CUDA, registered; a save names
 one (``part_file.adopt``) when no spare of its own is there to take. ``prepare`` does the
-same before the first save (``TieredWriter.prepare``).
+same before the first save (``TieredWriter.prepare``). A save of a CPU state that finds no
+file ready (the first, without ``prepare``) copies into private memory instead, which
+faults cheaper than a tmpfs file's claimed pages; its upload moves the copy into the part
+file (``settle``), which is then the slot's as if it had been staged into.
 """
 
 from __future__ import annotations
@@ -273,6 +276,7 @@ class _Slot:
     busy: bool = False
     copier: int | None = None  # the thread taking it and copying into it, until its copy is done
     prepared: bool = False  # a part file made ahead, with no name yet (``part_file.prepare``)
+    first_copy: bool = False  # private memory until its upload moves it into ``file`` (``settle``)
     spares: str | None = None  # a prepared file's: the spare directory of the namespace it is for
     generation: int = 0
     limit: int = SLOTS  # the bound of the save that took it last (``StagingPool.stage``'s ``slots``)
@@ -333,8 +337,27 @@ def _allocate(ex: Examined, target: TierFile | None, prepared: int | None = None
     device = next((p.device.index for p in ex.flat_pieces if p.device.type == "cuda"), None)
     if device is not None:
         _pin(arena.data_ptr(), arena.numel(), device)
+    slot = _slot_over(ex, arena, device, fd)
+    slot.file = target
+    slot.prepared = prepared is not None
+    return slot
+
+
+def _first_copy(ex: Examined, target: TierFile) -> _Slot:
+    """A slot in private memory for a save of a CPU state that finds no part file ready (a
+    layout's first save, with no ``prepare`` before it): nothing is claimed or touched
+    before the copy, which faults its pages as stock DCP's first copy does (a tmpfs file's
+    pages cost ~1.6x as much: claimed, then faulted). Its upload moves it into ``target``
+    (``StagingPool.settle``), off the training thread, and frees it."""
+    slot = _slot_over(ex, torch.empty(max(ex.nbytes, 1), dtype=torch.uint8), None, None)
+    slot.file, slot.first_copy = target, True
+    return slot
+
+
+def _slot_over(ex: Examined, arena: torch.Tensor, device: int | None, fd: int | None) -> _Slot:
+    """A slot whose views and staged values lie in ``arena`` (laid out by ``arena_layout``)."""
     spans = arena_layout(ex.flat_pieces)
-    targets = arena_views(storage, spans)
+    targets = arena_views(arena.untyped_storage(), spans)
     staged: list[Any] = []
     first = 0
     for value, kind, pieces in zip(ex.values, ex.kinds, ex.pieces, strict=True):
@@ -342,9 +365,7 @@ def _allocate(ex: Examined, target: TierFile | None, prepared: int | None = None
         first += len(pieces)
     counts = [len(p) for p in ex.pieces]
     slot = _Slot(ex.signature, arena, targets, spans, staged, list(ex.kinds), counts, device, fd)
-    slot.nbytes = total
-    slot.file = target
-    slot.prepared = prepared is not None
+    slot.nbytes = ex.nbytes
     return slot
 
 
@@ -393,6 +414,9 @@ class StagingPool:
         self._reserved = 0  # saves counted in flight whose background staging has no slot yet
         self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
         self._preparer: ThreadPoolExecutor | None = None
+        # first copies (``_first_copy``) not yet in their part files, by its dirty path: the
+        # slot and its staged dict (``settle`` moves both)
+        self._first_copies: dict[str, tuple[_Slot, weakref.ref]] = {}
         self._streams: dict[torch.device, Any] = {}  # device -> the side stream its copies run on
 
     def reserve(self) -> Reservation:
@@ -435,8 +459,54 @@ class StagingPool:
         staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values), file)
         if file is not None:
             _register(staged, file, slot.arena)
+        if slot.first_copy and slot.file is not None:
+            with self._cond:
+                self._first_copies[slot.file.dirty] = (slot, weakref.ref(staged))
         weakref.finalize(staged, self._release, slot, slot.generation)
         return staged
+
+    def settle(self, target: TierFile) -> torch.Tensor | None:
+        """The part file ``target`` with the first copy staged for it (``_first_copy``)
+        moved in: made, mapped, copied into, the staged dict's tensors set onto it and the
+        private copy freed. Called by that save's upload, off the training thread; the part
+        file is then the slot's, as if the save had staged into it (later saves reclaim it).
+        None where there is none (another process's save, or it failed: the upload writes
+        the file from the staged tensors, as for any other tier)."""
+        with self._cond:
+            slot, ref = self._first_copies.get(target.dirty, (None, None))
+        staged = ref() if ref is not None else None
+        if slot is None or staged is None:
+            return None
+        fd = None
+        try:
+            fd = part_file.create(target, slot.nbytes)
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, slot.nbytes)
+            arena = torch.empty(0, dtype=torch.uint8).set_(storage)
+            arena.copy_(slot.arena[: slot.nbytes])
+            for view, (off, n, _, shape) in zip(slot.flat_targets, slot.spans, strict=True):
+                view.set_(storage[off : off + n], 0, shape, _strides(shape))
+            with self._cond:  # the private copy goes with the last tensor over it
+                slot.arena, slot.fd, slot.first_copy = arena, fd, False
+            staged._ship = (arena, *staged._ship[1:4], target.dirty)
+            _register(staged, target.dirty, arena)
+            return arena
+        except Exception as e:  # noqa: BLE001 - the upload writes the file from the staged tensors
+            # its text, not the error: a kept log record would hold this frame, and the copy
+            why = str(e)
+            log.warning("moving a first save's copy into %s failed (%s); written from it", target.dirty, why)
+            if fd is not None and slot.fd is None:
+                os.close(fd)
+                part_file.discard(target)
+            return None
+        finally:
+            self.forgo(target)
+
+    def forgo(self, target: TierFile) -> None:
+        """No ``settle`` for ``target`` in this process: the next saves' files are made
+        beside its copy now (``prepare`` waits for it otherwise)."""
+        with self._cond:
+            self._first_copies.pop(target.dirty, None)
+            self._cond.notify_all()
 
     @torch.no_grad()
     def _copy_into(self, slot: _Slot, ex: Examined) -> list[Any]:
@@ -480,35 +550,50 @@ class StagingPool:
         allocates or registers a page: part files in ``where``'s tier (with no name yet,
         ``part_file.prepare``) until ``files`` of this layout are mapped (``MAPPED_FILES`` at
         most), or, without ``where``, one shared-memory buffer. Each page is touched (and
-        registered on CUDA) here. Returns the bytes made."""
-        signature = ex.signature
-        with self._cond:
-            if where is None:
-                have = sum(s.fd is None and s.signature == signature for s in self._slots)
-                need = 0 if have or not ex.nbytes else 1
-            else:
-                mine = [s for s in self._slots if s.fd is not None]
-                have = sum(s.signature == signature for s in mine)
-                others = part_file.unmapped(where, {os.fstat(s.fd).st_ino for s in mine})  # type: ignore[arg-type]
-                need = max(0, min(files, MAPPED_FILES) - have - others - self._preparing)
-            self._preparing += need
+        registered on CUDA) here. Returns the bytes made.
+
+        Beside a first copy still in private memory (``_first_copy``, counted as the file it
+        becomes) one file is made, the rest once it is in its file (``settle``): host memory
+        stays at ``files`` copies of the state."""
         made = 0
-        try:
-            for _ in range(need):
+        while True:
+            with self._cond:
+                need = self._missing(ex, where, files)
+                while need and made and where is not None and self._first_copy_for(where):
+                    self._cond.wait(timeout=0.5)
+                    need = self._missing(ex, where, files)
+                if not need:
+                    return made
+                self._preparing += 1
+            try:
                 fd = part_file.prepare(where, ex.nbytes) if where is not None else None
                 slot = _allocate(ex, None, fd)
                 slot.spares = where.spares if where is not None else None
+            finally:
                 with self._cond:
                     self._preparing -= 1
-                    need -= 1
-                    self._slots.append(slot)  # behind the mapped kept steps: their spares go first
                     self._cond.notify_all()
-                made += slot.nbytes
-        finally:
             with self._cond:
-                self._preparing -= need
+                self._slots.append(slot)  # behind the mapped kept steps: their spares go first
                 self._cond.notify_all()
-        return made
+            made += slot.nbytes
+
+    def _missing(self, ex: Examined, where: TierFile | None, files: int) -> int:
+        """How many buffers ``prepare`` still makes (under ``_cond``)."""
+        signature = ex.signature
+        if where is None:
+            have = sum(s.fd is None and not s.first_copy and s.signature == signature for s in self._slots)
+            return 0 if have or not ex.nbytes else 1
+        mine = [s for s in self._slots if s.fd is not None]
+        have = sum(s.signature == signature for s in mine)
+        have += sum(s.signature == signature for s in self._first_copy_for(where))
+        others = part_file.unmapped(where, {os.fstat(s.fd).st_ino for s in mine})  # type: ignore[arg-type]
+        return max(0, min(files, MAPPED_FILES) - have - others - self._preparing)
+
+    def _first_copy_for(self, where: TierFile) -> list[_Slot]:
+        """The first copies waiting for their part files in ``where``'s namespace."""
+        slots = [slot for slot, _ in self._first_copies.values()]
+        return [slot for slot in slots if slot.file is not None and slot.file.spares == where.spares]
 
     def prepare_soon(self, ex: Examined, where: TierFile | None, files: int) -> Future[int]:
         """``prepare`` on the pool's own thread, off the training thread; a failure (a full
@@ -552,7 +637,11 @@ class StagingPool:
                     self._drop(idle[0])
                     counted.remove(idle[0])
                 if len(counted) < slots:
-                    slot = _allocate(ex, target)
+                    on_cpu = all(p.device.type == "cpu" for p in ex.flat_pieces)
+                    if target is not None and on_cpu and slots > 1:  # room for it beside the file
+                        slot = _first_copy(ex, target)
+                    else:
+                        slot = _allocate(ex, target)
                     self._slots.insert(0, slot)
                     return self._take(slot, slots)
                 if not warned and time.monotonic() - started > 5:
@@ -616,8 +705,10 @@ class StagingPool:
             if slot.busy and slot.generation == generation:
                 slot.busy = False
                 counted = sum(s.busy or s.fd is None for s in self._slots)
-                if self._closing or (slot.fd is None and counted > slot.limit):
+                if self._closing or slot.first_copy or (slot.fd is None and counted > slot.limit):
                     self._drop(slot)
+                if slot.file is not None and self._first_copies.get(slot.file.dirty, (None,))[0] is slot:
+                    del self._first_copies[slot.file.dirty]
                 self._cond.notify_all()
 
     def _drop(self, slot: _Slot) -> None:

@@ -626,15 +626,20 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def _in_file(self, first: TierView) -> InFile | None:
         """The part file ``stage`` filled, when this save writes that very file (the step and
-        rank it was staged for, mapped in this process); a staged file it cannot use goes."""
+        rank it was staged for, mapped in this process), or, for a first copy staged in
+        private memory, that file with the copy moved in now (``StagingPool.settle``); a
+        staged file it cannot use goes."""
         tf = self.staged_file
         if tf is None:
             return None
-        arena = staged_file(tf.dirty)
         ours = (
             isinstance(first.own, LocalStorage)
             and first.own.path(part_key(self.config.namespace, self.step, self.rank)) == tf.clean
         )
+        arena = staged_file(tf.dirty)
+        if arena is None and ours:
+            arena = POOL.settle(tf)
+        POOL.forgo(tf)
         if arena is None or not ours:
             part_file.discard(tf)
             return None
