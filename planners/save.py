@@ -194,14 +194,22 @@ class KnownWorlds:
 
     A process-wide cache on purpose, as DCP's own plan cache is (``SavePlanner._cached_*``,
     class attributes): a save whose plans DCP took from its cache brings no ``SaveRank``,
-    and each save has a writer of its own, so its world is the one remembered here.
+    and each save has a writer of its own, so its world is the one remembered here. Only
+    for the process group it was planned in (``generation``, ``transport.generation``): a
+    job restarted in its processes may place its ranks on other nodes.
     """
 
     def __init__(self) -> None:
         self._worlds: dict[int, list[int]] = {}
+        self._generation = 0
 
-    def plan_global(self, plans: list[SavePlan]) -> tuple[list[SavePlan], list[int] | None]:
+    def plan_global(
+        self, plans: list[SavePlan], generation: int = 0
+    ) -> tuple[list[SavePlan], list[int] | None]:
         """``plan_global`` with the world of this process's last full plan of this size."""
+        if generation != self._generation:
+            self._worlds.clear()
+            self._generation = generation
         plans, world = plan_global(plans, self._worlds.get(len(plans)))
         if world is not None:
             self._worlds[len(plans)] = world

@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = [ROOT / "tiered_dcp", ROOT / "storage", ROOT / "planners"]
-MAX_TOP_LEVEL, MAX_METHODS, MAX_LINES = 15, 25, 80
+# 16 top-level entries: issue 47 names a public module of its own, tiered_dcp.inprocess
+MAX_TOP_LEVEL, MAX_METHODS, MAX_LINES = 16, 25, 80
 
 
 def _sources():

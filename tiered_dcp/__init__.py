@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         wait_for,
         writer_status,
     )
+    from .inprocess import abort
     from .load.reader import TieredReader
     from .load.resume import load_latest
     from .planners.tiered_save import TieredSavePlanner
@@ -67,6 +68,7 @@ _LAZY = {
     "TieredSavePlanner": ".planners.tiered_save",
     "TieredWriter": ".save.writer",
     "WriterInfo": ".api",
+    "abort": ".inprocess",
     "export": ".api",
     "host_memory": ".api",
     "import_dcp": ".api",
@@ -95,6 +97,7 @@ __all__ = [
     "TieredSavePlanner",
     "TieredWriter",
     "WriterInfo",
+    "abort",
     "export",
     "host_memory",
     "import_dcp",

@@ -144,7 +144,7 @@ def all_read(name: str, release: Callable[[], None]) -> None:
     the lease until ``READ_WAIT`` at most (or rank 0's own end: a lease on a shared tier
     then expires after ``leases.LEASE_TTL``).
     """
-    store = transport.raw_store()
+    store = transport.store()
     counter, done = f"{name}/read", f"{name}/read/done"
     if store.add(counter, 1) == dist.get_world_size():
         store.set(done, "1")

@@ -263,8 +263,8 @@ class PeerExchange:
     def __init__(self, name: str, rank: int, world: int, timeout: float) -> None:
         self.name, self.rank, self.world, self.timeout = name, rank, world, timeout
         self.rounds = 0
-        self.store = transport.raw_store()
-        transport.forget_earlier()
+        self.store = transport.store()
+        transport.sweep("load")
 
     def round(
         self,
@@ -291,14 +291,14 @@ class PeerExchange:
     def _anyone_wants(self, name: str, wanted: dict[int, list[PeerRequest]]) -> bool:
         for holder, reqs in wanted.items():
             key = f"{name}/ask/{holder}"
-            transport.forget_later([key])
+            transport.leave("load", [key])
             line = json.dumps([self.rank, [r.to_json() for r in reqs]], separators=(",", ":"))
             self.store.append(key, line.encode() + b"\n")  # JSON escapes newlines: one line each
         counter, verdict = f"{name}/arrived", f"{name}/wanting"
-        transport.forget_later([counter])
+        transport.leave("load", [counter])
         arrived = self.store.add(counter, 1 + (_WANTS if wanted else 0))
         if arrived % _WANTS == self.world:  # the last to arrive: every wish list is in
-            transport.forget_later([verdict])
+            transport.leave("load", [verdict])
             self.store.set(verdict, str(arrived // _WANTS))
         try:
             self.store.wait([verdict], datetime.timedelta(seconds=self.timeout))
@@ -338,7 +338,7 @@ class PeerExchange:
         try:
             for pair in sorted(tuple(sorted((self.rank, p))) for p in partners):
                 group_name = f"{name}/pair{pair[0]}-{pair[1]}"
-                transport.forget_later(transport.group_keys(group_name, pair.index(self.rank)))
+                transport.leave("load", transport.group_keys(group_name, pair.index(self.rank)))
                 peer = pair[1] if pair[0] == self.rank else pair[0]
                 groups[peer] = Group(group_name, pair, self.rank, self.timeout)
             receives = []

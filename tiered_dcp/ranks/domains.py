@@ -8,8 +8,9 @@ constructed (bad configuration fails at construction, before any byte is written
 which racks the ranks are in is part of it; so every rank constructs its writer, as every
 rank saves). Every rank then lays
 out the same cliques (``cliques.by_domain``) or raises the same ValueError, before any byte of
-the save is written. The layout is kept for the process's life (``LAYOUTS``): a node's rack
-does not change under a running job.
+the save is written. The layout is kept for the process group's life (``LAYOUTS``): a
+node's rack does not change under a running job, but a job restarted in its processes may
+have other ranks on other nodes.
 """
 
 from __future__ import annotations
@@ -27,16 +28,21 @@ class Layouts:
     """The failure domains' layouts this process gathered: a process-wide cache on purpose
     (a node's rack does not change under a running job, and every writer of the config would
     otherwise gather again), keyed by what a layout depends on: the config's namespace and
-    domain source, the world size, the replication factor and jump."""
+    domain source, the world size, the replication factor and jump; only for the process
+    group it was gathered in (``transport.generation``)."""
 
     def __init__(self) -> None:
         self._found: dict[tuple[Any, ...], Layout] = {}
+        self._generation = 0
 
     def get(self, config: TieredConfig, world: int, rank: int) -> Layout:
         """The layout, gathered from every rank the first time (a collective)."""
         fd = config.failure_domain
         factor, jump = config.replication_factor, config.replication_jump
         key = (config.namespace, fd if isinstance(fd, str) else id(fd), world, factor, jump)
+        if transport.generation() != self._generation:
+            self._found.clear()
+            self._generation = transport.generation()
         if key not in self._found:
             found = _gather(config, world, rank)
             errors = [f["error"] for f in found if f["error"]]
@@ -100,5 +106,5 @@ def _gather(config: TieredConfig, world: int, rank: int) -> list[dict[str, Any]]
     finally:
         group.close()
     for key in transport.group_keys(name, rank):  # every member joined: its address is not read again
-        transport.raw_store().delete_key(key)
+        transport.store().delete_key(key)
     return [json.loads(b) for b in blobs]

@@ -3,12 +3,20 @@
 Replicas never travel over the group DCP's collectives use (the user's training group, or
 DCP's own in its PROCESS mode). Each save's clique exchange and each load's peer reads open
 fresh ``ProcessGroupGloo``s on the job's rendezvous store, only between the ranks that
-exchange data, under names every rank derives alike (namespace, purpose, a per-process
-sequence number, the members). A fresh group costs about a millisecond, and a group broken
-by a timed-out peer is never reused.
+exchange data, under names every rank derives alike (namespace, purpose, a sequence number,
+the members). A fresh group costs about a millisecond, and a group broken by a timed-out
+peer is never reused.
 
 Small agreements (who is done, the commit's metadata, who wants what from whom at load) go
 through the store itself.
+
+Everything here belongs to one world: the default process group it was made for
+(``World``). A job that restarts inside its processes (NVIDIA's in-process restart, a
+user's own loop) makes a new default group, on a store with a prefix of its own (NvRx's
+``_inprocess_<n>``, torchrun's ``/worker/attempt_<n>``); the first call in the new world
+starts afresh: sequence numbers from 1 on every rank (survivors and a replacement alike),
+store clients of the new store, keys of the new world. Keys live under the default
+store's prefixes, so no two worlds meet in the store.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,8 +39,6 @@ from torch.distributed import distributed_c10d
 from ..errors import PeerLostError, TieredCheckpointError
 
 log = logging.getLogger("tiered_dcp")
-_SEQ: dict[str, int] = {}
-_CLIENTS: dict[tuple[int, str, int, float], dist.Store] = {}
 OPENED: deque[list[int]] = deque(maxlen=1000)  # members of the last groups this process opened (tests)
 CHECK_IN = 5.0  # seconds the survivors of a broken collective wait for each other to say so
 
@@ -118,59 +125,95 @@ def dist_up() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+class World:
+    """What this process keeps for the world of one default process group: the sequence
+    numbers of its operations' names, its store clients and the keys it left in the store.
+    ``generation`` counts the worlds this process has been in (caches of a world's facts,
+    such as its failure domains, key on it)."""
+
+    def __init__(self, group: Any, generation: int) -> None:
+        self.group = weakref.ref(group)  # never keeps a destroyed group alive
+        self.pid = os.getpid()  # a forked child is in a world of its own
+        self.generation = generation
+        self.store: dist.Store = distributed_c10d._get_default_store()
+        self.seq: dict[str, int] = {}
+        self.clients: dict[float, dist.Store] = {}
+        self.left: dict[str, list[str]] = {}
+
+    def current(self) -> bool:
+        return self.pid == os.getpid() and dist_up() and self.group() is distributed_c10d._get_default_group()
+
+
+_WORLD: World | None = None
+_GENERATION = 0
+
+
+def world() -> World:
+    """This process's state for the current default process group, new for a new group."""
+    global _WORLD, _GENERATION
+    if _WORLD is None or not _WORLD.current():
+        _GENERATION += 1
+        _WORLD = World(distributed_c10d._get_default_group(), _GENERATION)
+    return _WORLD
+
+
+def generation() -> int:
+    """Which world this process is in (0: none yet, or no process group)."""
+    return world().generation if dist_up() else 0
+
+
+def leave_world() -> None:
+    """Forget the current world (``tiered_dcp.abort``): its clients close, and the next
+    call starts a new one even if the default group were the same object."""
+    global _WORLD
+    _WORLD = None
+
+
 def next_name(namespace: str, purpose: str) -> str:
-    """A store prefix unique to this operation and equal on every rank (same call order)."""
-    key = f"{namespace}/{purpose}"
-    _SEQ[key] = _SEQ.get(key, 0) + 1
-    return f"tiered_dcp/{key}/{_SEQ[key]}"
+    """A store prefix unique to this operation in this world and equal on every rank of it
+    (same call order from the world's start)."""
+    seq, key = world().seq, f"{namespace}/{purpose}"
+    seq[key] = seq.get(key, 0) + 1
+    return f"tiered_dcp/{key}/{seq[key]}"
 
 
-_LOAD_KEYS: list[str] = []  # store keys this process wrote in its previous load's exchange
+def sweep(purpose: str) -> None:
+    """Delete the keys this process left for ``purpose`` at its previous operation of it
+    (every rank has left that one by the time it starts the next: a save's or a load's
+    collective lies between): the store keeps one operation's keys per purpose."""
+    w = world()
+    for key in w.left.pop(purpose, []):
+        w.store.delete_key(key)
 
 
-def forget_later(keys: Sequence[str]) -> None:
-    """Keys this load's exchange wrote in the job's store: deleted at the next load's."""
-    _LOAD_KEYS.extend(keys)
-
-
-def forget_earlier() -> None:
-    """Delete the keys the previous load's exchange wrote (the reader's constructor is a
-    collective, so by now every rank has left that load): a job keeps one load's keys."""
-    under = raw_store()
-    for key in _LOAD_KEYS:
-        under.delete_key(key)
-    _LOAD_KEYS.clear()
+def leave(purpose: str, keys: Sequence[str]) -> None:
+    """Keys this operation wrote in the store, deleted by the next ``sweep(purpose)``."""
+    world().left.setdefault(purpose, []).extend(keys)
 
 
 def store() -> dist.Store:
-    return distributed_c10d._get_default_store()
-
-
-def raw_store() -> dist.Store:
-    """The job's store client below torch's prefixes: the key space our groups rendezvous in."""
-    under = store()
-    while isinstance(under, dist.PrefixStore):
-        under = under.underlying_store
-    return under
+    """The job's store (the default group's, under all its prefixes): every key of ours."""
+    return world().store
 
 
 def rendezvous_store(timeout: float) -> dist.Store:
-    """A store client of our own whose waits end after ``timeout`` (the job's are 30 min).
+    """A client of the job's store (its prefixes kept) whose waits end after ``timeout``
+    (the job's are 30 min); setting it on the job's own client would change torch's too.
 
-    Setting a timeout on the job's store client would change it for torch's own use too.
-    One client per process, store and timeout, kept: connecting to the store can stall
-    for 5 s when connections open in quick succession (measured here: one in ~25), and
-    every rank opening one at the same moment for each load's groups would hit that.
+    One client per world and timeout, kept: connecting to the store can stall for 5 s when
+    connections open in quick succession (measured here: one in ~25), and every rank
+    opening one at the same moment for each load's groups would hit that. A store that
+    cannot be cloned (a FileStore, a HashStore) is used as it is.
     """
-    under = raw_store()
-    if not isinstance(under, dist.TCPStore):
-        return under
-    key = (os.getpid(), under.host, under.port, timeout)
-    if key not in _CLIENTS:
-        _CLIENTS[key] = dist.TCPStore(
-            under.host, under.port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
-        )
-    return _CLIENTS[key]
+    w = world()
+    if timeout not in w.clients:
+        try:
+            client = w.store.clone()
+            client.set_timeout(datetime.timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - no second client of this store: the job's own
+            client = w.store
+        w.clients[timeout] = client
+    return w.clients[timeout]
 
 
 def group_keys(name: str, member: int) -> list[str]:

@@ -33,8 +33,6 @@ from ..steps.metadata import Records, part_index, records_from_json, records_to_
 
 log = logging.getLogger("tiered_dcp")
 
-_GROUP_KEYS: list[str] = []  # the rendezvous keys its previous save's clique group left (raw store)
-
 
 @dataclass
 class SavedPart:
@@ -108,12 +106,9 @@ class Swap:
 
     def start(self) -> Swap:
         view, part = self.view, self.part
-        raw = transport.raw_store()
-        for key in _GROUP_KEYS:  # the previous save ended on every rank: its group is gone
-            raw.delete_key(key)
-        _GROUP_KEYS.clear()
+        transport.sweep("swap")  # the previous save ended on every rank: its group is gone
         name = f"{self.name}/clique{self.members[0]}"
-        _GROUP_KEYS.extend(transport.group_keys(name, self.members.index(part.rank)))
+        transport.leave("swap", transport.group_keys(name, self.members.index(part.rank)))
         try:
             self.group = Group(name, self.members, part.rank, view.config.peer_timeout)
             infos = [records_from_json(b) for b in self.group.allgather(records_to_json(part.sealed()))]

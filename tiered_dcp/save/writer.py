@@ -338,6 +338,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.staging_slots = staging_slots
         self.max_pending = max_pending
         self.owner_pid: int | None = None  # the trainer's pid, set when it stages
+        self.generation = 0  # the trainer's world when it staged (``transport.generation``)
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
         self.staging_bytes: int | None = None  # the trainer's staging buffers once it staged
@@ -379,6 +380,7 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | ConcurrentFuture[STATE_DICT_TYPE]:
         self.owner_pid = os.getpid()
+        self.generation = transport.generation()
         self.handoff_wait = 0.0  # this save's: DCP's reset(checkpoint_id) comes after stage
         if self.handle_sigterm:
             preemption.install()
@@ -506,7 +508,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The save's world in every plan (``planners.save``); with DCP's plan cache, the
         world of this process's last full plan (DCP's cache is per process too)."""
-        plans, world = KNOWN_WORLDS.plan_global(plans)
+        plans, world = KNOWN_WORLDS.plan_global(plans, transport.generation())
         if world is not None:
             self._world = world
         return plans
@@ -521,6 +523,11 @@ class TieredWriter(StorageWriter, AsyncStager):
         self._waited = True
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.owner_pid == os.getpid() and self.generation != transport.generation():
+            raise TieredCheckpointError(
+                f"step {self.step}: this save was staged in a world that is gone (its process "
+                "group was torn down, tiered_dcp.abort); it is abandoned, never committed"
+            )
         if self._handoff_later:  # an async save that waits for no writer (``stage``)
             self._handoff_later = False
             self._wait_for_writer(self.rank)

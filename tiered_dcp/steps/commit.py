@@ -58,8 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiered_dcp")
 
-_OWN_KEYS: list[str] = []  # store keys this process set in its previous save, deleted in the next
-
 
 def commit_root(view: TierView, step: int, blob: bytes, marker: Marker) -> None:
     """Commit this process's root's copy of ``step``, then prune the root.
@@ -272,9 +270,7 @@ class _Agreement:
             commit_root(save.view, save.step, blob, marker)
             return
         store = transport.store()
-        for key in _OWN_KEYS:  # the previous save ended on every rank: nobody reads these any more
-            store.delete_key(key)
-        _OWN_KEYS.clear()
+        transport.sweep("commit")  # the previous save ended on every rank: nobody reads its keys
         self._publish(store, records, error)
         if save.is_coordinator:
             self._decide(store)
@@ -291,16 +287,15 @@ class _Agreement:
 
     def _publish(self, store: Store, records: Records, error: BaseException | None) -> None:
         """This rank's word: clean, with its records, or why not (then raised here)."""
+        from ..ranks import transport
         from .metadata import records_to_json
 
         save = self.save
         done = f"{self.name}/done/{save.rank}"
         store.set(done, json.dumps(_outcome(error, save.rank)).encode() + b"\n" + records_to_json(records))
-        _OWN_KEYS.append(done)
-        if (
-            save.is_coordinator and error is not None
-        ):  # the step cannot commit: say so now, not at the timeout
-            _OWN_KEYS.append(self.verdict)
+        transport.leave("commit", [done])
+        if save.is_coordinator and error is not None:  # it cannot commit: said now, not at the timeout
+            transport.leave("commit", [self.verdict])
             store.set(self.verdict, json.dumps(_refusal(save.step, save.view, [_outcome(error, save.rank)])))
         if error is not None:
             raise error
@@ -312,7 +307,7 @@ class _Agreement:
         from .metadata import records_from_json
 
         save, step, verdict = self.save, self.save.step, self.verdict
-        _OWN_KEYS.append(verdict)
+        transport.leave("commit", [verdict])
         keys = [f"{self.name}/done/{r}" for r in range(len(self.world))]
         try:
             store.wait(keys, self.timeout)
@@ -338,7 +333,7 @@ class _Agreement:
         blob, marker = build_commit(
             save.view, step, self.metadata(), self.world, merged, save.layout(self.world)
         )
-        _OWN_KEYS.append(f"{verdict}/metadata")
+        transport.leave("commit", [f"{verdict}/metadata"])
         store.set(f"{verdict}/metadata", blob)  # before the verdict, which says it is there
         store.set(verdict, json.dumps({"error": None, "marker": marker.to_bytes().decode()}))
 

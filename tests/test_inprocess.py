@@ -1,0 +1,159 @@
+"""Issue 47: recovery inside the job. A job that restarts in its processes (NvRx's
+in-process restart, a user's own loop) builds its process group again; tiered-dcp's own
+groups and store keys must be of the new world on every rank, survivors and a replacement
+alike, and nothing cached from the world before may be used.
+
+Real processes on gloo, 4 ranks as 2 nodes, a RAM tier per node with clique replication;
+the job's store (a TCPStore in the test process, as NvRx's store service or torchrun's
+agent keeps it) outlives every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tiered_dcp.cli.fakegcs import free_port
+
+WORKER = str(Path(__file__).with_name("inprocess_worker.py"))
+
+
+def _start(rank: int, port: int, root: Path, first: int, last: int, kill_at: int = -1) -> subprocess.Popen:
+    """One rank of 4 (two a node), in worlds ``first`` to ``last`` (``inprocess_worker``)."""
+    env = dict(os.environ, LOCAL_WORLD_SIZE="2")
+    args = [str(a) for a in (rank, 4, port, root, first, last, kill_at)]
+    return subprocess.Popen(
+        [sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _worlds(out: str) -> list[dict]:
+    return [json.loads(line[len("WORLD ") :]) for line in out.splitlines() if line.startswith("WORLD ")]
+
+
+def test_survivors_and_a_replacement_save_and_load_in_the_new_world(shm):
+    """Rank 3 is killed after the first world's saves; ranks 0-2 go on in their processes
+    (their sequence numbers and caches are of the first world), a fresh rank 3 joins the
+    second world. Every rank loads the newest step exactly (rank 3's part from its node's
+    RAM tier), and the saves after it, replicated across nodes, commit: before, the
+    survivors' group names were ahead of the replacement's and the first replica exchange
+    waited out its peer_timeout."""
+    port = free_port()
+    server = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
+    procs = [_start(r, port, shm, 0, 2, kill_at=3) for r in range(4)]
+    try:
+        killed = procs[3]
+        killed.wait(timeout=120)
+        assert killed.returncode == -9, killed.stderr.read()[-3000:]
+        outs = [_worlds(killed.stdout.read())]  # its first world's
+        procs[3] = _start(3, port, shm, 1, 2)
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=150)
+            assert p.returncode == 0, f"rank {rank}:\n{err[-4000:]}"
+            outs.append(_worlds(out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        del server
+    by_world: dict[int, list[dict]] = {}
+    for rows in outs:
+        for row in rows:
+            by_world.setdefault(row["world"], []).append(row)
+    assert sorted(len(v) for v in by_world.values()) == [4, 4, 4]
+    assert [r["saved"] for r in by_world[0]] == [[1, 2, 3]] * 4
+    for n, loaded in ((1, 3), (2, 6)):
+        assert all(r["loaded"] == loaded and r["exact"] for r in by_world[n]), by_world[n]
+        assert all(r["saved"] == [loaded + 1, loaded + 2, loaded + 3] for r in by_world[n])
+
+
+def _twenty_worlds(rank: int, world: int, root: str) -> list[tuple[int, int, int]]:
+    """20 worlds in these processes, each a new default group on the job's store under a
+    prefix of its own: a load, two replicated async saves, ``abort``, teardown. Per world:
+    threads, open files, process groups alive."""
+    import gc
+    import threading
+    import weakref
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed import distributed_c10d
+
+    from tiered_dcp import Tier, TieredConfig, TieredWriter, abort, load_latest
+
+    cfg = TieredConfig(
+        "twenty", [Tier(f"{root}/ram/{{node}}", keep=2)], replication_factor=2, replication_jump=1
+    )
+    base = distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    counts, step, groups = [], 0, []
+    for n in range(20):
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore(f"_inprocess_{n}", base), rank=rank, world_size=world
+        )
+        state = {f"w{rank}": torch.zeros(1 << 16), "step": -1}
+        if n:
+            step = load_latest(state, cfg)
+            assert (
+                torch.equal(state[f"w{rank}"], torch.full((1 << 16,), float(step))) and state["step"] == step
+            )
+        for _ in range(2):
+            step += 1
+            state = {f"w{rank}": torch.full((1 << 16,), float(step)), "step": step}
+            dcp.async_save(state, storage_writer=TieredWriter(cfg, step=step)).result()
+        abort()
+        groups.append(weakref.ref(distributed_c10d._get_default_group()))
+        dist.destroy_process_group()
+        gc.collect()
+        alive = sum(g() is not None for g in groups)
+        counts.append((threading.active_count(), len(os.listdir("/proc/self/fd")), alive))
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("_inprocess_last", base), rank=rank, world_size=world
+    )
+    return counts
+
+
+def test_twenty_restarts_in_one_process_leak_nothing(shm):
+    """Threads, open files and process groups after each of 20 worlds (two ranks on two
+    nodes, each save's part replicated to the other): the same after the 20th as after
+    the 2nd (the first starts the pool's and DCP's threads), and every reload exact."""
+    from dist_utils import run_ranks
+
+    for counts in run_ranks(_twenty_worlds, 2, str(shm), env={"LOCAL_WORLD_SIZE": 1}, timeout=240):
+        assert counts[-1] == counts[1], counts
+
+
+def test_a_save_staged_in_a_world_that_is_gone_is_abandoned(tmp_path):
+    """A save staged before the fault whose upload starts in the next world (``abort``,
+    the group rebuilt): it raises, and its step is never committed; the next save is."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tiered_dcp import Tier, TieredConfig, TieredWriter, abort, latest_step
+
+    port = free_port()
+    base = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    cfg = TieredConfig("gone", [Tier(str(tmp_path / "ram"), keep=2)])
+    dist.init_process_group("gloo", store=dist.PrefixStore("_inprocess_0", base), rank=0, world_size=1)
+    try:
+        writer = TieredWriter(cfg, step=1)
+        staged = writer.stage({"w": torch.ones(1024)})  # as async_save does, before its upload
+        abort()
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.PrefixStore("_inprocess_1", base), rank=0, world_size=1)
+        with pytest.raises(BaseException, match="world that is gone"):
+            dcp.save(staged, storage_writer=writer)
+        assert latest_step(cfg) is None
+        dcp.save({"w": torch.ones(1024)}, storage_writer=TieredWriter(cfg, step=2))
+        assert latest_step(cfg) == 2
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,69 @@
+"""Recovery inside the job: what a training loop that restarts in its processes calls.
+
+NVIDIA's in-process restart (nvidia-resiliency-ext's ``inprocess.Wrapper``), torchft, or a
+user's own loop catch a fault, tear down the process groups, build new ones (the world may
+have shrunk, or a spare taken a gone rank's place) and call the training function again,
+which reloads with ``load_latest``. tiered-dcp keeps what outlives a world (the writer
+process, the RAM tier's part files, the staging buffers: the next save faults no page
+again) and forgets what belongs to it (``ranks.transport.World``: group names, store
+clients, store keys, the failure domains gathered, the plans' worlds), by itself when the
+default process group changes, at once with ``abort``.
+
+``abort()`` is the plain call; ``Abort`` is the same as an NvRx ``Abort`` hook, composed
+with NvRx's own: ``inprocess.Compose(tiered_dcp.inprocess.Abort(), AbortTorchDistributed())``
+(the Wrapper runs the last one first: ours after the process groups are torn down). A
+job that passes neither still recovers: the first call in the new world starts afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .ranks import transport
+from .save.staging import POOL
+
+log = logging.getLogger("tiered_dcp")
+
+ABORT_WAIT = 5.0  # seconds ``abort`` gives the saves in flight to finish
+
+
+def abort(timeout: float = ABORT_WAIT) -> int:
+    """Leave the current world: wait up to ``timeout`` seconds for this process's async
+    saves in flight to finish, then forget the world's state (``transport.leave_world``).
+    Returns how many saves were still in flight: those are abandoned, never committed half
+    (a step commits only once every rank's part is in, which a torn-down world no longer
+    gives them); their staging slots come back when their uploads give up. Call it on every
+    rank after a fault, before the next world's first save or load; torchrun restarts
+    (fresh processes) need nothing."""
+    if timeout < 0:
+        raise ValueError(f"abort: timeout={timeout!r} must be >= 0 seconds")
+    POOL.wait_idle(timeout)
+    left = POOL.in_flight()
+    if left:
+        log.warning(
+            "tiered-dcp abort: %d async save(s) still in flight after %.1f s are abandoned "
+            "(never committed: the world they were saved in is gone)",
+            left,
+            timeout,
+        )
+    transport.leave_world()
+    return left
+
+
+try:  # an NvRx Abort where NvRx is installed (the Wrapper checks its hooks' types)
+    from nvidia_resiliency_ext.inprocess.abort import Abort as _NvRxAbort
+except ImportError:  # pragma: no cover - NvRx is optional
+    _NvRxAbort = object  # type: ignore[assignment,misc]
+
+
+class Abort(_NvRxAbort):  # type: ignore[valid-type,misc]
+    """``abort`` as an NvRx ``inprocess`` abort hook: called with the Wrapper's frozen
+    state, which it returns unchanged."""
+
+    def __init__(self, timeout: float = ABORT_WAIT) -> None:
+        self.timeout = timeout
+
+    def __call__(self, state: Any) -> Any:
+        abort(self.timeout)
+        return state
