@@ -342,19 +342,24 @@ _MARKER_OPTIONAL = {"created", "replication", "nonfinite_items", "nonfinite", "c
 
 
 def _check_layout(marker: Marker) -> None:
-    """``cliques`` split the ranks into groups of the replication factor (else the jump rule
-    places them: the world a multiple of factor x jump); ``domains`` name one domain per
-    rank: a marker saying otherwise would send reads to the wrong roots."""
+    """``cliques`` split the ranks into groups of the replication factor, or of up to twice
+    that less one where a world did not divide (laid out by node: ``cliques.by_node``; a world
+    smaller than the factor is one group), else the jump rule places them (the world a
+    multiple of factor x jump); ``domains`` name one domain per rank: a marker saying
+    otherwise would send reads to the wrong roots."""
     world, (factor, jump) = marker.world_size, marker.replication
     if marker.cliques is not None:
         groups = short_list(marker.cliques, "cliques", world)
         flat = [r for g in groups if isinstance(g, list) for r in g]
+        least, most = min(factor, world), max(2 * factor - 1, 1)
         if (
-            not all(isinstance(g, list) and len(g) == factor for g in groups)
+            not all(isinstance(g, list) and least <= len(g) <= most for g in groups)
             or not all(_is_count(r) for r in flat)
             or sorted(flat) != list(range(world))
         ):
-            raise DamagedRecord(f"a marker's cliques must split its {world} ranks into groups of {factor}")
+            raise DamagedRecord(
+                f"a marker's cliques must split its {world} ranks into groups of {least} to {most}"
+            )
     elif factor > 1 and world % (factor * jump):
         raise DamagedRecord(f"a marker's replication {factor}x{jump} cannot place its {world} ranks")
     if marker.domains is not None and (

@@ -2,7 +2,9 @@
 (``tests/test_inprocess.py``): each world is a default process group on the job's store
 under a prefix of its own (``_inprocess_<n>``, as NvRx names them).
 
-    python inprocess_worker.py RANK WORLD STORE_PORT ROOT FIRST_WORLD LAST_WORLD KILL_AT
+    python inprocess_worker.py RANK SIZES STORE_PORT ROOT FIRST_WORLD LAST_WORLD KILL_AT
+
+SIZES: each world's size, comma-separated (``4,3,3``: a job that goes on without a rank).
 
 Each world ``n`` from FIRST_WORLD to LAST_WORLD: join it, ``load_latest`` (nothing in the
 first world), train steps with an async save each (a RAM tier per node, every part also on
@@ -44,7 +46,7 @@ def zeros(rank: int) -> dict:
 
 
 def main() -> None:
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    rank, sizes, port = int(sys.argv[1]), [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3])
     root, first, last, kill_at = sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
     base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     cfg = TieredConfig(
@@ -56,7 +58,7 @@ def main() -> None:
     )
     for n in range(first, last + 1):
         store = dist.PrefixStore(f"_inprocess_{n}", base)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=sizes[n])
         t0 = time.monotonic()
         state = zeros(rank)
         loaded = None

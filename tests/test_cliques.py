@@ -1,13 +1,16 @@
 """Clique layout: who holds whose copies, and which layouts are refused or warned about."""
 
+import dataclasses
+import json
 import logging
 import random
 
 import pytest
 from dist_utils import run_ranks
+from tiered_dcp.storage.format import Marker, PartInfo
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter
-from tiered_dcp.ranks.cliques import Layout, by_domain, check_cliques
+from tiered_dcp.ranks.cliques import Layout, by_domain, by_node, check_cliques
 from tiered_dcp.ranks.domains import layout_for, own_domain
 
 
@@ -20,12 +23,28 @@ def test_clique_members():
     assert Layout(8, 2, 2).cliques() == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
-def test_impossible_layout_is_refused_with_what_would_work():
-    with pytest.raises(ValueError, match=r"replication_factor=2 with replication_jump=4 .* 6 rank") as e:
-        check_cliques(6, 2, 4)
-    assert "replication_jump=1 or 3 would work" in str(e.value)
-    with pytest.raises(ValueError, match="needs at least replication_factor=2 ranks"):
-        check_cliques(1, 2, 1)
+@pytest.mark.parametrize(
+    "nodes, factor, groups",
+    [
+        ([0, 0, 1], 2, [[0, 1, 2]]),  # a 2x2 job that lost rank 3: one clique over both nodes
+        ([0, 0, 0, 1, 1, 2], 2, [[0, 3], [1, 4], [2, 5]]),
+        ([0, 0, 1, 1, 2], 2, [[0, 2, 4], [1, 3]]),
+        ([0, 1], 3, [[0, 1]]),  # fewer ranks than the factor: one clique of all
+        ([0], 2, [[0]]),  # one rank: no replica can be placed
+    ],
+)
+def test_a_world_the_jump_rule_does_not_fit_is_laid_out_by_node(nodes, factor, groups):
+    layout = by_node(factor, nodes)
+    assert layout.cliques() == groups
+    marker = Marker(1, "ns", len(nodes), [PartInfo(r, n, 1) for r, n in enumerate(nodes)], 0, 0)
+    marker = dataclasses.replace(marker, **layout.marker_fields())
+    assert Layout.of_marker(Marker.from_bytes(marker.to_bytes())).cliques() == groups  # the format admits it
+
+
+def test_a_jump_rule_that_does_not_fit_neither_refuses_nor_warns_at_construction(caplog):
+    check_cliques(6, 2, 4)  # laid out by node at the save instead (with its warning there)
+    check_cliques(1, 2, 1)
+    assert not caplog.records
 
 
 def test_same_node_clique_warns(monkeypatch, caplog):
@@ -37,18 +56,31 @@ def test_same_node_clique_warns(monkeypatch, caplog):
     assert "same node" in rec.getMessage() and "replication_jump" in rec.getMessage()
 
 
-def _construct_writer(rank, world, root):
-    cfg = TieredConfig("c", [Tier(f"{root}/{{node}}")], replication_factor=2, replication_jump=1)
-    try:
-        TieredWriter(cfg, step=1)
-    except ValueError as e:
-        return str(e)
-    return None
+def _three_ranks_on_two_nodes(rank, world, root):
+    """A job configured for 2x2 (replication_jump=2) that runs with 3 ranks."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tiered_dcp import TieredReader
+
+    cfg = TieredConfig("uneven", [Tier(f"{root}/{{node}}", keep=2)], replication_factor=2, replication_jump=2)
+    state = {f"w{rank}": torch.full((1000,), float(rank))}
+    dcp.save(state, storage_writer=TieredWriter(cfg, step=1))
+    got = {f"w{rank}": torch.zeros(1000)}
+    dcp.load(got, storage_reader=TieredReader(cfg, step=1))
+    return torch.equal(got[f"w{rank}"], state[f"w{rank}"])
 
 
-def test_every_rank_refuses_an_impossible_clique(tmp_path):
-    errors = run_ranks(_construct_writer, 3, str(tmp_path))
-    assert all(e and "divisible by 2*1=2" in e and "3 rank(s)" in e for e in errors), errors
+def test_a_world_the_jump_rule_does_not_fit_saves_with_a_copy_of_every_part_on_another_node(tmp_path, caplog):
+    """3 ranks on 2 nodes with replication_jump=2 (made for 2x2): the save is not refused; its
+    cliques are laid out by node, and each node's root holds every part (its own ranks',
+    and the other node's replicas), so losing either node loses none."""
+    assert run_ranks(_three_ranks_on_two_nodes, 3, str(tmp_path), env={"LOCAL_WORLD_SIZE": 2}) == [True] * 3
+    for node in (0, 1):
+        step = tmp_path / str(node) / "uneven" / "step_000000000001"
+        assert sorted(p.name for p in step.glob("*.part")) == [f"rank_0000{r}.part" for r in range(3)]
+        marker = json.loads((step / "COMMITTED").read_text())
+        assert marker["cliques"] == [[0, 1, 2]] and marker["replication"] == [2, 2]
 
 
 def _assert_apart(layout, nodes, domains, factor):

@@ -25,10 +25,12 @@ from tiered_dcp.cli.fakegcs import free_port
 WORKER = str(Path(__file__).with_name("inprocess_worker.py"))
 
 
-def _start(rank: int, port: int, root: Path, first: int, last: int, kill_at: int = -1) -> subprocess.Popen:
-    """One rank of 4 (two a node), in worlds ``first`` to ``last`` (``inprocess_worker``)."""
+def _start(
+    rank: int, port: int, root: Path, first: int, last: int, kill_at: int = -1, sizes: str = "4,4,4"
+) -> subprocess.Popen:
+    """One rank (two a node) in worlds ``first`` to ``last`` of ``sizes`` (``inprocess_worker``)."""
     env = dict(os.environ, LOCAL_WORLD_SIZE="2")
-    args = [str(a) for a in (rank, 4, port, root, first, last, kill_at)]
+    args = [str(a) for a in (rank, sizes, port, root, first, last, kill_at)]
     return subprocess.Popen(
         [sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -157,3 +159,36 @@ def test_a_save_staged_in_a_world_that_is_gone_is_abandoned(tmp_path):
         assert latest_step(cfg) == 2
     finally:
         dist.destroy_process_group()
+
+
+def test_the_survivors_of_a_lost_rank_go_on_saving_in_a_world_of_three(shm):
+    """Rank 3 is killed and not replaced: ranks 0-2 go on in a world of 3 (NvRx's default
+    rank assignment shrinks the world so), on 2 nodes that are no longer even. Each reloads
+    its newest step exactly and the saves go on, each part's replica on the other node;
+    before, every save refused the world ("needs a world size divisible by 2*2=4") and the
+    Wrapper restarted again and again."""
+    port = free_port()
+    server = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
+    procs = [_start(r, port, shm, 0, 2, kill_at=3, sizes="4,3,3") for r in range(4)]
+    try:
+        assert procs[3].wait(timeout=120) == -9, procs[3].stderr.read()[-3000:]
+        rows = []
+        for rank, p in enumerate(procs[:3]):
+            out, err = p.communicate(timeout=150)
+            assert p.returncode == 0, f"rank {rank}:\n{err[-4000:]}"
+            rows += _worlds(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        del server
+    for n, loaded in ((1, 3), (2, 6)):
+        got = [r for r in rows if r["world"] == n]
+        assert len(got) == 3 and all(r["loaded"] == loaded and r["exact"] for r in got), got
+    marker = json.loads((shm / "ram" / "1" / "inproc" / "step_000000000009" / "COMMITTED").read_text())
+    assert marker["world_size"] == 3 and marker["cliques"] == [[0, 1, 2]]
+    assert sorted(p.name for p in (shm / "ram" / "1" / "inproc" / "step_000000000009").glob("*.part")) == [
+        f"rank_0000{r}.part" for r in range(3)
+    ]

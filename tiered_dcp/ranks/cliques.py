@@ -11,6 +11,9 @@ replica exchange, the writer process, the loader pooling replicas, ``ls`` and ``
 - Failure domains (``TieredConfig(failure_domain=...)``): every rank's (node, domain) is
   gathered once (``domains.gather_layout``) and the cliques are laid out explicitly, each
   member in another domain (``by_domain``), so that losing a whole rack loses no part.
+- A world the jump rule does not fit (a job that lost ranks and goes on with fewer, nodes
+  of unequal size): the cliques are laid out by node from the save's own world
+  (``by_node``), each spanning as many nodes as it can; a save never refuses for it.
 
 A save records its layout in the step's marker (``Layout.marker_fields``), so a load, the
 writer process, ``ls`` and another job's reader use the layout the step was saved with
@@ -90,6 +93,29 @@ def jump_clique(rank: int, world: int, factor: int, jump: int) -> list[int]:
     return [base + k * jump for k in range(factor)]
 
 
+def by_node(factor: int, nodes: Sequence[int], jump: int = 1) -> Layout:
+    """Cliques for a world of ranks on ``nodes`` (rank -> node) that the jump rule does not
+    fit: the ranks, node by node (the most populous first), dealt round-robin into
+    ``max(1, world // factor)`` cliques of ``factor`` to ``2 * factor - 1`` members (a world
+    smaller than ``factor``: one clique of all), so that each clique spans as many nodes as
+    there are, up to its size. ``jump`` (the config's, unused here) is only recorded."""
+    world = len(nodes)
+    count = max(1, world // factor)
+    on: dict[int, list[int]] = {}
+    for r, n in enumerate(nodes):
+        on.setdefault(n, []).append(r)
+    order = [r for _, rs in sorted(on.items(), key=lambda kv: (-len(kv[1]), kv[0])) for r in rs]
+    dealt: list[list[int]] = [[] for _ in range(count)]
+    for i, r in enumerate(order):
+        dealt[i % count].append(r)
+    return Layout(world, factor, jump, tuple(sorted(tuple(sorted(g)) for g in dealt)))
+
+
+def jump_fits(world: int, factor: int, jump: int) -> bool:
+    """Whether the jump rule places ``world`` ranks (else ``by_node`` does)."""
+    return factor == 1 or world % (factor * jump) == 0
+
+
 def by_domain(
     factor: int, nodes: Sequence[int], domains: Sequence[str], source: str, jump: int = 1
 ) -> Layout:
@@ -147,6 +173,23 @@ def _one_domain_per_node(nodes: Sequence[int], domains: Sequence[str], source: s
             )
 
 
+def uneven_world(layout: Layout, nodes: Sequence[int], jump: int) -> str:
+    """What a save laid out by node (``by_node``) says once: why, and what each part keeps."""
+    factor, world = layout.factor, len(nodes)
+    works = [j for j in range(1, world // factor + 1) if world % (factor * j) == 0]
+    hint = f" (replication_jump={' or '.join(map(str, works))} would fit it)" if works else ""
+    head = (
+        f"replication_factor={factor} with replication_jump={jump} does not fit this world of "
+        f"{world} rank(s) on {len(set(nodes))} node(s){hint}: the cliques are laid out by node "
+        f"instead, {[list(g) for g in layout.groups]}"
+    )
+    if all(len(g) == 1 for g in layout.groups):
+        return f"{head}; no replica can be placed: steps are saved without"
+    if any(len({nodes[r] for r in g}) == 1 and len(g) > 1 for g in layout.groups):
+        return f"{head}; some cliques lie on one node: a part of theirs does not survive its loss"
+    return f"{head}; every part keeps a copy on another node"
+
+
 def peer_node(rank: int) -> int:
     """The node of another rank, as far as this process can tell (rank // LOCAL_WORLD_SIZE)."""
     lws = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -154,22 +197,10 @@ def peer_node(rank: int) -> int:
 
 
 def check_cliques(world: int, factor: int, jump: int) -> None:
-    """Refuse a layout that cannot be built; warn when a clique cannot survive a node loss."""
-    if factor == 1:
+    """Warn when a clique of the jump rule cannot survive a node loss. A world the rule does
+    not fit is laid out by node at each save (``by_node``, with its own warning)."""
+    if not jump_fits(world, factor, jump):
         return
-    block = factor * jump
-    if world % block:
-        works = [j for j in range(1, world // factor + 1) if world % (factor * j) == 0]
-        hint = (
-            f"with {world} rank(s), replication_jump={' or '.join(map(str, works))} would work"
-            if works
-            else f"replication needs at least replication_factor={factor} ranks"
-        )
-        raise ValueError(
-            f"replication_factor={factor} with replication_jump={jump} needs a world size divisible "
-            f"by {factor}*{jump}={block}, but this job has {world} rank(s): {hint}, "
-            "or set replication_factor=1 to turn replication off"
-        )
     key = (world, factor, jump)
     if key in _warned:
         return

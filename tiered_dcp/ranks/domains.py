@@ -57,8 +57,9 @@ LAYOUTS = Layouts()
 
 
 def layout_unless_gathered(config: TieredConfig, world: int) -> Layout | None:
-    """The jump rule's cliques (checked: a bad layout raises ValueError here), or None when
-    the layout comes from failure domains, which only every rank together can gather."""
+    """The jump rule's cliques (warned about here when a clique lies on one node), or None
+    when the layout comes from failure domains, which only every rank together can gather.
+    A world the rule does not fit is laid out by node at the save (``writer._layout``)."""
     factor, jump = config.replication_factor, config.replication_jump
     if config.failure_domain is not None and factor > 1:
         return None
@@ -67,8 +68,8 @@ def layout_unless_gathered(config: TieredConfig, world: int) -> Layout | None:
 
 
 def layout_for(config: TieredConfig, world: int, rank: int) -> Layout:
-    """The cliques a save of ``config`` by ``world`` ranks uses: the jump rule (checked, as
-    before), or, with a failure domain, the domains gathered from every rank once."""
+    """The cliques a save of ``config`` by ``world`` ranks uses: the jump rule, or, with a
+    failure domain, the domains gathered from every rank once."""
     return layout_unless_gathered(config, world) or LAYOUTS.get(config, world, rank)
 
 

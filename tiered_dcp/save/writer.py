@@ -40,7 +40,7 @@ from ..config import TieredConfig, node_of
 from ..errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
 from ..metrics import scores
 from ..ranks import domains, transport
-from ..ranks.cliques import Layout
+from ..ranks.cliques import Layout, by_node, jump_fits, uneven_world
 from ..ranks.transport import PeerTimeout
 from ..steps import commit, dedup, part_file
 from ..steps.catalog import TierView, bounded
@@ -620,10 +620,19 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def _layout(self, world: list[int]) -> Layout:
         """The cliques of this save's ``world`` (rank -> node, from the plan): the jump rule
-        over its ranks, or the failure domains' layout, which must be of the same ranks."""
+        over its ranks, laid out by node where the rule does not fit it (a job that goes on
+        with fewer ranks: said once per world), or the failure domains' layout, which must
+        be of the same ranks."""
         layout = self.layout
         if not layout.groups and not layout.domains:
-            return dataclasses.replace(layout, world=len(world))
+            if jump_fits(len(world), layout.factor, layout.jump):
+                return dataclasses.replace(layout, world=len(world))
+            placed = by_node(layout.factor, world, layout.jump)
+            said = (tuple(world), layout.factor, layout.jump)
+            if said not in _UNEVEN_SAID:
+                _UNEVEN_SAID.add(said)
+                log.warning("%s", uneven_world(placed, world, layout.jump))
+            return placed
         if layout.world != len(world):
             raise TieredCheckpointError(
                 f"step {self.step}: the failure domains were gathered from {layout.world} rank(s), "
@@ -764,6 +773,7 @@ def _world_size() -> int:
 
 
 _STAGING_THREAD: ThreadPoolExecutor | None = None
+_UNEVEN_SAID: set[tuple] = set()  # the worlds laid out by node that a warning named (``_layout``)
 
 
 def _staging_thread() -> ThreadPoolExecutor:
