@@ -1,14 +1,15 @@
 """TieredReader: the DCP StorageReader that loads a step from the best tier holding it.
 
-This module is the DCP glue only. The constructor opens the step (``open``;
-``open_step.OpenStep``: chosen, leased, its metadata shared), so a missing step raises
-NoCheckpointError before ``dcp.load``. With a process group up (and not ``no_dist``) that is
-a collective over the default group: rank 0 broadcasts what the shared tiers hold, the
-ranks all-gather what their node-local roots hold and all-reduce whether each leased the
-step and read its metadata (broadcast from a holder to a rank that could not). So every
-rank constructs its reader at the same point among its collectives, as it calls
-``dcp.load``: a rank constructing one alone waits there for the others (until the group's
-timeout). Without a process group, or with ``no_dist=True``, constructing one is local.
+This module is the DCP glue only. ``open`` opens the step (``open_step.OpenStep``: chosen,
+leased, its metadata shared). With a process group up (and not ``no_dist``) that is a
+collective over the default group: rank 0 broadcasts what the shared tiers hold, the ranks
+all-gather what their node-local roots hold and all-reduce whether each leased the step
+and read its metadata (broadcast from a holder to a rank that could not). It runs where
+every rank is anyway: ``open()`` (``load_latest`` calls it on every rank) or DCP's
+``read_metadata`` inside ``dcp.load``; the constructor runs no collective, so one rank may
+construct a reader alone. Without a process group, or with ``no_dist=True``, the
+constructor opens the step itself (local), so a missing step raises NoCheckpointError
+before ``dcp.load``.
 ``read_data`` executes DCP's load plan (``step_reads.StepReads``): each item from its sources
 in fallback order (``planners.load``), every chunk verified, an item whose copy is damaged
 read from its next source with a warning naming the bad file.
@@ -53,10 +54,11 @@ def _dist_rank() -> tuple[int, bool]:
 class TieredReader(StorageReader):
     """Loads ``step`` (default: the newest complete step anywhere) of ``config``.
 
-    Use it on every rank, as ``dcp.load`` is called on every rank. The constructor opens the
-    step (``open``): with a process group, a collective over the default group in which the
-    ranks agree on the step, so every rank constructs its reader at the same point (one
-    rank constructing one alone waits there for the others). With a process
+    Use it on every rank, as ``dcp.load`` is called on every rank. With a process group the
+    step is opened by ``open()`` or by ``dcp.load`` (its ``read_metadata``), a collective
+    over the default group in which the ranks agree on the step; the constructor runs none
+    (one rank may construct a reader alone; ``step`` and ``skipped`` open it, so ask them on
+    every rank). Without one the constructor opens it. With a process
     group, each rank reads only its own root of each node-local tier and the ranks pool what
     they hold (``cluster``): a step counts when every part survives on some node, and items
     this rank's root lacks come from a peer holding them, else from a shared tier. The
@@ -105,11 +107,13 @@ class TieredReader(StorageReader):
         self._opened: OpenStep | None = None  # ``open``'s
         self._step_reads: StepReads | None = None
         self._open_failed: BaseException | None = None  # ``read_metadata``'s, raised in set-up
-        self.open()  # a missing step fails here, not in dcp.load; with a group: a collective
+        if not self._dist:  # one process: a missing step fails here, not in dcp.load
+            self.open()  # (with a group it is a collective: at ``open`` or DCP's read_metadata)
 
     def open(self) -> TieredReader:
         """Choose the step, agreed by every rank with a process group (a collective over the
-        default group: the constructor and ``reset`` call it on every rank; once a step is
+        default group: ``dcp.load`` (``reset``, ``read_metadata``) and ``load_latest`` call it
+        on every rank; without one the constructor calls it; once a step is
         open, later calls return at once); without one, the metadata refused on every tier
         raises here too. Returns self."""
         if self._opened is None:
@@ -134,7 +138,7 @@ class TieredReader(StorageReader):
 
     @property
     def step(self) -> int:
-        """The chosen step (chosen when the reader was constructed or ``reset``)."""
+        """The chosen step (``open``: with a process group a collective, on first use)."""
         return self._open_step().step
 
     @property
