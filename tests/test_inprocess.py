@@ -192,3 +192,27 @@ def test_the_survivors_of_a_lost_rank_go_on_saving_in_a_world_of_three(shm):
     assert sorted(p.name for p in (shm / "ram" / "1" / "inproc" / "step_000000000009").glob("*.part")) == [
         f"rank_0000{r}.part" for r in range(3)
     ]
+
+
+def _construct_alone(rank: int, world: int, root: str) -> bool:
+    """Rank 0 alone constructs a reader and a writer with failure domains; rank 1 goes on."""
+    from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
+
+    os.environ["RACK"] = f"rack-{rank}"
+    cfg = TieredConfig(
+        "alone", [Tier(f"{root}/{{node}}")], replication_factor=2, replication_jump=1, failure_domain="RACK"
+    )
+    if rank == 0:
+        TieredReader(cfg)
+        TieredWriter(cfg, step=1)
+    return True
+
+
+def test_one_rank_constructs_a_reader_and_a_writer_alone(tmp_path):
+    """Constructors run no collective (DESIGN.md section 1): a rank that constructs them alone
+    does not wait for the others (before, the reader's step agreement and the writer's
+    failure-domain gather were collectives in the constructors: rank 0 hung here)."""
+    from dist_utils import run_ranks
+
+    got = run_ranks(_construct_alone, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}, timeout=60)
+    assert got == [True, True]

@@ -3,10 +3,10 @@
 With ``TieredConfig(failure_domain=...)`` each rank reads its own domain (an environment
 variable, or the config's function of its rank), and the job gathers every rank's (node,
 domain) in one collective: a gloo group of our own over every rank (``transport.Group``,
-so it works whatever backend the training uses), when the first writer of the config is
-constructed (bad configuration fails at construction, before any byte is written, and
-which racks the ranks are in is part of it; so every rank constructs its writer, as every
-rank saves). Every rank then lays
+so it works whatever backend the training uses), in the set-up of the first save of the
+config (``TieredWriter.set_up_storage_writer``, which DCP runs on every rank: bad
+configuration fails there, before any byte is written; constructors run no collective).
+Every rank then lays
 out the same cliques (``cliques.by_domain``) or raises the same ValueError, before any byte of
 the save is written. The layout is kept for the process group's life (``LAYOUTS``): a
 node's rack does not change under a running job, but a job restarted in its processes may

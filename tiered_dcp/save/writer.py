@@ -329,10 +329,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.emergency = bool(emergency)
         self._target(step)
         self.save_id = new_id()
-        # the cliques, checked now: bad configuration fails at construction, before a save; a
-        # layout of failure domains too, which every rank's writer gathers together once
-        # per process (``domains.LAYOUTS``; the one collective a constructor runs)
-        self.layout: Layout = domains.layout_for(config, _world_size(), _current_rank())
+        # the jump rule's cliques now (local); a layout of failure domains, which every rank
+        # gathers together (a collective), in the save's set-up, before any byte is written
+        # (``set_up_storage_writer``; once per process group: ``domains.LAYOUTS``)
+        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -500,6 +500,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.rank = int(rank)
         self.node = node_of(self.rank)
         self.is_coordinator = is_coordinator
+        if self.layout is None:  # failure domains: every rank is here, in DCP's set-up
+            self.layout = domains.LAYOUTS.get(self.config, _world_size(), self.rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # with dedup, large items are stored as blocks (replicas too: a peer gets only the blocks it lacks)
@@ -624,6 +626,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         with fewer ranks: said once per world), or the failure domains' layout, which must
         be of the same ranks."""
         layout = self.layout
+        assert layout is not None, "set_up_storage_writer lays the cliques out first"
         if not layout.groups and not layout.domains:
             if jump_fits(len(world), layout.factor, layout.jump):
                 return dataclasses.replace(layout, world=len(world))
