@@ -1,0 +1,73 @@
+"""Issue 47: tiered-dcp inside NVIDIA's in-process restart, for real: nvidia-resiliency-ext's
+``inprocess.Wrapper`` (installed by ``scripts/setup.sh --test``) around a training function,
+4 ranks as 2 nodes on gloo, a RAM tier per node with replicas across nodes, tiered-dcp's
+``Abort`` composed with NvRx's ``AbortTorchDistributed``. Rank 1 fails after step 6."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiered_dcp.cli.fakegcs import free_port
+
+pytest.importorskip(
+    "nvidia_resiliency_ext.inprocess", reason="nvidia-resiliency-ext: scripts/setup.sh --test"
+)
+WORKER = str(Path(__file__).with_name("nvrx_worker.py"))
+
+
+def _rows(stdout: str, tag: str) -> list[dict]:
+    return [json.loads(line[len(tag) + 1 :]) for line in stdout.splitlines() if line.startswith(tag)]
+
+
+def _job(root: Path, fault: str) -> list[tuple[int, list[dict], list[dict]]]:
+    """Run the 4 ranks; per rank: its exit code, its CALL rows and its DONE rows."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
+    env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(root), fault],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    out = []
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=150)
+            out.append((p.returncode, _rows(stdout, "CALL"), _rows(stdout, "DONE")))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def test_an_exception_on_one_rank_every_rank_reloads_in_its_process_and_trains_on(shm):
+    """Every rank re-enters the function in the same process, reloads step 6 exactly, and
+    saves (replicated) on to step 12; before, the first save after the restart failed in
+    the replica exchange (the groups were the world before's) and the Wrapper ended the job."""
+    ranks = _job(shm, "raise")
+    for code, calls, done in ranks:
+        assert code == 0 and done == [{"first_rank": calls[0]["first_rank"], "step": 12}], (code, calls)
+        assert [(c["loaded"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 4)]
+
+
+def test_a_rank_killed_the_other_three_reload_and_train_on_in_a_world_of_three(shm):
+    """Rank 1 is SIGKILLed: NvRx shifts the others to ranks 0-2 of a world of 3; each
+    reloads step 6 exactly (its own shard) and saves on to step 12, each part's replica on
+    the other node; before, every save refused the world of 3 and the Wrapper looped."""
+    ranks = _job(shm, "kill")
+    assert ranks[1][0] == -9
+    for code, calls, done in [r for i, r in enumerate(ranks) if i != 1]:
+        assert code == 0 and len(done) == 1, (code, calls)
+        assert [(c["loaded"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 3)]
