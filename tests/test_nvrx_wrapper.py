@@ -33,7 +33,7 @@ def _job(root: Path, fault: str) -> list[tuple[int, list[dict], list[dict]]]:
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, str(root), fault],
-            env={**env, "RANK": str(r)},
+            env={**env, "RANK": str(r), "GROUP_RANK": str(r // 2)},  # its node, as torchrun says it
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -71,3 +71,7 @@ def test_a_rank_killed_the_other_three_reload_and_train_on_in_a_world_of_three(s
     for code, calls, done in [r for i, r in enumerate(ranks) if i != 1]:
         assert code == 0 and len(done) == 1, (code, calls)
         assert [(c["loaded"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 3)]
+    for node in (0, 1):  # every part of the world of 3 on both nodes
+        step = shm / "ram" / str(node) / "nvrx" / "step_000000000012"
+        assert json.loads((step / "COMMITTED").read_text())["cliques"] == [[0, 1, 2]]
+        assert len(list(step.glob("rank_*.part"))) == 3
