@@ -216,3 +216,24 @@ def test_one_rank_constructs_a_reader_and_a_writer_alone(tmp_path):
 
     got = run_ranks(_construct_alone, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}, timeout=60)
     assert got == [True, True]
+
+
+def test_a_failed_async_save_reaches_the_loop_as_an_ordinary_exception(shm):
+    """DCP raises a failed save as its CheckpointException, a BaseException that NvRx's
+    Wrapper takes as the end of the job; ``tiered_dcp.inprocess.result`` raises it as a
+    TieredCheckpointError (an Exception: the Wrapper restarts), naming the rank's error."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tiered_dcp import Tier, TieredCheckpointError, TieredConfig, TieredWriter
+    from tiered_dcp.inprocess import result
+
+    cfg = TieredConfig("failing", [Tier(str(shm / "ram"), keep=2)])
+    (shm / "ram" / "failing").mkdir(parents=True)
+    (shm / "ram" / "failing" / "step_000000000001").symlink_to(shm)  # a link where the step goes
+    fut = dcp.async_save({"w": torch.ones(1024)}, storage_writer=TieredWriter(cfg, step=1))
+    with pytest.raises(TieredCheckpointError, match="a link, or a file") as e:
+        result(fut)
+    assert isinstance(e.value, Exception) and type(e.value.__cause__).__name__ == "CheckpointException"
+    ok = dcp.async_save({"w": torch.ones(1024)}, storage_writer=TieredWriter(cfg, step=2))
+    result(ok)  # a save that succeeds returns as DCP's future does

@@ -9,7 +9,9 @@ again) and forgets what belongs to it (``ranks.transport.World``: group names, s
 clients, store keys, the failure domains gathered, the plans' worlds), by itself when the
 default process group changes, at once with ``abort``.
 
-``abort()`` is the plain call; ``Abort`` is the same as an NvRx ``Abort`` hook, composed
+``result(future)`` waits for an async save and raises a failed one as an ordinary
+exception (DCP's ``CheckpointException`` is a ``BaseException``, which NvRx's Wrapper does
+not restart from). ``abort()`` is the plain call; ``Abort`` is the same as an NvRx ``Abort`` hook, composed
 with NvRx's own: ``inprocess.Compose(tiered_dcp.inprocess.Abort(), AbortTorchDistributed())``
 (the Wrapper runs the last one first: ours after the process groups are torn down). A
 job that passes neither still recovers: the first call in the new world starts afresh.
@@ -49,6 +51,25 @@ def abort(timeout: float = ABORT_WAIT) -> int:
         )
     transport.leave_world()
     return left
+
+
+def result(save: Any, timeout: float | None = None) -> Any:
+    """Wait for an async save (``dcp.async_save``'s future, or its ``AsyncSaveResponse`` with
+    background staging) and return its result; a failed save raises
+    ``TieredCheckpointError``, an ordinary ``Exception``, from DCP's ``CheckpointException``
+    (a ``BaseException``, which NvRx's Wrapper takes as the end of the job, not as a fault to
+    restart from). The ranks' own errors are its message and its ``__cause__``'s."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .errors import TieredCheckpointError
+    from .load.resume import failures_of
+
+    future = getattr(save, "upload_completion", save)
+    try:
+        return future.result(timeout=timeout)
+    except CheckpointException as e:
+        why = "; ".join(dict.fromkeys(f"{type(f).__name__}: {f}" for f in failures_of(e)))
+        raise TieredCheckpointError(f"the async save failed: {why[:2000]}") from e
 
 
 try:  # an NvRx Abort where NvRx is installed (the Wrapper checks its hooks' types)
