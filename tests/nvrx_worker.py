@@ -84,7 +84,7 @@ def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:  # noqa
     print("CALL " + json.dumps(row), flush=True)
     for s in range(step + 1, LAST + 1):
         state = {key: torch.full((1 << 16,), float(s)), "step": s}
-        dcp.async_save(state, storage_writer=TieredWriter(CFG, step=s)).result()
+        tiered_dcp.inprocess.result(dcp.async_save(state, storage_writer=TieredWriter(CFG, step=s)))
         if s == 6 and os.environ["NVRX_FIRST_RANK"] == "1" and not FAILED:
             FAILED.append(s)
             if FAULT == "kill":

@@ -237,3 +237,32 @@ def test_a_failed_async_save_reaches_the_loop_as_an_ordinary_exception(shm):
     assert isinstance(e.value, Exception) and type(e.value.__cause__).__name__ == "CheckpointException"
     ok = dcp.async_save({"w": torch.ones(1024)}, storage_writer=TieredWriter(cfg, step=2))
     result(ok)  # a save that succeeds returns as DCP's future does
+
+
+def test_waiting_for_a_save_lets_a_restart_in_at_once():
+    """NvRx's monitor restarts the loop by raising an exception in the training thread; a
+    thread blocked in ``future.result()`` (a save stuck in a collective with a lost rank)
+    takes it only when the save gives up, at the process group's timeout. ``result`` waits
+    in slices: the exception gets in within a fraction of a second."""
+    import concurrent.futures
+    import ctypes
+    import threading
+    import time
+
+    from tiered_dcp.inprocess import result
+
+    class Restart(Exception):
+        pass
+
+    stuck: concurrent.futures.Future = concurrent.futures.Future()  # a save that never ends
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        time.sleep(0.3)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(Restart))
+
+    threading.Thread(target=interrupt).start()
+    t0 = time.monotonic()
+    with pytest.raises(Restart):
+        result(stuck, timeout=10)
+    assert time.monotonic() - t0 < 2

@@ -20,6 +20,7 @@ job that passes neither still recovers: the first call in the new world starts a
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from .ranks import transport
@@ -27,7 +28,8 @@ from .save.staging import POOL
 
 log = logging.getLogger("tiered_dcp")
 
-ABORT_WAIT = 5.0  # seconds ``abort`` gives the saves in flight to finish
+ABORT_WAIT = 1.0  # seconds ``abort`` gives the saves in flight to finish (after a fault most cannot)
+POLL = 0.05  # seconds ``result`` waits at a time: an interruption gets in between
 
 
 def abort(timeout: float = ABORT_WAIT) -> int:
@@ -58,15 +60,29 @@ def result(save: Any, timeout: float | None = None) -> Any:
     background staging) and return its result; a failed save raises
     ``TieredCheckpointError``, an ordinary ``Exception``, from DCP's ``CheckpointException``
     (a ``BaseException``, which NvRx's Wrapper takes as the end of the job, not as a fault to
-    restart from). The ranks' own errors are its message and its ``__cause__``'s."""
+    restart from). The ranks' own errors are its message and its ``__cause__``'s.
+
+    It waits in slices of ``POLL`` seconds: a plain ``future.result()`` blocks in a lock that
+    NvRx's restart (an exception raised in the training thread by its monitor) cannot enter,
+    so a save stuck in a collective with a lost rank held the restart until the process
+    group's timeout."""
+    import concurrent.futures
+
     from torch.distributed.checkpoint.api import CheckpointException
 
     from .errors import TieredCheckpointError
     from .load.resume import failures_of
 
     future = getattr(save, "upload_completion", save)
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        return future.result(timeout=timeout)
+        while True:
+            left = POLL if deadline is None else min(POLL, max(deadline - time.monotonic(), 0.0))
+            try:
+                return future.result(timeout=left)
+            except concurrent.futures.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
     except CheckpointException as e:
         why = "; ".join(dict.fromkeys(f"{type(f).__name__}: {f}" for f in failures_of(e)))
         raise TieredCheckpointError(f"the async save failed: {why[:2000]}") from e

@@ -1,0 +1,182 @@
+"""Recovery inside the job against a restart: fault to the first committed step after it.
+
+    .venv/bin/python benchmarks/bench_inprocess.py [--mib 64] [--rounds 1]
+
+4 ranks on gloo as 2 nodes (two ranks a node), ``--mib`` MiB of state each, an async save
+every step (``inprocess_train.py`` is the loop); rank 1 fails after step 6's save. Cases:
+
+- ``nvrx-raise`` / ``nvrx-kill``: NvRx 0.7.0's ``inprocess.Wrapper`` (``setup.sh --test``
+  installs it) with tiered-dcp (a RAM tier per node, each part replicated on the other node;
+  ``tiered_dcp.inprocess.Abort`` composed with NvRx's ``AbortTorchDistributed``); the rank
+  raises (every rank re-enters) or is SIGKILLed (the 3 others go on);
+- ``torchrun``: the same loop and tiers, restarted by torchrun (``--max-restarts=1``, two
+  agents as two nodes, c10d rendezvous, the settings the user guide gives);
+- ``stock``: torchrun, stock DCP's ``async_save``/``load`` to a local directory.
+
+Per case, the seconds from the fault (rank 1's clock just before it fails) to each phase on
+the slowest surviving rank: ``enter`` (the function called again / the worker started),
+``group`` (its process group built), ``loaded`` (the reload done) and ``committed`` (the
+first save after it complete); the step loaded and the steps redone. Medians of
+``--rounds``. Never fails on timing.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, "inprocess_train.py")
+PHASES = ("enter", "group", "loaded", "committed")
+FAULT_AT, STEPS = 6, 9
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("EVENT ")]
+
+
+def run_nvrx(fault: str, root: str, mib: int) -> list[dict]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
+    env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args = [sys.executable, TRAIN, "nvrx", fault, root, str(mib), str(STEPS), str(FAULT_AT)]
+    procs = [
+        subprocess.Popen(
+            args,
+            env={**env, "RANK": str(r), "GROUP_RANK": str(r // 2)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    return [e for p in procs for e in events(p.communicate(timeout=240)[0])]
+
+
+def run_torchrun(mode: str, root: str, mib: int) -> list[dict]:
+    port = free_port()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=2",
+                f"--node-rank={n}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=bench",
+                "--max-restarts=1",
+                "--monitor-interval=0.1",
+                TRAIN,
+                mode,
+                "raise",
+                root,
+                str(mib),
+                str(STEPS),
+                str(FAULT_AT),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    return [e for p in agents for e in events(p.communicate(timeout=240)[0])]
+
+
+def measure(case: str, mib: int) -> dict:
+    root = tempfile.mkdtemp(prefix="tdcp-bench-inproc-", dir="/dev/shm")
+    try:
+        if case.startswith("nvrx"):
+            got = run_nvrx(case.split("-")[1], root, mib)
+        else:
+            got = run_torchrun(case, root, mib)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    (fault,) = [e["t"] for e in got if e["event"] == "fault"]
+    out: dict = {}
+    for phase in PHASES:
+        after = [e for e in got if e["event"] == phase and e["t"] >= fault - (phase == "enter") * 0]
+        if phase == "enter":  # a restarted worker: from its process start, before its imports
+            starts = {
+                e["rank"]: e["started"] for e in got if e["event"] == "process" and e["started"] > fault
+            }
+            after = [e for e in got if e["event"] == "enter" and e["t"] > fault]
+            out["process_start"] = max(starts.values()) - fault if starts else None
+        after = [e for e in after if e["t"] > fault]
+        out[phase] = max(e["t"] for e in after) - fault if after else None
+    loaded = [e for e in got if e["event"] == "loaded" and e["t"] > fault]
+    out["loaded_step"] = min(e["step"] for e in loaded) if loaded else None
+    out["exact"] = all(e["exact"] for e in loaded)
+    out["steps_redone"] = FAULT_AT - out["loaded_step"] if loaded else None
+    out["ranks_done"] = sum(e["event"] == "done" for e in got)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--cases", default="nvrx-raise,nvrx-kill,torchrun,stock")
+    args = ap.parse_args()
+    cases = args.cases.split(",")
+    rows: dict[str, list[dict]] = {c: [] for c in cases}
+    for _ in range(args.rounds):
+        for case in cases:
+            rows[case].append(measure(case, args.mib))
+            print(case, json.dumps(rows[case][-1]), flush=True)
+    med = {
+        c: {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("committed", "loaded", "enter")
+            if all(r[k] is not None for r in rs)
+        }
+        for c, rs in rows.items()
+    }
+    print(
+        f"\n4 ranks as 2 nodes, {args.mib} MiB a rank, a save every step, fault after step {FAULT_AT}, "
+        f"{args.rounds} round(s)"
+    )
+    print(
+        f"{'case':<12}{'enter':>8}{'group':>8}{'loaded':>8}{'committed':>11}"
+        "  loaded step, redone, exact, ranks done"
+    )
+    for c, rs in rows.items():
+        r = rs[-1]
+        cells = "".join(
+            f"{statistics.median(x[p] for x in rs):>8.2f}" if r[p] is not None else f"{'-':>8}"
+            for p in PHASES[:3]
+        )
+        commit = statistics.median(x["committed"] for x in rs) if r["committed"] is not None else float("nan")
+        print(
+            f"{c:<12}{cells}{commit:>11.2f}  "
+            f"{r['loaded_step']}, {r['steps_redone']}, {r['exact']}, {r['ranks_done']}"
+        )
+    ratios = {}
+    if "nvrx-raise" in med and "torchrun" in med and "stock" in med:
+        for fault in ("nvrx-raise", "nvrx-kill"):
+            if fault in med and "committed" in med[fault]:
+                ratios[f"{fault}_vs_torchrun"] = med[fault]["committed"] / med["torchrun"]["committed"]
+                ratios[f"{fault}_vs_stock"] = med[fault]["committed"] / med["stock"]["committed"]
+        for k, v in ratios.items():
+            print(f"{k:<28}{v:6.2f}x")
+    print(json.dumps({"bench": "inprocess", "mib": args.mib, "rows": rows, "medians": med, "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()

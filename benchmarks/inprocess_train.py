@@ -1,0 +1,145 @@
+"""The training loop ``bench_inprocess.py`` runs, one rank (not a benchmark by itself).
+
+    python inprocess_train.py MODE FAULT ROOT MIB STEPS FAULT_AT
+
+MODE: ``nvrx`` (NvRx's inprocess.Wrapper, tiered-dcp), ``torchrun`` (tiered-dcp, a torchrun
+restart) or ``stock`` (stock DCP to a local directory, a torchrun restart). Each rank holds
+MIB MiB of its own and saves asynchronously every step (tiered-dcp: a RAM tier per node,
+every part replicated on the other node); rank 1 fails once after step FAULT_AT's save
+(FAULT ``raise`` or ``kill``). Prints ``EVENT`` JSON lines with wall-clock times.
+"""
+
+import time
+
+STARTED = time.time()  # before the imports: a restarted worker pays them
+
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Optional  # noqa: E402 - NvRx finds its CallWrapper by this annotation
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+import tiered_dcp  # noqa: E402
+import tiered_dcp.inprocess  # noqa: E402
+from tiered_dcp import Tier, TieredConfig, TieredWriter, load_latest  # noqa: E402
+
+MODE, FAULT, ROOT = sys.argv[1], sys.argv[2], sys.argv[3]
+MIB, STEPS, FAULT_AT = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+FIRST_RANK = int(os.environ.setdefault("BENCH_FIRST_RANK", os.environ["RANK"]))
+CFG = TieredConfig(
+    "bench", [Tier(f"{ROOT}/ram/{{node}}", keep=2)], replication_factor=2, replication_jump=2, peer_timeout=10
+)
+FAILED = os.path.exists(f"{ROOT}/fault")  # a torchrun restart: the fault happened already
+
+
+def event(name: str, **fields: object) -> None:
+    print("EVENT " + json.dumps({"event": name, "t": time.time(), "rank": FIRST_RANK, **fields}), flush=True)
+
+
+def stock_latest(state: dict) -> int:
+    """Stock DCP's resume: the newest step directory whose metadata is written."""
+    os.makedirs(f"{ROOT}/stock", exist_ok=True)
+    done = [
+        int(d.split("_")[1])
+        for d in os.listdir(f"{ROOT}/stock")
+        if os.path.exists(f"{ROOT}/stock/{d}/.metadata")
+    ]
+    if not done:
+        return 0
+    step = max(done)
+    dcp.load(state, checkpoint_id=f"{ROOT}/stock/step_{step}")
+    return step
+
+
+def train(store: dist.Store, world: int, rank: int) -> None:
+    global FAILED
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5)
+    )
+    event("group")
+    key = f"w{FIRST_RANK}"
+    state = {key: torch.zeros(MIB << 18), "step": 0}
+    if MODE == "stock":
+        step = stock_latest(state)
+    else:
+        try:
+            step = load_latest(state, CFG)
+        except tiered_dcp.NoCheckpointError:
+            step = 0
+    exact = step == 0 or bool(torch.equal(state[key], torch.full_like(state[key], step)))
+    event("loaded", step=step, exact=exact)
+    first = True
+    for s in range(step + 1, STEPS + 1):
+        state = {key: torch.full((MIB << 18,), float(s)), "step": s}
+        if MODE == "stock":
+            fut = dcp.async_save(state, checkpoint_id=f"{ROOT}/stock/step_{s}")
+        else:
+            fut = dcp.async_save(state, storage_writer=TieredWriter(CFG, step=s))
+        if MODE == "stock":
+            fut.result()
+        else:  # interruptible: NvRx's restart gets in while a save waits on a lost rank
+            tiered_dcp.inprocess.result(fut)
+        if first:
+            event("committed", step=s)
+            first = False
+        if s == FAULT_AT and FIRST_RANK == 1 and not FAILED:
+            FAILED = True
+            open(f"{ROOT}/fault", "w").close()
+            event("fault")
+            if FAULT == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected fault")
+    event("done")
+
+
+def torchrun_main() -> None:
+    event("enter")
+    train(None, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]))  # type: ignore[arg-type]
+
+
+def nvrx_main() -> None:
+    import nvidia_resiliency_ext.inprocess as inprocess
+
+    import tiered_dcp.inprocess
+
+    s = datetime.timedelta(seconds=1)
+
+    @inprocess.Wrapper(
+        store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 2},
+        abort=inprocess.Compose(tiered_dcp.inprocess.Abort(), inprocess.abort.AbortTorchDistributed()),
+        monitor_thread_interval=0.2 * s,
+        monitor_process_interval=0.2 * s,
+        progress_watchdog_interval=0.2 * s,
+        last_call_wait=0.2 * s,
+        heartbeat_interval=0.5 * s,
+        heartbeat_timeout=5 * s,
+        soft_timeout=30 * s,
+        hard_timeout=45 * s,
+        barrier_timeout=60 * s,
+        completion_timeout=60 * s,
+    )
+    def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:  # noqa: UP045
+        assert call_wrapper is not None
+        event("enter", iteration=call_wrapper.iteration)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        app = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]) + 1,
+            world_size=world,
+            is_master=rank == 0,
+            multi_tenant=True,
+            wait_for_workers=True,
+        )
+        train(dist.PrefixStore(f"iteration_{call_wrapper.iteration}", app), world, rank)
+
+    wrapped()
+
+
+if __name__ == "__main__":
+    event("process", started=STARTED)
+    nvrx_main() if MODE == "nvrx" else torchrun_main()
