@@ -6,8 +6,8 @@
 every step (``inprocess_train.py`` is the loop); rank 1 fails after step 6's save. Cases:
 
 - ``nvrx-raise`` / ``nvrx-kill``: NvRx 0.7.0's ``inprocess.Wrapper`` (``setup.sh --test``
-  installs it) with tiered-dcp (a RAM tier per node, each part replicated on the other node;
-  ``tiered_dcp.inprocess.Abort`` composed with NvRx's ``AbortTorchDistributed``); the rank
+  unpacks it into ``.venv/nvrx``) with tiered-dcp (a RAM tier per node, each part
+  replicated on the other node; ``tiered_dcp.inprocess.Abort`` composed with NvRx's ``AbortTorchDistributed``); the rank
   raises (every rank re-enters) or is SIGKILLed (the 3 others go on);
 - ``torchrun``: the same loop and tiers, restarted by torchrun (``--max-restarts=1``, two
   agents as two nodes, c10d rendezvous, the settings the user guide gives);
@@ -50,6 +50,8 @@ def run_nvrx(fault: str, root: str, mib: int) -> list[dict]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    nvrx = os.path.join(os.path.dirname(HERE), ".venv", "nvrx")  # setup.sh --test puts NvRx there
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), nvrx) if p)
     args = [sys.executable, TRAIN, "nvrx", fault, root, str(mib), str(STEPS), str(FAULT_AT)]
     procs = [
         subprocess.Popen(

@@ -48,15 +48,15 @@ if [ "$TEST" = 1 ]; then
     step "installing torchtitan" pip install --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3"
     step "installing tyro" pip install tyro
   fi
-  # nvidia-resiliency-ext 0.7.0 for tests/test_nvrx_wrapper.py (NVIDIA's in-process restart,
-  # issue 47). Its wheels are cp312/cp314 only, but its inprocess package is pure Python and
-  # runs on 3.11: unpacked beside the venv's packages (a .pth names it), without its declared
-  # dependencies (several GB); the five its import needs are installed.
-  site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  if [ "$(uname -m)" = x86_64 ] && ! has "import nvidia_resiliency_ext.inprocess"; then
+  # nvidia-resiliency-ext 0.7.0 for tests/test_nvrx_wrapper.py and bench_inprocess.py
+  # (NVIDIA's in-process restart, issue 47). Its wheels are cp312/cp314 only, but its
+  # inprocess package is pure Python and runs on 3.11: unpacked into .venv/nvrx, without its
+  # declared dependencies (several GB), and put on the path only by what uses it (on every
+  # path, megatron-core would take NVRx's async checkpointing classes in its tests too);
+  # the five packages its import needs are installed.
+  if [ "$(uname -m)" = x86_64 ] && ! PYTHONPATH=.venv/nvrx has "import nvidia_resiliency_ext.inprocess"; then
     step "installing nvidia-resiliency-ext 0.7.0" pip install --no-deps --only-binary=:all: \
       --python-version 3.12 --platform manylinux_2_39_x86_64 --target .venv/nvrx "nvidia-resiliency-ext==0.7.0"
-    echo "$PWD/.venv/nvrx" >"$site/nvrx.pth"
     step "installing nvidia-resiliency-ext's imports" pip install defusedxml httpx packaging pyyaml psutil
   fi
 else

@@ -15,9 +15,9 @@ import pytest
 
 from tiered_dcp.cli.fakegcs import free_port
 
-pytest.importorskip(
-    "nvidia_resiliency_ext.inprocess", reason="nvidia-resiliency-ext: scripts/setup.sh --test"
-)
+NVRX = Path(__file__).resolve().parent.parent / ".venv" / "nvrx"  # setup.sh --test puts NvRx there
+sys.path.append(str(NVRX))
+pytest.importorskip("nvidia_resiliency_ext.inprocess", reason="nvidia-resiliency-ext: setup.sh --test")
 WORKER = str(Path(__file__).with_name("nvrx_worker.py"))
 
 
@@ -30,6 +30,7 @@ def _job(root: Path, fault: str) -> list[tuple[int, list[dict], list[dict]]]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(NVRX)) if p)
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, str(root), fault],
