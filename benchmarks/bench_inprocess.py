@@ -7,7 +7,8 @@ every step (``inprocess_train.py`` is the loop); rank 1 fails after step 6's sav
 
 - ``nvrx-raise`` / ``nvrx-kill``: NvRx 0.7.0's ``inprocess.Wrapper`` (``setup.sh --test``
   unpacks it into ``.venv/nvrx``) with tiered-dcp (a RAM tier per node, each part
-  replicated on the other node; ``tiered_dcp.inprocess.Abort`` composed with NvRx's ``AbortTorchDistributed``); the rank
+  replicated on the other node; ``tiered_dcp.inprocess.Abort`` composed with NvRx's
+  ``AbortTorchDistributed``); the rank
   raises (every rank re-enters) or is SIGKILLed (the 3 others go on);
 - ``torchrun``: the same loop and tiers, restarted by torchrun (``--max-restarts=1``, two
   agents as two nodes, c10d rendezvous, the settings the user guide gives);

@@ -69,7 +69,7 @@ if __name__ == "__main__":
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         try:
-            (TieredReader(cfg) if mode == "open" else load_latest(state(0, rank), cfg))
+            (TieredReader(cfg).open() if mode == "open" else load_latest(state(0, rank), cfg))
             report(type=None)
         except BaseException as e:  # noqa: BLE001
             report(**describe(e))
