@@ -38,7 +38,8 @@ FAILED = os.path.exists(f"{ROOT}/fault")  # a torchrun restart: the fault happen
 
 
 def event(name: str, **fields: object) -> None:
-    print("EVENT " + json.dumps({"event": name, "t": time.time(), "rank": FIRST_RANK, **fields}), flush=True)
+    line = "EVENT " + json.dumps({"event": name, "t": time.time(), "rank": FIRST_RANK, **fields}) + "\n"
+    os.write(1, line.encode())  # one write: the ranks under one agent share its stdout
 
 
 def stock_latest(state: dict) -> int:
