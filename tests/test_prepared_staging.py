@@ -101,6 +101,23 @@ def _inodes(cfg: TieredConfig) -> set[int]:
     return out
 
 
+def _shm_held(shm: Path) -> int:
+    """The bytes of the files under ``shm`` and of those this process holds open there with
+    no name (prepared part files, one being made too), each inode once: this test's, not
+    /dev/shm's as a whole, which other processes of the machine use too."""
+    paths = [os.path.join(d, n) for d, _, names in os.walk(shm) for n in names]
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(shm)):
+                paths.append(f"/proc/self/fd/{fd}")
+    blocks = {}
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            blocks[st.st_ino] = st.st_blocks * 512
+    return sum(blocks.values())
+
+
 @pytest.fixture(autouse=True)
 def _fresh_pool():
     POOL.close()
@@ -180,8 +197,7 @@ def test_prepared_files_hold_at_most_keep_plus_one_steps(shm):
     memory guard counts them; closing the pool lets the unnamed ones go with it."""
     mib = 4
     cfg = TieredConfig("prep", [Tier(str(shm), keep=2)])
-    before = os.statvfs(shm)
-    used = lambda: (before.f_bfree - os.statvfs(shm).f_bfree) * before.f_frsize  # noqa: E731
+    used = lambda: _shm_held(shm)  # noqa: E731
     TieredWriter(cfg, step=1).prepare(_state(0, mib))
     assert POOL.prepared_bytes() == 3 * mib * MiB + 3 * 7 * 8
     assert _part_files(cfg) == []  # none named yet: no tier lists them
@@ -291,9 +307,7 @@ def test_a_resumed_job_prepares_no_more_than_the_tier_lacks(shm):
     for step in (1, 2):
         dcp.async_save(_state(step, mib), storage_writer=TieredWriter(cfg, step=step)).result()
     POOL.close()  # the former process is gone: its kept steps stay, nothing of it is mapped
-    before = os.statvfs(shm)
-    held = 2 * mib * MiB
-    used = lambda: held + (before.f_bfree - os.statvfs(shm).f_bfree) * before.f_frsize  # noqa: E731
+    used = lambda: _shm_held(shm)  # noqa: E731 - the two kept steps' files among them
     TieredWriter(cfg, step=3).prepare(_state(0, mib))
     assert POOL.prepared_bytes() <= mib * MiB + 1024  # one file: the two kept steps' are the others
     peak = used()
@@ -428,24 +442,9 @@ def test_beside_a_first_copy_the_next_files_wait_for_it_to_move(shm):
     nbytes = mib * MiB + 7 * 8
     peak, done = [0], threading.Event()
 
-    def held() -> int:
-        """This test's: the tier's files, the prepared ones (open here with no name, being made
-        too) and the private copy; not /dev/shm as a whole, which other processes use too."""
-        paths = [os.path.join(d, n) for d, _, names in os.walk(shm) for n in names]
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/self/fd/{fd}").startswith(str(shm)):
-                    paths.append(f"/proc/self/fd/{fd}")
-        blocks = {}
-        for path in paths:
-            with contextlib.suppress(OSError):
-                st = os.stat(path)
-                blocks[st.st_ino] = st.st_blocks * 512
-        return sum(blocks.values()) + POOL.info()["bytes"]
-
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], held())
+            peak[0] = max(peak[0], _shm_held(shm) + POOL.info()["bytes"])
             time.sleep(0.0005)
 
     sampler = threading.Thread(target=sample)
