@@ -1,4 +1,5 @@
-"""The training loop ``bench_inprocess.py`` runs, one rank (not a benchmark by itself).
+"""The training loop ``bench_inprocess.py`` runs, one rank (not a benchmark by itself;
+``tests/test_nvrx_wrapper.py`` runs it too).
 
     python inprocess_train.py MODE FAULT ROOT MIB STEPS FAULT_AT
 
@@ -73,7 +74,7 @@ def train(store: dist.Store, world: int, rank: int) -> None:
         except tiered_dcp.NoCheckpointError:
             step = 0
     exact = step == 0 or bool(torch.equal(state[key], torch.full_like(state[key], step)))
-    event("loaded", step=step, exact=exact)
+    event("loaded", step=step, exact=exact, world=world)
     first = True
     for s in range(step + 1, STEPS + 1):
         state = {key: torch.full((MIB << 18,), float(s)), "step": s}
@@ -95,7 +96,7 @@ def train(store: dist.Store, world: int, rank: int) -> None:
             if FAULT == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("injected fault")
-    event("done")
+    event("done", step=STEPS)
 
 
 def torchrun_main() -> None:

@@ -18,22 +18,24 @@ from tiered_dcp.cli.fakegcs import free_port
 NVRX = Path(__file__).resolve().parent.parent / ".venv" / "nvrx"  # setup.sh --test puts NvRx there
 if not (NVRX / "nvidia_resiliency_ext" / "inprocess").is_dir():  # never on this process's path:
     pytest.skip("nvidia-resiliency-ext: setup.sh --test", allow_module_level=True)  # megatron would use it
-WORKER = str(Path(__file__).with_name("nvrx_worker.py"))
+TRAIN = str(Path(__file__).resolve().parent.parent / "benchmarks" / "inprocess_train.py")  # the bench's loop
 
 
-def _rows(stdout: str, tag: str) -> list[dict]:
-    return [json.loads(line[len(tag) + 1 :]) for line in stdout.splitlines() if line.startswith(tag)]
+def _rows(stdout: str, event: str) -> list[dict]:
+    rows = [json.loads(line[len("EVENT ") :]) for line in stdout.splitlines() if line.startswith("EVENT ")]
+    return [r for r in rows if r["event"] == event]
 
 
 def _job(root: Path, fault: str) -> list[tuple[int, list[dict], list[dict]]]:
-    """Run the 4 ranks; per rank: its exit code, its CALL rows and its DONE rows."""
+    """Run the 4 ranks (1 MiB each, to step 12, rank 1 failing after step 6); per rank: its
+    exit code, its reloads (one per call of the function) and its ends."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(NVRX)) if p)
     procs = [
         subprocess.Popen(
-            [sys.executable, WORKER, str(root), fault],
+            [sys.executable, TRAIN, "nvrx", fault, str(root), "1", "12", "6"],
             env={**env, "RANK": str(r), "GROUP_RANK": str(r // 2)},  # its node, as torchrun says it
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -45,7 +47,7 @@ def _job(root: Path, fault: str) -> list[tuple[int, list[dict], list[dict]]]:
     try:
         for p in procs:
             stdout, _ = p.communicate(timeout=150)
-            out.append((p.returncode, _rows(stdout, "CALL"), _rows(stdout, "DONE")))
+            out.append((p.returncode, _rows(stdout, "loaded"), _rows(stdout, "done")))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -59,8 +61,8 @@ def test_an_exception_on_one_rank_every_rank_reloads_in_its_process_and_trains_o
     the replica exchange (the groups were the world before's) and the Wrapper ended the job."""
     ranks = _job(shm, "raise")
     for code, calls, done in ranks:
-        assert code == 0 and done == [{"first_rank": calls[0]["first_rank"], "step": 12}], (code, calls)
-        assert [(c["loaded"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 4)]
+        assert code == 0 and [d["step"] for d in done] == [12], (code, calls)
+        assert [(c["step"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 4)]
 
 
 def test_a_rank_killed_the_other_three_reload_and_train_on_in_a_world_of_three(shm):
@@ -71,8 +73,8 @@ def test_a_rank_killed_the_other_three_reload_and_train_on_in_a_world_of_three(s
     assert ranks[1][0] == -9
     for code, calls, done in [r for i, r in enumerate(ranks) if i != 1]:
         assert code == 0 and len(done) == 1, (code, calls)
-        assert [(c["loaded"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 3)]
+        assert [(c["step"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 3)]
     for node in (0, 1):  # every part of the world of 3 on both nodes
-        step = shm / "ram" / str(node) / "nvrx" / "step_000000000012"
+        step = shm / "ram" / str(node) / "bench" / "step_000000000012"
         assert json.loads((step / "COMMITTED").read_text())["cliques"] == [[0, 1, 2]]
         assert len(list(step.glob("rank_*.part"))) == 3

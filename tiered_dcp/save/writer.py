@@ -528,7 +528,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         if self.owner_pid == os.getpid() and self.generation != transport.generation():
             raise TieredCheckpointError(
                 f"step {self.step}: this save was staged in a world that is gone (its process "
-                "group was torn down, tiered_dcp.abort); it is abandoned, never committed"
+                "group was torn down, tiered_dcp.abort); it is abandoned, never committed: save "
+                "again in the new world (load_latest first, on every rank)"
             )
         if self._handoff_later:  # an async save that waits for no writer (``stage``)
             self._handoff_later = False
