@@ -110,6 +110,10 @@ def nvrx_main() -> None:
     import tiered_dcp.inprocess
 
     s = datetime.timedelta(seconds=1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    app = dist.TCPStore(  # the job's store, its host rank 0 (NvRx's examples: it must outlive a fault)
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, world_size=world, is_master=rank == 0
+    )
 
     @inprocess.Wrapper(
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 2},
@@ -119,24 +123,17 @@ def nvrx_main() -> None:
         progress_watchdog_interval=0.2 * s,
         last_call_wait=0.2 * s,
         heartbeat_interval=0.5 * s,
-        heartbeat_timeout=5 * s,
-        soft_timeout=30 * s,
-        hard_timeout=45 * s,
-        barrier_timeout=60 * s,
-        completion_timeout=60 * s,
+        heartbeat_timeout=30 * s,  # NvRx's defaults: its timers catch hangs, the faults here are
+        soft_timeout=60 * s,  # found without them (a loaded machine hit a 45 s hard timeout)
+        hard_timeout=90 * s,
+        barrier_timeout=120 * s,
+        completion_timeout=120 * s,
+        monitor_process_logfile=f"{ROOT}/nvrx_monitor_{{rank}}.log",  # its SIGTERMs, for a failed test
     )
     def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:  # noqa: UP045
         assert call_wrapper is not None
         event("enter", iteration=call_wrapper.iteration)
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        app = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]) + 1,
-            world_size=world,
-            is_master=rank == 0,
-            multi_tenant=True,
-            wait_for_workers=True,
-        )
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # NvRx's, this call's
         train(dist.PrefixStore(f"iteration_{call_wrapper.iteration}", app), world, rank)
 
     wrapped()

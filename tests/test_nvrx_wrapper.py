@@ -26,9 +26,10 @@ def _rows(stdout: str, event: str) -> list[dict]:
     return [r for r in rows if r["event"] == event]
 
 
-def _job(root: Path, fault: str) -> list[tuple[int, list[dict], list[dict]]]:
+def _job(root: Path, fault: str) -> tuple[list[tuple[int, list[dict], list[dict]]], str]:
     """Run the 4 ranks (1 MiB each, to step 12, rank 1 failing after step 6); per rank: its
-    exit code, its reloads (one per call of the function) and its ends."""
+    exit code, its reloads (one per call of the function) and its ends; and, for a failed
+    assertion, each rank's events, the end of its stderr and its NvRx monitor's log."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -43,37 +44,40 @@ def _job(root: Path, fault: str) -> list[tuple[int, list[dict], list[dict]]]:
         )
         for r in range(4)
     ]
-    out = []
+    out, report = [], []
     try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=150)
+        for r, p in enumerate(procs):
+            stdout, stderr = p.communicate(timeout=150)
             out.append((p.returncode, _rows(stdout, "loaded"), _rows(stdout, "done")))
+            monitor = root / f"nvrx_monitor_{r}.log"
+            report += [f"--- rank {r}: exit {p.returncode}", stdout, stderr[-3000:]]
+            report += [monitor.read_text()[-3000:] if monitor.exists() else "(no monitor log)"]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return out
+    return out, "\n".join(report)
 
 
 def test_an_exception_on_one_rank_every_rank_reloads_in_its_process_and_trains_on(shm):
     """Every rank re-enters the function in the same process, reloads step 6 exactly, and
     saves (replicated) on to step 12; before, the first save after the restart failed in
     the replica exchange (the groups were the world before's) and the Wrapper ended the job."""
-    ranks = _job(shm, "raise")
+    ranks, report = _job(shm, "raise")
     for code, calls, done in ranks:
-        assert code == 0 and [d["step"] for d in done] == [12], (code, calls)
-        assert [(c["step"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 4)]
+        assert code == 0 and [d["step"] for d in done] == [12], report
+        assert [(c["step"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 4)], report
 
 
 def test_a_rank_killed_the_other_three_reload_and_train_on_in_a_world_of_three(shm):
     """Rank 1 is SIGKILLed: NvRx shifts the others to ranks 0-2 of a world of 3; each
     reloads step 6 exactly (its own shard) and saves on to step 12, each part's replica on
     the other node; before, every save refused the world of 3 and the Wrapper looped."""
-    ranks = _job(shm, "kill")
-    assert ranks[1][0] == -9
+    ranks, report = _job(shm, "kill")
+    assert ranks[1][0] == -9, report
     for code, calls, done in [r for i, r in enumerate(ranks) if i != 1]:
-        assert code == 0 and len(done) == 1, (code, calls)
-        assert [(c["step"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 3)]
+        assert code == 0 and len(done) == 1, report
+        assert [(c["step"], c["exact"], c["world"]) for c in calls] == [(0, True, 4), (6, True, 3)], report
     for node in (0, 1):  # every part of the world of 3 on both nodes
         step = shm / "ram" / str(node) / "bench" / "step_000000000012"
         assert json.loads((step / "COMMITTED").read_text())["cliques"] == [[0, 1, 2]]
