@@ -103,7 +103,7 @@ def _load(rank, world, root, peer_timeout=60.0, stop_for=0.0):
     dcp.load(target, storage_reader=reader, planner=planner)
     check(target, reader.step)
     took = time.monotonic() - started
-    return reader.step, reader.tiers, captured.lines, took, reader._reads.peer_reads
+    return reader.step, reader.tiers, captured.lines, took, reader._reads.peer_reads, reader._reads.read_from
 
 
 class PausingPlanner(DefaultLoadPlanner):
@@ -177,6 +177,9 @@ def test_node_loss_loads_everything_from_the_survivors(root):
     results = run_ranks(_load, WORLD, str(root), env=NODES)
     assert [r[0] for r in results] == [5] * WORLD  # the RAM step, newer than the bucket's 4
     assert all(0 in r[1] for r in results)
+    # node 0's ranks read their own roots; node 1's (no tier left) all from peers, as much
+    assert [sorted(r[5]) for r in results] == [["own"], ["own"], ["peer"], ["peer"]], results
+    assert results[0][5]["own"] == results[2][5]["peer"] > 0  # the same DTensor shards' sizes
 
 
 def test_replacement_node_holds_its_parts_again_after_the_next_save(root):
@@ -190,6 +193,7 @@ def test_both_nodes_lost_falls_back_to_the_shared_tier(root):
     wipe(root, 1)
     results = run_ranks(_load, WORLD, str(root), env=NODES)
     assert [(r[0], r[1]) for r in results] == [(4, [2])] * WORLD
+    assert not any("own" in r[5] for r in results) and sum(r[5]["shared"] for r in results) > 0  # spread
 
 
 def test_whole_clique_lost_falls_back_to_the_shared_tier_and_says_why(root):

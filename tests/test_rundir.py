@@ -208,7 +208,9 @@ def test_prune_keeps_the_newest_outcomes_of_a_tier(rd):
 def test_timing_records_read_back_as_written_and_bad_lines_are_skipped(tmp_path):
     cfg = TieredConfig(f"timing-{uuid.uuid4().hex[:8]}", [Tier(str(tmp_path / "ram"))])
     record(cfg, Kind.SAVE, 0, 1, tier=0, bytes=16, write_s=0.5, commit_s=0.7, handoff_s=0.0, sent=0)
-    record(cfg, Kind.LOAD, 0, 1, tiers=[1, 0], seconds=2.0)
+    record(
+        cfg, Kind.LOAD, 0, 1, tiers=[1, 0], seconds=2.0, open_s=0.5, read_own=3, read_peer=4, read_shared=5
+    )
     path = job_dir(cfg) / "records" / "rank_00000.jsonl"
     first = json.loads(path.read_text().splitlines()[0])
     assert list(first) == ["kind", "rank", "node", "step", "time", "tier", "bytes", "write_s", "commit_s"] + [
@@ -225,5 +227,6 @@ def test_timing_records_read_back_as_written_and_bad_lines_are_skipped(tmp_path)
     save, load = read_records(cfg)
     assert isinstance(save, TimingRecord) and save.kind is Kind.SAVE
     assert (save.tier, save.bytes, save.write_s, save.commit_s, save.stage_s) == (0, 16, 0.5, 0.7, None)
-    assert load.kind is Kind.LOAD and load.tiers == (1, 0) and load.seconds == 2.0
+    assert load.kind is Kind.LOAD and load.tiers == (1, 0) and load.seconds == 2.0 and load.open_s == 0.5
+    assert (load.read_own, load.read_peer, load.read_shared) == (3, 4, 5)
     assert read_records(cfg, Kind.LOAD) == [load]

@@ -74,6 +74,13 @@ def test_a_restart_reads_each_stored_byte_once_and_every_rank_loads_exactly(ddp_
         assert r["error"] is None and r["exact"], r
     assert spread_ratio <= 1.15, spread_ratio  # the bucket served the step about once
     assert each_ratio >= 2.5, each_ratio  # every replica read it (today's way): the test can fail
+    # the loads' own count (``read_from``): a rank's state is "w" and "lr", the same on every
+    # rank, and its own "r<rank>" (64 KiB); each rank read all of it from the bucket, or,
+    # spread, the bucket served each stored item once and peers the rest
+    whole = each[0]["read"]["shared"]
+    assert all(r["read"] == {"shared": whole} for r in each), each
+    assert sum(r["read"].get("shared", 0) for r in spread) == whole + 3 * (1 << 16), spread
+    assert all(r["read"].get("shared", 0) + r["read"]["peer"] == whole for r in spread), spread
 
 
 def test_hsdp_shards_are_read_once_at_the_same_and_another_world_size_and_as_fsdp_shards(gcs_bucket):

@@ -107,6 +107,7 @@ class TieredReader(StorageReader):
         self._opened: OpenStep | None = None  # ``open``'s
         self._step_reads: StepReads | None = None
         self._open_failed: BaseException | None = None  # ``read_metadata``'s, raised in set-up
+        self._open_s = 0.0  # seconds from construction (or ``reset``) to the step opened
         if not self._dist:  # one process: a missing step fails here, not in dcp.load
             self.open()  # (with a group it is a collective: at ``open`` or DCP's read_metadata)
 
@@ -123,6 +124,7 @@ class TieredReader(StorageReader):
                     self.config, self._asked, rank=self.rank, with_group=self._dist, exclude=self._exclude
                 )
             self._opened, self._step_reads = opened, self._new_reads(opened)
+            self._open_s = round(time.perf_counter() - self._started, 6)  # the agreement's share
             if not self._dist:  # metadata refused on every tier: say so here, not as DCP's AssertionError
                 opened.metadata.first(opened.copies, opened.quarantine)
         return self
@@ -283,7 +285,27 @@ class TieredReader(StorageReader):
                 spread = plan.storage_data if isinstance(plan.storage_data, SpreadPlan) else None
                 self._reads.read_all(plan, planner, spread)
             seconds = round(time.perf_counter() - self._started, 6)
-            record(self.config, Kind.LOAD, self.rank, self.step, tiers=self.tiers, seconds=seconds)
+            read = {f"read_{k}": self._reads.read_from.get(k, 0) for k in ("own", "peer", "shared")}
+            opened = self._open_s
+            record(
+                self.config,
+                Kind.LOAD,
+                self.rank,
+                self.step,
+                tiers=self.tiers,
+                seconds=seconds,
+                open_s=opened,
+                **read,
+            )
+            log.info(
+                "rank %d loaded step %d in %.2f s (%.2f s choosing it): %.1f MiB from its own tiers, "
+                "%.1f MiB from peers, %.1f MiB from shared tiers",
+                self.rank,
+                self.step,
+                seconds,
+                opened,
+                *(n / 2**20 for n in read.values()),
+            )
         except PeerLostError as e:  # DCP's next collective fails on the same rank with torch's error
             log.error("%s", e)
             everyone = False

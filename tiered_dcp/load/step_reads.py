@@ -117,6 +117,7 @@ class StepReads:
         self.failures: dict[int, list[Failure]] = {}  # id(item) -> its failed reads, this load
         self._unproven: set[int] = set()  # items a failure other than damage kept from a source
         self.peer_reads = 0  # items this rank read from its own roots for peers, the last load
+        self.read_from: dict[str, int] = {}  # source kind -> stored bytes of the items read, the last load
         # the ring a target's device is read through, None: the host path (tests put CPU
         # targets through a host ring, the device flow without a GPU)
         self.ring_for: Callable[[torch.device], device_reads.Ring | None] = cuda_ring
@@ -281,6 +282,12 @@ class StepReads:
             e,
         )
 
+    def _count(self, kind: str, rec: Record | ItemInfo | None) -> None:
+        """Count an item read (its stored bytes) against where it came from: ``own`` (this
+        rank's roots), ``peer`` (another rank, over the exchange or the spread), ``shared``."""
+        info = rec.info if isinstance(rec, Record) else rec
+        self.read_from[kind] = self.read_from.get(kind, 0) + (0 if info is None else info.raw_length)
+
     def _read_direct(
         self, reqs: list[ReadItem], planner: LoadPlanner, sources: dict[int, tuple[ReadSource, ...]]
     ) -> list[ReadItem]:
@@ -302,6 +309,7 @@ class StepReads:
             while attempt is not None:
                 try:
                     attempt.finish()
+                    self._count(attempt.src.kind, attempt.rec)
                     return
                 except (ChecksumMismatch, OSError) as e:
                     self._failed(req, attempt, e)
@@ -420,6 +428,7 @@ class StepReads:
                                 planner.commit_tensor(req, lands[id(peer_req)])
                             else:
                                 self._deliver(req, planner, info, buf)
+                            self._count("peer", info)
                         except ChecksumMismatch as e:
                             self.failures.setdefault(id(req), []).append(
                                 Failure(f"rank {holder}", Failed.DAMAGED_IN_TRANSIT, str(e))
@@ -515,6 +524,7 @@ class StepReads:
                         planner.commit_tensor(req, target)
                     else:
                         self._deliver(req, planner, info, buf)
+                self._count("peer", info)
             except ChecksumMismatch as e:
                 log.warning(
                     "step %d: item %r from rank %d arrived damaged or unread (%s); reading it here",
@@ -562,6 +572,7 @@ class StepReads:
         self.failures = {}
         self._unproven = set()
         self.peer_reads = 0
+        self.read_from = {}
         routes = {id(req): r for req, r in zip(plan.items, self._routes(plan), strict=True)}
         split = {key: r.split_at_exchange() for key, r in routes.items()}
         if spread is not None:

@@ -18,7 +18,11 @@ Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
   0 when it staged into the RAM tier's part file, which the tier's figure counts);
 - ``persist``: ``tier`` (the slower tier), ``bytes``, ``write_s`` (this rank's parts copied),
   ``latency_s`` (from the save's hand-off to the outcome), ``state``;
-- ``load``: ``tiers`` (read from), ``seconds`` (reader constructed to last item read).
+- ``load``: ``tiers`` (read from), ``seconds`` (reader constructed to last item read),
+  ``open_s`` (of which choosing the step: with a process group, the ranks' agreement),
+  ``read_own`` / ``read_peer`` / ``read_shared`` (the stored bytes of the items this rank
+  read from its own roots, received from other ranks, read from shared tiers: a bucket's
+  bytes over the job are the sum of ``read_shared``).
 
 Lines are read back as ``TimingRecord`` (``read_records``), the one reader of their JSON:
 ``scores`` and ``goodput`` use its attributes. A line that is not a well-formed record (cut
@@ -79,6 +83,10 @@ class TimingRecord:
     state: str | None = None  # persist: the outcome's state (``run_dir.OutcomeState``'s strings)
     tiers: tuple[int, ...] | None = None  # load: the tiers read from
     seconds: float | None = None  # load: reader constructed to last item read
+    open_s: float | None = None  # load: of ``seconds``, choosing the step (the agreement)
+    read_own: int | None = None  # load: bytes from this rank's own roots
+    read_peer: int | None = None  # load: bytes from other ranks (peer exchange, spread)
+    read_shared: int | None = None  # load: bytes from shared tiers
 
     _CHECKS = {
         "kind": one_of(Kind),
@@ -98,6 +106,10 @@ class TimingRecord:
         "state": optional(is_str),
         "tiers": optional(lambda v: isinstance(v, list) and all(is_int(t) for t in v)),
         "seconds": optional(is_number),
+        "open_s": optional(is_number),
+        "read_own": optional(is_int),
+        "read_peer": optional(is_int),
+        "read_shared": optional(is_int),
     }
 
     @classmethod
