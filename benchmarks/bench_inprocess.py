@@ -15,10 +15,13 @@ every step (``inprocess_train.py`` is the loop); rank 1 fails after step 6's sav
 - ``stock``: torchrun, stock DCP's ``async_save``/``load`` to a local directory.
 
 Per case, the seconds from the fault (rank 1's clock just before it fails) to each phase on
-the slowest surviving rank: ``enter`` (the function called again / the worker started),
-``group`` (its process group built), ``loaded`` (the reload done) and ``committed`` (the
-first save after it complete); the step loaded and the steps redone. Medians of
-``--rounds``. Never fails on timing.
+the slowest surviving rank: ``abort`` (NvRx: its abort begun, i.e. the fault detected),
+``aborted`` (NvRx's and tiered-dcp's aborts done), ``enter`` (the function called again /
+the worker started), ``group`` (its process group built), ``loaded`` (the reload done) and
+``committed`` (the first save after it complete); ``choose`` (of the reload, the seconds
+the ranks took to agree on the step); the MiB the reloads read from the ranks' own tiers,
+from peers and from shared tiers (tiered-dcp's load records; the stock case has none);
+the step loaded and the steps redone. Medians of ``--rounds``. Never fails on timing.
 """
 
 import argparse
@@ -33,7 +36,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "inprocess_train.py")
-PHASES = ("enter", "group", "loaded", "committed")
+PHASES = ("aborting", "aborted", "enter", "group", "loaded", "committed")
 FAULT_AT, STEPS = 6, 9
 
 
@@ -114,16 +117,15 @@ def measure(case: str, mib: int) -> dict:
     (fault,) = [e["t"] for e in got if e["event"] == "fault"]
     out: dict = {}
     for phase in PHASES:
-        after = [e for e in got if e["event"] == phase and e["t"] >= fault - (phase == "enter") * 0]
-        if phase == "enter":  # a restarted worker: from its process start, before its imports
-            starts = {
-                e["rank"]: e["started"] for e in got if e["event"] == "process" and e["started"] > fault
-            }
-            after = [e for e in got if e["event"] == "enter" and e["t"] > fault]
-            out["process_start"] = max(starts.values()) - fault if starts else None
-        after = [e for e in after if e["t"] > fault]
+        after = [e for e in got if e["event"] == phase and e["t"] > fault]
         out[phase] = max(e["t"] for e in after) - fault if after else None
+    starts = [e["started"] for e in got if e["event"] == "process" and e["started"] > fault]  # restarted
+    out["process_start"] = max(starts) - fault if starts else None  # before its imports
     loaded = [e for e in got if e["event"] == "loaded" and e["t"] > fault]
+    recorded = [e for e in loaded if "own" in e]  # tiered-dcp's record of each reload
+    for src in ("own", "peer", "shared"):
+        out[f"{src}_mib"] = sum(e[src] for e in recorded) / 2**20 if recorded else None
+    out["choose_s"] = max((e["open_s"] for e in recorded), default=None)
     out["loaded_step"] = min(e["step"] for e in loaded) if loaded else None
     out["exact"] = all(e["exact"] for e in loaded)
     out["steps_redone"] = FAULT_AT - out["loaded_step"] if loaded else None
@@ -156,19 +158,22 @@ def main() -> None:
         f"{args.rounds} round(s)"
     )
     print(
-        f"{'case':<12}{'enter':>8}{'group':>8}{'loaded':>8}{'committed':>11}"
-        "  loaded step, redone, exact, ranks done"
+        f"{'case':<12}{'abort':>8}{'aborted':>8}{'enter':>8}{'group':>8}{'loaded':>8}{'committed':>11}"
+        f"{'choose':>8}  MiB own/peer/shared; loaded step, redone, exact, ranks done"
     )
     for c, rs in rows.items():
         r = rs[-1]
         cells = "".join(
-            f"{statistics.median(x[p] for x in rs):>8.2f}" if r[p] is not None else f"{'-':>8}"
-            for p in PHASES[:3]
+            f"{statistics.median(x[p] for x in rs):>{11 if p == 'committed' else 8}.2f}"
+            if all(x[p] is not None for x in rs)
+            else f"{'-':>8}"
+            for p in (*PHASES, "choose_s")
         )
-        commit = statistics.median(x["committed"] for x in rs) if r["committed"] is not None else float("nan")
+        mib = "/".join(
+            "-" if r[f"{k}_mib"] is None else f"{r[f'{k}_mib']:.0f}" for k in ("own", "peer", "shared")
+        )
         print(
-            f"{c:<12}{cells}{commit:>11.2f}  "
-            f"{r['loaded_step']}, {r['steps_redone']}, {r['exact']}, {r['ranks_done']}"
+            f"{c:<12}{cells}  {mib}; {r['loaded_step']}, {r['steps_redone']}, {r['exact']}, {r['ranks_done']}"
         )
     ratios = {}
     if "nvrx-raise" in med and "torchrun" in med and "stock" in med:

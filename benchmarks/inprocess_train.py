@@ -15,6 +15,7 @@ import time
 STARTED = time.time()  # before the imports: a restarted worker pays them
 
 import datetime  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -28,6 +29,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import tiered_dcp  # noqa: E402
 import tiered_dcp.inprocess  # noqa: E402
 from tiered_dcp import Tier, TieredConfig, TieredWriter, load_latest  # noqa: E402
+from tiered_dcp.writer_process.timings import Kind, read_records  # noqa: E402
 
 MODE, FAULT, ROOT = sys.argv[1], sys.argv[2], sys.argv[3]
 MIB, STEPS, FAULT_AT = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
@@ -58,6 +60,30 @@ def stock_latest(state: dict) -> int:
     return step
 
 
+def read_from(rank: int, step: int) -> dict:
+    """This rank's load of ``step``, as tiered-dcp recorded it: the bytes from its own
+    tiers, from peers and from shared tiers, and the seconds choosing the step."""
+    if MODE == "stock" or step == 0:
+        return {}
+    loads = [r for r in read_records(CFG, Kind.LOAD, tail_bytes=1 << 16) if (r.rank, r.step) == (rank, step)]
+    last = loads[-1]
+    return {"own": last.read_own, "peer": last.read_peer, "shared": last.read_shared, "open_s": last.open_s}
+
+
+class Timed(tiered_dcp.inprocess.Abort):
+    """The abort's start (``ours=False``: reports only) or tiered-dcp's Abort, then its end
+    (NvRx's Compose runs the last hook first: they go last and first around NvRx's own)."""
+
+    def __init__(self, name: str, ours: bool) -> None:
+        super().__init__()
+        self.name, self.ours = name, ours
+
+    def __call__(self, state: object) -> object:
+        state = super().__call__(state) if self.ours else state
+        event(self.name)
+        return state
+
+
 def train(store: dist.Store, world: int, rank: int) -> None:
     global FAILED
     dist.init_process_group(
@@ -73,8 +99,8 @@ def train(store: dist.Store, world: int, rank: int) -> None:
             step = load_latest(state, CFG)
         except tiered_dcp.NoCheckpointError:
             step = 0
-    exact = step == 0 or bool(torch.equal(state[key], torch.full_like(state[key], step)))
-    event("loaded", step=step, exact=exact, world=world)
+    exact = step == 0 or bool((state[key] == step).all())
+    event("loaded", step=step, exact=exact, world=world, **read_from(rank, step))
     first = True
     for s in range(step + 1, STEPS + 1):
         state = {key: torch.full((MIB << 18,), float(s)), "step": s}
@@ -107,17 +133,21 @@ def torchrun_main() -> None:
 def nvrx_main() -> None:
     import nvidia_resiliency_ext.inprocess as inprocess
 
-    import tiered_dcp.inprocess
-
     s = datetime.timedelta(seconds=1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    gc.collect()  # NvRx's restart runs gc.collect() until it finds nothing: ~0.3 s a pass here
+    gc.freeze()  # over torch's objects; frozen after set-up, a pass is ~0 (docs/user-guide.md)
     app = dist.TCPStore(  # the job's store, its host rank 0 (NvRx's examples: it must outlive a fault)
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, world_size=world, is_master=rank == 0
     )
 
     @inprocess.Wrapper(
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 2},
-        abort=inprocess.Compose(tiered_dcp.inprocess.Abort(), inprocess.abort.AbortTorchDistributed()),
+        abort=inprocess.Compose(  # run last first: aborting, NvRx's, tiered-dcp's (timed)
+            Timed("aborted", ours=True),
+            inprocess.abort.AbortTorchDistributed(),
+            Timed("aborting", ours=False),
+        ),
         monitor_thread_interval=0.2 * s,
         monitor_process_interval=0.2 * s,
         progress_watchdog_interval=0.2 * s,

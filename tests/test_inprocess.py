@@ -266,3 +266,47 @@ def test_waiting_for_a_save_lets_a_restart_in_at_once():
     with pytest.raises(Restart):
         result(stuck, timeout=10)
     assert time.monotonic() - t0 < 2
+
+
+def test_abort_waits_for_an_upload_at_work_but_not_for_a_failed_save_still_held(shm):
+    """``abort`` waits (bounded) for an upload or commit still running, and not for a save
+    whose future failed and still holds its staged state: nothing of ours runs for that one.
+    Before, it waited for every staging slot not yet released, the whole timeout (1 s) at
+    every NvRx restart, as the failed save's traceback held its staged dict until gc."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tiered_dcp import Tier, TieredConfig, TieredWriter, abort
+    from tiered_dcp.save.staging import POOL
+
+    cfg = TieredConfig("aborting", [Tier(str(shm / "ram"), keep=2)])
+    (shm / "ram" / "aborting").mkdir(parents=True)
+    (shm / "ram" / "aborting" / "step_000000000001").symlink_to(shm)  # step 1 fails
+    failed = dcp.async_save({"w": torch.ones(1 << 16)}, storage_writer=TieredWriter(cfg, step=1))
+    assert failed.exception(timeout=30) is not None
+    assert POOL.in_flight() >= 1  # its slot: held until DCP's dict goes (here: with the future)
+    started = time.monotonic()
+    assert abort(timeout=5.0) == 0
+    assert time.monotonic() - started < 0.5
+
+    gate = threading.Event()
+
+    class Slow(TieredWriter):  # an upload that takes as long as the test says
+        def _write_data(self, plan, planner):
+            gate.wait(30)
+            return super()._write_data(plan, planner)
+
+    uploading = dcp.async_save({"w": torch.ones(1 << 16)}, storage_writer=Slow(cfg, step=2))
+    time.sleep(0.3)  # the upload thread is in write_data
+    started = time.monotonic()
+    assert abort(timeout=0.5) == 1  # still at work when the time ran out: abandoned
+    assert 0.5 <= time.monotonic() - started < 1.5
+    threading.Timer(0.3, gate.set).start()
+    started = time.monotonic()
+    assert abort(timeout=10.0) == 0  # waits for it to end
+    assert time.monotonic() - started < 5.0
+    uploading.result(timeout=30)
+    del failed

@@ -24,29 +24,29 @@ import time
 from typing import Any
 
 from .ranks import transport
-from .save.staging import POOL
 
 log = logging.getLogger("tiered_dcp")
 
-ABORT_WAIT = 1.0  # seconds ``abort`` gives the saves in flight to finish (after a fault most cannot)
+ABORT_WAIT = 1.0  # seconds ``abort`` gives the uploads at work to finish (after a fault most cannot)
 POLL = 0.05  # seconds ``result`` waits at a time: an interruption gets in between
 
 
 def abort(timeout: float = ABORT_WAIT) -> int:
     """Leave the current world: wait up to ``timeout`` seconds for this process's async
-    saves in flight to finish, then forget the world's state (``transport.leave_world``).
-    Returns how many saves were still in flight: those are abandoned, never committed half
-    (a step commits only once every rank's part is in, which a torn-down world no longer
-    gives them); their staging slots come back when their uploads give up. Call it on every
-    rank after a fault, before the next world's first save or load; torchrun restarts
-    (fresh processes) need nothing."""
+    saves that are uploading or committing (``transport.working``) to finish, then forget
+    the world's state (``transport.leave_world``). Returns how many were still at work:
+    those are abandoned, never committed half (a step commits only once every rank's part
+    is in, which a torn-down world no longer gives them), and fail when they next need a
+    peer. A save still in DCP's own planning collectives, or failed and held by its future,
+    is not waited for: nothing of tiered-dcp's runs for it (its staging slot comes back when
+    DCP drops the staged state). Call it on every rank after a fault, before the next
+    world's first save or load; torchrun restarts (fresh processes) need nothing."""
     if timeout < 0:
         raise ValueError(f"abort: timeout={timeout!r} must be >= 0 seconds")
-    POOL.wait_idle(timeout)
-    left = POOL.in_flight()
+    left = transport.wait_quiet(timeout)
     if left:
         log.warning(
-            "tiered-dcp abort: %d async save(s) still in flight after %.1f s are abandoned "
+            "tiered-dcp abort: %d async save(s) still uploading after %.1f s are abandoned "
             "(never committed: the world they were saved in is gone)",
             left,
             timeout,

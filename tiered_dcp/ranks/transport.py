@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -167,6 +168,35 @@ def leave_world() -> None:
     call starts a new one even if the default group were the same object."""
     global _WORLD
     _WORLD = None
+
+
+_WORK = threading.Condition()
+_working = 0  # threads in a save's upload or commit (``working``): what ``abort`` waits for
+
+
+@contextlib.contextmanager
+def working() -> Iterator[None]:
+    """A save's own work in progress (its upload, its commit): ``tiered_dcp.abort`` waits
+    for it, not for a staged state a failed save's future still holds (those wait only for
+    garbage collection; nothing of ours runs for them)."""
+    global _working
+    with _WORK:
+        _working += 1
+    try:
+        yield
+    finally:
+        with _WORK:
+            _working -= 1
+            _WORK.notify_all()
+
+
+def wait_quiet(timeout: float) -> int:
+    """Wait up to ``timeout`` seconds for every ``working`` block to end; how many have not."""
+    deadline = time.monotonic() + timeout
+    with _WORK:
+        while _working and (left := deadline - time.monotonic()) > 0:
+            _WORK.wait(left)
+        return _working
 
 
 def next_name(namespace: str, purpose: str) -> str:

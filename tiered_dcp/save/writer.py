@@ -525,6 +525,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         self._waited = True
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with transport.working():  # ``tiered_dcp.abort`` waits for it
+            return self._write_data(plan, planner)
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.owner_pid == os.getpid() and self.generation != transport.generation():
             raise TieredCheckpointError(
                 f"step {self.step}: this save was staged in a world that is gone (its process "
@@ -693,9 +697,10 @@ class TieredWriter(StorageWriter, AsyncStager):
         world = self._world if self._world is not None else [self.node]
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         try:
-            commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout).finish(
-                metadata, records, world
-            )
+            with transport.working():
+                commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout).finish(
+                    metadata, records, world
+                )
         except BaseException as e:
             _abandon(first, self.step, self.rank, [], e)
             raise
