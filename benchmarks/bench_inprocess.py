@@ -18,8 +18,9 @@ Per case, the seconds from the fault (rank 1's clock just before it fails) to ea
 the slowest surviving rank: ``abort`` (NvRx: its abort begun, i.e. the fault detected),
 ``aborted`` (NvRx's and tiered-dcp's aborts done), ``enter`` (the function called again /
 the worker started), ``group`` (its process group built), ``loaded`` (the reload done) and
-``committed`` (the first save after it complete); ``choose`` (of the reload, the seconds
-the ranks took to agree on the step); the MiB the reloads read from the ranks' own tiers,
+``committed`` (the first save after it complete); ``load`` (``load_latest`` alone, as
+tiered-dcp recorded it: inside the restart vs in a fresh process) and ``choose`` (of it, the
+ranks' agreement on the step); the MiB the reloads read from the ranks' own tiers,
 from peers and from shared tiers (tiered-dcp's load records; the stock case has none);
 the step loaded and the steps redone. Medians of ``--rounds``. Never fails on timing.
 """
@@ -126,6 +127,7 @@ def measure(case: str, mib: int) -> dict:
     for src in ("own", "peer", "shared"):
         out[f"{src}_mib"] = sum(e[src] for e in recorded) / 2**20 if recorded else None
     out["choose_s"] = max((e["open_s"] for e in recorded), default=None)
+    out["load_s"] = max((e["load_s"] for e in recorded), default=None)
     out["loaded_step"] = min(e["step"] for e in loaded) if loaded else None
     out["exact"] = all(e["exact"] for e in loaded)
     out["steps_redone"] = FAULT_AT - out["loaded_step"] if loaded else None
@@ -159,7 +161,7 @@ def main() -> None:
     )
     print(
         f"{'case':<12}{'abort':>8}{'aborted':>8}{'enter':>8}{'group':>8}{'loaded':>8}{'committed':>11}"
-        f"{'choose':>8}  MiB own/peer/shared; loaded step, redone, exact, ranks done"
+        f"{'choose':>8}{'load':>8}  MiB own/peer/shared; loaded step, redone, exact, ranks done"
     )
     for c, rs in rows.items():
         r = rs[-1]
@@ -167,7 +169,7 @@ def main() -> None:
             f"{statistics.median(x[p] for x in rs):>{11 if p == 'committed' else 8}.2f}"
             if all(x[p] is not None for x in rs)
             else f"{'-':>8}"
-            for p in (*PHASES, "choose_s")
+            for p in (*PHASES, "choose_s", "load_s")
         )
         mib = "/".join(
             "-" if r[f"{k}_mib"] is None else f"{r[f'{k}_mib']:.0f}" for k in ("own", "peer", "shared")

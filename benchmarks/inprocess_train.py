@@ -7,7 +7,9 @@ MODE: ``nvrx`` (NvRx's inprocess.Wrapper, tiered-dcp), ``torchrun`` (tiered-dcp,
 restart) or ``stock`` (stock DCP to a local directory, a torchrun restart). Each rank holds
 MIB MiB of its own and saves asynchronously every step (tiered-dcp: a RAM tier per node,
 every part replicated on the other node); rank 1 fails once after step FAULT_AT's save
-(FAULT ``raise`` or ``kill``). Prints ``EVENT`` JSON lines with wall-clock times.
+(FAULT ``raise`` or ``kill``), or (``three``) ranks 1, 2 and 3 raise in turn after steps
+FAULT_AT, 2*FAULT_AT and 3*FAULT_AT, node 0's RAM tier wiped at the third. Prints
+``EVENT`` JSON lines with wall-clock times.
 """
 
 import time
@@ -18,6 +20,7 @@ import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from typing import Optional  # noqa: E402 - NvRx finds its CallWrapper by this annotation
@@ -37,7 +40,12 @@ FIRST_RANK = int(os.environ.setdefault("BENCH_FIRST_RANK", os.environ["RANK"]))
 CFG = TieredConfig(
     "bench", [Tier(f"{ROOT}/ram/{{node}}", keep=2)], replication_factor=2, replication_jump=2, peer_timeout=10
 )
-FAILED = os.path.exists(f"{ROOT}/fault")  # a torchrun restart: the fault happened already
+# after which step which rank fails, how, and whether node 0's RAM tier is wiped with it
+FAULTS = (
+    {FAULT_AT: (1, "raise", False), 2 * FAULT_AT: (2, "raise", False), 3 * FAULT_AT: (3, "raise", True)}
+    if FAULT == "three"
+    else {FAULT_AT: (1, FAULT, False)}
+)
 
 
 def event(name: str, **fields: object) -> None:
@@ -62,12 +70,18 @@ def stock_latest(state: dict) -> int:
 
 def read_from(rank: int, step: int) -> dict:
     """This rank's load of ``step``, as tiered-dcp recorded it: the bytes from its own
-    tiers, from peers and from shared tiers, and the seconds choosing the step."""
+    tiers, from peers and from shared tiers, the seconds choosing the step and in all."""
     if MODE == "stock" or step == 0:
         return {}
     loads = [r for r in read_records(CFG, Kind.LOAD, tail_bytes=1 << 16) if (r.rank, r.step) == (rank, step)]
     last = loads[-1]
-    return {"own": last.read_own, "peer": last.read_peer, "shared": last.read_shared, "open_s": last.open_s}
+    return {
+        "own": last.read_own,
+        "peer": last.read_peer,
+        "shared": last.read_shared,
+        "open_s": last.open_s,
+        "load_s": last.seconds,
+    }
 
 
 class Timed(tiered_dcp.inprocess.Abort):
@@ -85,7 +99,6 @@ class Timed(tiered_dcp.inprocess.Abort):
 
 
 def train(store: dist.Store, world: int, rank: int) -> None:
-    global FAILED
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5)
     )
@@ -115,13 +128,15 @@ def train(store: dist.Store, world: int, rank: int) -> None:
         if first:
             event("committed", step=s)
             first = False
-        if s == FAULT_AT and FIRST_RANK == 1 and not FAILED:
-            FAILED = True
-            open(f"{ROOT}/fault", "w").close()
-            event("fault")
-            if FAULT == "kill":
+        fault = FAULTS.get(s)
+        if fault is not None and fault[0] == FIRST_RANK and not os.path.exists(f"{ROOT}/fault_{s}"):
+            open(f"{ROOT}/fault_{s}", "w").close()  # once: a restarted worker finds it
+            if fault[2]:  # node 0's RAM tier is lost too: its ranks reload from their peers
+                shutil.rmtree(f"{ROOT}/ram/0", ignore_errors=True)
+            event("fault", step=s)
+            if fault[1] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("injected fault")
+            raise RuntimeError(f"injected fault after step {s}")
     event("done", step=STEPS)
 
 

@@ -26,8 +26,10 @@ def _rows(stdout: str, event: str) -> list[dict]:
     return [r for r in rows if r["event"] == event]
 
 
-def _job(root: Path, fault: str) -> tuple[list[tuple[int, list[dict], list[dict]]], str]:
-    """Run the 4 ranks (1 MiB each, to step 12, rank 1 failing after step 6); per rank: its
+def _job(
+    root: Path, fault: str, steps: int = 12, fault_at: int = 6
+) -> tuple[list[tuple[int, list[dict], list[dict]]], str]:
+    """Run the 4 ranks (1 MiB each, to ``steps``, rank 1 failing after ``fault_at``); per rank: its
     exit code, its reloads (one per call of the function) and its ends; and, for a failed
     assertion, each rank's events, the end of its stderr and its NvRx monitor's log."""
     port = free_port()
@@ -36,7 +38,7 @@ def _job(root: Path, fault: str) -> tuple[list[tuple[int, list[dict], list[dict]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(NVRX)) if p)
     procs = [
         subprocess.Popen(
-            [sys.executable, TRAIN, "nvrx", fault, str(root), "1", "12", "6"],
+            [sys.executable, TRAIN, "nvrx", fault, str(root), "1", str(steps), str(fault_at)],
             env={**env, "RANK": str(r), "GROUP_RANK": str(r // 2)},  # its node, as torchrun says it
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -82,3 +84,20 @@ def test_a_rank_killed_the_other_three_reload_and_train_on_in_a_world_of_three(s
         step = shm / "ram" / str(node) / "bench" / "step_000000000012"
         assert json.loads((step / "COMMITTED").read_text())["cliques"] == [[0, 1, 2]]
         assert len(list(step.glob("rank_*.part"))) == 3
+
+
+def test_three_faults_in_one_job_each_reload_exact_the_last_with_a_node_tier_wiped(shm):
+    """Ranks 1, 2 and 3 raise in turn after steps 4, 8 and 12, node 0's RAM tier wiped at the
+    third: every rank re-enters each time in its own process and reloads the step just
+    saved, exactly; the third time node 0's ranks read their whole state from their peers
+    on node 1 (their own tier holds nothing), and the job trains on to step 16."""
+    ranks, report = _job(shm, "three", steps=16, fault_at=4)
+    for rank, (code, calls, done) in enumerate(ranks):
+        assert code == 0 and [d["step"] for d in done] == [16], report
+        got = [(c["step"], c["exact"], c["world"]) for c in calls]
+        assert got == [(0, True, 4), (4, True, 4), (8, True, 4), (12, True, 4)], report
+        part = calls[1]["own"]  # its 1 MiB tensor and its step: the bytes of its whole state
+        assert part > 1 << 20, report
+        read = [(c["own"], c["peer"], c["shared"]) for c in calls[1:]]
+        # intact, then node 0's ranks (0 and 1) all from their peers; never a shared tier
+        assert read == [(part, 0, 0), (part, 0, 0), (0, part, 0) if rank < 2 else (part, 0, 0)], report
