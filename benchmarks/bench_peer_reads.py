@@ -10,7 +10,8 @@ saved, then loaded ``--loads`` times with every root intact and ``--loads`` time
 node 1's root is deleted. Timed per load, the slowest rank's time (all_reduce MAX):
 
 - ``load``: the whole load, ``TieredReader(config)`` (choosing, agreeing on and leasing
-  the step) and ``dcp.load`` with it;
+  the step) and the load ``load_latest`` makes with it (each rank planning its own reads,
+  the outcome agreed after: ``resume.load_planned_alone``; ``dcp.load`` on a tree without);
 - ``peer phase``: ``step_reads.StepReads._read_from_peers`` alone (agreeing on the wish lists
   and moving the items);
 - ``stock``: stock DCP's ``FileSystemReader`` loading the same state saved by its
@@ -88,6 +89,18 @@ class TimedReader(TieredReader):
         return getattr(getattr(self, "_reads", None), "peer_s", float("nan"))  # a baseline tree: untimed
 
 
+def load_as_resumed(target: dict, reader: TieredReader) -> None:
+    """The load ``load_latest`` makes of the step it chose (``resume.load_planned_alone``:
+    each rank plans its own reads); a baseline tree without it: ``dcp.load``."""
+    from tiered_dcp.load import resume
+
+    alone = getattr(resume, "load_planned_alone", None)
+    if alone is None:
+        dcp.load(target, storage_reader=reader)
+    else:
+        alone(target, reader)
+
+
 def loads(config: TieredConfig, state: dict, n: int) -> dict:
     """``n`` timed loads (after one warm-up): the whole load's and the peer phase's seconds
     (slowest rank), and the groups opened."""
@@ -98,7 +111,7 @@ def loads(config: TieredConfig, state: dict, n: int) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         reader = TimedReader(config)
-        dcp.load(target, storage_reader=reader)
+        load_as_resumed(target, reader)
         seconds = time.perf_counter() - t0
         if i:
             whole.append(slowest(seconds))

@@ -240,6 +240,12 @@ class TieredReader(StorageReader):
         self.is_coordinator = is_coordinator
         self._metadata = metadata
 
+    def needs_global_plan(self) -> bool:
+        """Whether a load of the chosen step needs DCP's global plan: only a spread one
+        (``spread.py``: the coordinator gives each shared item one reader); otherwise each
+        rank's plan is its own, and ``load_latest`` plans alone (``resume.load_planned_alone``)."""
+        return self._spreads()
+
     def _spreads(self) -> bool:
         """Whether this load is spread over the job (``spread.py``): a step read from a
         shared tier alone (no node-local copy pooled), by more than one rank."""

@@ -14,7 +14,9 @@ directory (and passes over a step that has none).
 
 from __future__ import annotations
 
+import json
 import logging
+import traceback as tb
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,9 +25,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import TieredConfig
-from ..errors import CheckpointCorruptError, NoCheckpointError
+from ..errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
 from ..ranks import transport
 from ..steps.choice import describe_skipped
+from .discovery import all_agree, all_gather_bytes
 from .reader import TieredReader
 
 log = logging.getLogger("tiered_dcp")
@@ -42,8 +45,63 @@ def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwa
     ``dcp_load_kwargs`` go to ``dcp.load`` (``planner``, ``process_group``...); an error that
     is not about the step's data (a state_dict that does not match, say) is raised as is.
     """
-    step, _ = resume(config, lambda reader: dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs))
+    step, _ = resume(config, lambda reader: load_planned_alone(state_dict, reader, **dcp_load_kwargs))
     return step
+
+
+def load_planned_alone(state_dict: dict[str, Any], reader: TieredReader, **dcp_load_kwargs: Any) -> None:
+    """``dcp.load`` with ``reader``, each rank planning its own reads: once the ranks agreed
+    on the step (``reader.open``), a load needs no global plan unless it is spread over the
+    job (``TieredReader.needs_global_plan``), and DCP's gather and scatter of the plans
+    through rank 0 (and its all-gather at the end) grow with the job while each rank's
+    plan is its own. One all-reduce after it tells every rank whether every rank loaded;
+    where one failed, every rank raises DCP's ``CheckpointException`` with every rank's
+    error, as ``dcp.load`` does (``resume`` then passes the step over on every rank).
+    A ``process_group`` or ``no_dist`` given, or a spread load, goes through ``dcp.load``'s
+    own planning."""
+    reader.open()
+    if (
+        not transport.dist_up()
+        or reader.needs_global_plan()
+        or {"process_group", "no_dist"} & set(dcp_load_kwargs)
+    ):
+        dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs)
+        return
+    error: BaseException | None = None  # this rank's, as DCP wrapped it (alone: its rank 0's)
+    try:
+        dcp.load(state_dict, storage_reader=reader, no_dist=True, **dcp_load_kwargs)
+    except (Exception, CheckpointException) as e:  # every rank learns of it below, and raises it
+        error = e
+    if all_agree(error is None)[0]:
+        return
+    own = None if error is None else _wrapped(error)
+    mine = {} if own is None else {"type": type(own[0]).__name__, "message": str(own[0])}
+    told = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]  # JSON, no pickle
+    me = dist.get_rank()
+    failures = {  # DCP's shape: (exception, its traceback); this rank's its own
+        rank: own if rank == me and own is not None else (_as_error(t, reader.step), tb.StackSummary())
+        for rank, t in enumerate(told)
+        if t
+    }
+    raise CheckpointException("load", failures)
+
+
+def _wrapped(error: BaseException) -> tuple[BaseException, tb.StackSummary]:
+    """A load's error as DCP keeps it: the (exception, traceback) it wrapped, else its own."""
+    if isinstance(error, CheckpointException) and error.failures:
+        got = next(iter(error.failures.values()))
+        return got if isinstance(got, tuple) else (got, tb.StackSummary())
+    return error, tb.extract_tb(error.__traceback__)
+
+
+def _as_error(told: dict[str, str], step: int) -> BaseException:
+    """Another rank's error, as told: tiered-dcp's data errors keep their class (``resume``
+    passes the step over for them); anything else is a ``TieredCheckpointError`` naming it."""
+    if told["type"] == "CheckpointCorruptError":
+        return CheckpointCorruptError(told["message"], step=step)
+    if told["type"] == "NoCheckpointError":
+        return NoCheckpointError(told["message"])
+    return TieredCheckpointError(f"{told['type']}: {told['message']}")
 
 
 def resume(
