@@ -55,6 +55,7 @@ def main() -> None:
         replication_factor=2,
         replication_jump=2,
         peer_timeout=10,
+        failure_domain="RACK" if os.environ.get("RACK") else None,  # a rack per node, if given
     )
     for n in range(first, last + 1):
         store = dist.PrefixStore(f"_inprocess_{n}", base)

@@ -126,12 +126,25 @@ def test_random_topologies_either_fit_apart_or_are_refused():
         nodes = [n for n in range(n_nodes) for _ in range(per_node)]
         domains = [node_domain[n] for n in nodes]
         sizes = {d: domains.count(d) for d in set(domains)}
-        fits = len(nodes) % factor == 0 and max(sizes.values()) <= len(nodes) // factor
-        if fits:
-            _assert_apart(by_domain(factor, nodes, domains, "'RACK'"), nodes, domains, factor)
-        else:
-            with pytest.raises(ValueError, match="the domains found are"):
-                by_domain(factor, nodes, domains, "'RACK'")
+        if len(nodes) % factor == 0:  # a whole number of cliques: each member in another domain
+            if max(sizes.values()) <= len(nodes) // factor:
+                _assert_apart(by_domain(factor, nodes, domains, "'RACK'"), nodes, domains, factor)
+            else:
+                with pytest.raises(ValueError, match="the domains found are"):
+                    by_domain(factor, nodes, domains, "'RACK'")
+            continue
+        try:  # a shrunk world: cliques of factor..2*factor-1, each across two domains, or refused
+            layout = by_domain(factor, nodes, domains, "'RACK'")
+        except ValueError as e:
+            assert "the domains found are" in str(e)
+            continue
+        assert sorted(r for g in layout.groups for r in g) == list(range(len(nodes)))
+        for g in layout.groups:
+            assert len({domains[r] for r in g}) >= 2 and len(g) <= max(2 * factor - 1, len(nodes)), (
+                g,
+                domains,
+            )
+            assert len(g) >= factor or len(layout.groups) == 1
 
 
 def test_a_node_in_two_domains_is_refused():
@@ -159,3 +172,21 @@ def test_a_domain_from_a_function_or_the_environment(monkeypatch):
     assert own_domain(cfg, 1) == ("r7", None)
     bad = TieredConfig("c", [Tier("/x")], failure_domain=lambda r: None)
     assert "gave None, not a non-empty string" in own_domain(bad, 0)[1]
+
+
+def test_a_world_shrunk_by_a_fault_is_laid_out_across_the_domains_not_refused():
+    """Issue 47: 4 ranks on 2 racks lose one; the 3 left (2 on rack a, 1 on rack b) do not
+    split into cliques of 2, and before every save refused them. One clique of the three now
+    spans both racks: every part keeps a copy on the other rack. One rack alone still refuses."""
+    from tiered_dcp.ranks.cliques import uneven_domains
+
+    layout = by_domain(2, [0, 0, 1], ["a", "a", "b"], "'RACK'")
+    assert layout.groups == ((0, 1, 2),)
+    assert "every part keeps a copy in another domain" in (uneven_domains(layout) or "")
+    assert uneven_domains(by_domain(2, [0, 1, 2, 3], ["a", "a", "b", "b"], "'RACK'")) is None
+    wide = by_domain(2, [0, 1, 2, 3, 4], ["a", "a", "b", "b", "c"], "'RACK'")
+    assert sorted(len(g) for g in wide.groups) == [2, 3] and all(
+        len({"aabbc"[r] for r in g}) >= 2 for g in wide.groups
+    )
+    with pytest.raises(ValueError, match="each span two domains or more"):
+        by_domain(2, [0, 0, 1], ["a", "a", "a"], "'RACK'")

@@ -26,10 +26,18 @@ WORKER = str(Path(__file__).with_name("inprocess_worker.py"))
 
 
 def _start(
-    rank: int, port: int, root: Path, first: int, last: int, kill_at: int = -1, sizes: str = "4,4,4"
+    rank: int,
+    port: int,
+    root: Path,
+    first: int,
+    last: int,
+    kill_at: int = -1,
+    sizes: str = "4,4,4",
+    racks: bool = False,
 ) -> subprocess.Popen:
-    """One rank (two a node) in worlds ``first`` to ``last`` of ``sizes`` (``inprocess_worker``)."""
-    env = dict(os.environ, LOCAL_WORLD_SIZE="2")
+    """One rank (two a node) in worlds ``first`` to ``last`` of ``sizes`` (``inprocess_worker``);
+    ``racks``: each node its own failure domain (``RACK``)."""
+    env = dict(os.environ, LOCAL_WORLD_SIZE="2", **({"RACK": f"rack-{rank // 2}"} if racks else {}))
     args = [str(a) for a in (rank, sizes, port, root, first, last, kill_at)]
     return subprocess.Popen(
         [sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -163,15 +171,16 @@ def test_a_save_staged_in_a_world_that_is_gone_is_abandoned(tmp_path):
 
 def test_the_survivors_of_a_lost_rank_go_on_saving_in_a_world_of_three(shm):
     """Rank 3 is killed and not replaced: ranks 0-2 go on in a world of 3 (NvRx's default
-    rank assignment shrinks the world so), on 2 nodes that are no longer even. Each reloads
-    its newest step exactly and the saves go on, each part's replica on the other node;
-    before, every save refused the world ("needs a world size divisible by 2*2=4") and the
-    Wrapper restarted again and again."""
+    rank assignment shrinks the world so), on 2 nodes, each its own rack (failure domains),
+    no longer even. Each reloads its newest step exactly and the saves go on, each part's
+    replica on the other rack; before, every save refused the world ("needs a world size
+    divisible by 2") and the Wrapper restarted again and again. (Without failure domains,
+    the jump rule's refusal of the same world: test_nvrx_wrapper's SIGKILL.)"""
     port = free_port()
     server = dist.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
     )
-    procs = [_start(r, port, shm, 0, 2, kill_at=3, sizes="4,3,3") for r in range(4)]
+    procs = [_start(r, port, shm, 0, 2, kill_at=3, sizes="4,3,3", racks=True) for r in range(4)]
     try:
         assert procs[3].wait(timeout=120) == -9, procs[3].stderr.read()[-3000:]
         rows = []

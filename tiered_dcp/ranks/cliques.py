@@ -119,14 +119,18 @@ def jump_fits(world: int, factor: int, jump: int) -> bool:
 def by_domain(
     factor: int, nodes: Sequence[int], domains: Sequence[str], source: str, jump: int = 1
 ) -> Layout:
-    """Cliques of ``factor`` ranks each, every member in another failure domain (hence on
-    another node), spread as evenly as the domains allow; ValueError when they cannot be.
+    """Cliques of ranks each spanning failure domains (hence nodes), spread as evenly as the
+    domains allow; ValueError when a clique would lie in one domain.
 
     Ranks are listed domain by domain (largest domain first, each by node then rank) and
-    dealt round-robin into world/factor cliques: a domain holding at most world/factor ranks
-    never lands twice in one clique, and a larger one makes any layout impossible.
-    ``source`` names the config's failure_domain in messages; ``jump`` (the config's, unused
-    here) is only recorded.
+    dealt round-robin into ``max(1, world // factor)`` cliques. In a world of a multiple of
+    ``factor`` ranks where no domain holds more than world/factor of them, every clique has
+    ``factor`` members, each in another domain. A world that is not (a job that went on
+    with fewer ranks after a fault) gets cliques of ``factor`` to ``2 * factor - 1``
+    members, as ``by_node`` deals them, taken only when every clique still spans two
+    domains or more: each part then keeps a copy in another domain (``uneven_domains``
+    says so once). ``source`` names the config's failure_domain in messages; ``jump`` (the
+    config's, unused here) is only recorded.
     """
     world = len(nodes)
     members: dict[str, list[int]] = {}
@@ -135,30 +139,45 @@ def by_domain(
     _one_domain_per_node(nodes, domains, source)
     if factor == 1:
         return Layout(world, 1, jump, (), tuple(domains))
-    count = world // factor
-    biggest = max(len(rs) for rs in members.values())
-    if world % factor or biggest > count:
+    count = max(1, world // factor)
+    order = sorted(members.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    dealt: list[list[int]] = [[] for _ in range(count)]
+    for i, r in enumerate(r for _, rs in order for r in sorted(rs, key=lambda r: (nodes[r], r))):
+        dealt[i % count].append(r)
+    if world % factor == 0:  # cliques of ``factor``, each member in another domain
+        refused = max(len(rs) for rs in members.values()) > count
+    else:  # fewer ranks than a whole number of cliques: each clique across two domains at least
+        refused = any(len({domains[r] for r in g}) < 2 for g in dealt)
+    if refused:
         found = ", ".join(
-            f"{d!r}: {len(rs)} rank(s) on {len({nodes[r] for r in rs})} node(s)"
-            for d, rs in sorted(members.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+            f"{d!r}: {len(rs)} rank(s) on {len({nodes[r] for r in rs})} node(s)" for d, rs in order
         )
         need = (
-            f"a world size divisible by {factor}"
-            if world % factor
-            else f"{factor} distinct domains per clique, so no domain may hold more than "
+            f"{factor} distinct domains per clique, so no domain may hold more than "
             f"{world}/{factor}={count} of the {world} ranks"
+            if world % factor == 0
+            else f"a world size divisible by {factor}, or cliques of {factor} to {2 * factor - 1} "
+            "ranks that each span two domains or more"
         )
         raise ValueError(
             f"replication_factor={factor} with failure_domain={source} needs {need}; the domains found "
             f"are {found}. State a finer domain (a rack rather than a zone), spread the job over more "
             f"domains, or lower replication_factor"
         )
-    order = sorted(members.items(), key=lambda kv: (-len(kv[1]), kv[0]))
-    dealt: list[list[int]] = [[] for _ in range(count)]
-    for i, r in enumerate(r for _, rs in order for r in sorted(rs, key=lambda r: (nodes[r], r))):
-        dealt[i % count].append(r)
     groups = tuple(sorted(tuple(sorted(g)) for g in dealt))
     return Layout(world, factor, jump, groups, tuple(domains))
+
+
+def uneven_domains(layout: Layout) -> str | None:
+    """What a save says once when its failure domains were dealt into cliques of uneven
+    size (``by_domain``, a world that is not a multiple of the factor); None otherwise."""
+    if all(len(g) == layout.factor for g in layout.groups):
+        return None
+    return (
+        f"replication_factor={layout.factor}: this world of {layout.world} rank(s) does not split into "
+        f"cliques of {layout.factor}; by failure domain they are {[list(g) for g in layout.groups]}, "
+        "each spanning two domains or more: every part keeps a copy in another domain"
+    )
 
 
 def _one_domain_per_node(nodes: Sequence[int], domains: Sequence[str], source: str) -> None:

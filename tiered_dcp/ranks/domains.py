@@ -16,12 +16,15 @@ have other ranks on other nodes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
 from ..config import TieredConfig, node_of
 from . import transport
-from .cliques import Layout, by_domain, check_cliques
+from .cliques import Layout, by_domain, check_cliques, uneven_domains
+
+log = logging.getLogger("tiered_dcp")
 
 
 class Layouts:
@@ -49,7 +52,11 @@ class Layouts:
             if errors:
                 raise ValueError("; ".join(errors))
             nodes = [int(f["node"]) for f in found]
-            self._found[key] = by_domain(factor, nodes, [f["domain"] for f in found], source(config), jump)
+            layout = by_domain(factor, nodes, [f["domain"] for f in found], source(config), jump)
+            said = uneven_domains(layout)
+            if said and rank == 0:  # every rank lays out the same: the job's log says it once
+                log.warning("%s", said)
+            self._found[key] = layout
         return self._found[key]
 
 
