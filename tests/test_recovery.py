@@ -472,3 +472,20 @@ def test_metadata_damaged_on_a_shared_tier_lets_every_rank_resume_from_the_step_
     # every rank found it alike: the bucket holds one quarantine mark (rank 0's), not one per rank
     marks = [n for n in os.listdir(tmp_path / "bucket" / "run") if parse_quarantine(n) is not None]
     assert [parse_quarantine(n)[0] for n in marks] == [2], marks
+
+
+def test_a_load_planner_with_a_global_plan_of_its_own_keeps_dcp_s_planning():
+    """``load_latest`` plans each rank's reads alone only where DCP's global plan would change
+    nothing: its default planner's (and a subclass's that keeps it); a planner of the user's
+    that works across the ranks' plans gets DCP's gather and scatter."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from tiered_dcp.load.resume import _plans_globally
+
+    class Across(DefaultLoadPlanner):
+        def create_global_plan(self, global_plan):
+            return global_plan[::-1][::-1]
+
+    assert not _plans_globally(None) and not _plans_globally(DefaultLoadPlanner())
+    assert not _plans_globally(type("Keeps", (DefaultLoadPlanner,), {})())
+    assert _plans_globally(Across())

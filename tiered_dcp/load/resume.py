@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..config import TieredConfig
 from ..errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
@@ -57,13 +58,16 @@ def load_planned_alone(state_dict: dict[str, Any], reader: TieredReader, **dcp_l
     plan is its own. One all-reduce after it tells every rank whether every rank loaded;
     where one failed, every rank raises DCP's ``CheckpointException`` with every rank's
     error, as ``dcp.load`` does (``resume`` then passes the step over on every rank).
-    A ``process_group`` or ``no_dist`` given, or a spread load, goes through ``dcp.load``'s
-    own planning."""
+    A ``process_group`` or ``no_dist`` given, a planner with a global plan of its own (DCP's
+    default one leaves the ranks' plans as they are), or a spread load, goes through
+    ``dcp.load``'s own planning."""
     reader.open()
+    planner = dcp_load_kwargs.get("planner")
     if (
         not transport.dist_up()
         or reader.needs_global_plan()
         or {"process_group", "no_dist"} & set(dcp_load_kwargs)
+        or _plans_globally(planner)
     ):
         dcp.load(state_dict, storage_reader=reader, **dcp_load_kwargs)
         return
@@ -84,6 +88,15 @@ def load_planned_alone(state_dict: dict[str, Any], reader: TieredReader, **dcp_l
         if t
     }
     raise CheckpointException("load", failures)
+
+
+def _plans_globally(planner: object) -> bool:
+    """Whether a user's load planner does something across the ranks' plans (DCP's
+    ``DefaultLoadPlanner.create_global_plan`` returns them unchanged)."""
+    if planner is None:
+        return False
+    own = getattr(type(planner), "create_global_plan", None)
+    return own is not DefaultLoadPlanner.create_global_plan
 
 
 def _wrapped(error: BaseException) -> tuple[BaseException, tb.StackSummary]:
