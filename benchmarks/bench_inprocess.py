@@ -1,6 +1,6 @@
 """Recovery inside the job against a restart: fault to the first committed step after it.
 
-    .venv/bin/python benchmarks/bench_inprocess.py [--mib 64] [--rounds 1]
+    .venv/bin/python benchmarks/bench_inprocess.py [--mib 64] [--rounds 1] [--device cuda]
 
 4 ranks on gloo as 2 nodes (two ranks a node), ``--mib`` MiB of state each, an async save
 every step (``inprocess_train.py`` is the loop); rank 1 fails after step 6's save. Cases:
@@ -140,7 +140,9 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--cases", default="nvrx-raise,nvrx-kill,torchrun,stock")
+    ap.add_argument("--device", default="cpu", help="the state's device (cuda: every rank on the one card)")
     args = ap.parse_args()
+    os.environ["BENCH_DEVICE"] = args.device  # the ranks' (inprocess_train.py)
     cases = args.cases.split(",")
     rows: dict[str, list[dict]] = {c: [] for c in cases}
     for _ in range(args.rounds):
@@ -156,7 +158,8 @@ def main() -> None:
         for c, rs in rows.items()
     }
     print(
-        f"\n4 ranks as 2 nodes, {args.mib} MiB a rank, a save every step, fault after step {FAULT_AT}, "
+        f"\n4 ranks as 2 nodes, {args.mib} MiB a rank on {args.device}, a save every step, fault after "
+        f"step {FAULT_AT}, "
         f"{args.rounds} round(s)"
     )
     print(

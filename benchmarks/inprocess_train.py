@@ -5,11 +5,11 @@
 
 MODE: ``nvrx`` (NvRx's inprocess.Wrapper, tiered-dcp), ``torchrun`` (tiered-dcp, a torchrun
 restart) or ``stock`` (stock DCP to a local directory, a torchrun restart). Each rank holds
-MIB MiB of its own and saves asynchronously every step (tiered-dcp: a RAM tier per node,
-every part replicated on the other node); rank 1 fails once after step FAULT_AT's save
-(FAULT ``raise`` or ``kill``), or (``three``) ranks 1, 2 and 3 raise in turn after steps
-FAULT_AT, 2*FAULT_AT and 3*FAULT_AT, node 0's RAM tier wiped at the third. Prints
-``EVENT`` JSON lines with wall-clock times.
+MIB MiB of its own (on ``BENCH_DEVICE``, default cpu) and saves asynchronously every step
+(tiered-dcp: a RAM tier per node, every part replicated on the other node); rank 1 fails
+once after step FAULT_AT's save (FAULT ``raise`` or ``kill``), or (``three``) ranks 1, 2
+and 3 raise in turn after steps FAULT_AT, 2*FAULT_AT and 3*FAULT_AT, node 0's RAM tier
+wiped at the third. Prints ``EVENT`` JSON lines with wall-clock times.
 """
 
 import time
@@ -35,6 +35,7 @@ from tiered_dcp import Tier, TieredConfig, TieredWriter, load_latest  # noqa: E4
 from tiered_dcp.writer_process.timings import Kind, read_records  # noqa: E402
 
 MODE, FAULT, ROOT = sys.argv[1], sys.argv[2], sys.argv[3]
+DEVICE = torch.device(os.environ.get("BENCH_DEVICE", "cpu"))  # cuda: every rank on the one card
 MIB, STEPS, FAULT_AT = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 FIRST_RANK = int(os.environ.setdefault("BENCH_FIRST_RANK", os.environ["RANK"]))
 CFG = TieredConfig(
@@ -104,7 +105,7 @@ def train(store: dist.Store, world: int, rank: int) -> None:
     )
     event("group")
     key = f"w{FIRST_RANK}"
-    state = {key: torch.zeros(MIB << 18), "step": 0}
+    state = {key: torch.zeros(MIB << 18, device=DEVICE), "step": 0}
     if MODE == "stock":
         step = stock_latest(state)
     else:
@@ -116,7 +117,7 @@ def train(store: dist.Store, world: int, rank: int) -> None:
     event("loaded", step=step, exact=exact, world=world, **read_from(rank, step))
     first = True
     for s in range(step + 1, STEPS + 1):
-        state = {key: torch.full((MIB << 18,), float(s)), "step": s}
+        state = {key: torch.full((MIB << 18,), float(s), device=DEVICE), "step": s}
         if MODE == "stock":
             fut = dcp.async_save(state, checkpoint_id=f"{ROOT}/stock/step_{s}")
         else:

@@ -10,6 +10,9 @@
 # part: python3 benchmarks/bench_cuda.py --only train (or exact, load, stall), from /tmp.
 # bash scripts/gpu_check.sh train: the tests and the train part alone (~3 min), with the RAM
 # tier alone beside the README's tiers (the writer process's share of the stalls).
+# bash scripts/gpu_check.sh inprocess: the tests and issue 47's recovery inside the job with
+# CUDA states (bench_inprocess.py --device cuda: 4 ranks on the one card, NvRx 0.7.0's Wrapper
+# from the wheels --prepare put in .whl/nvrx, beside torchrun restarts; ~3 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--prepare" ]; then
@@ -19,7 +22,11 @@ if [ "${1:-}" = "--prepare" ]; then
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "zstandard>=0.22" || exit 1
-  ls .whl
+  plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_39_x86_64
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+  .venv/bin/python -m pip download -q --no-deps "${plat[@]}" -d .whl/nvrx "nvidia-resiliency-ext==0.7.0" || exit 1
+  .venv/bin/python -m pip download -q "${plat[@]}" -d .whl/nvrx defusedxml httpx packaging pyyaml psutil || exit 1
+  ls .whl .whl/nvrx
   exit 0
 fi
 OUT=${OUT:-/tmp/gpu-out}
@@ -46,6 +53,12 @@ timeout -s INT -k 15 90 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gp
 clean
 # issue 38: model + AdamW (3.22 GB), a save every 10 steps (80) and every 30 (120), tiered-dcp
 # vs stock pinned vs no saves
+if [ "${1:-}" = inprocess ]; then  # NvRx where bench_inprocess looks for it: the tree's .venv/nvrx
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$repo/.venv/nvrx" "$repo"/.whl/nvrx/*.whl 2>&1 | tail -3
+  bench bench_inprocess.txt 400 python3 "$repo/benchmarks/bench_inprocess.py" --device cuda --mib 64 --rounds 1
+  clean
+  exit 0
+fi
 ways=(none tiered_dcp stock_pinned)
 [ "${1:-}" = train ] && ways+=(tiered_ram_only)
 bench bench_train.txt 240 python3 "$repo/benchmarks/bench_cuda.py" --only train --train-gib 3.0 \
