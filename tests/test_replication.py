@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, status
+from tiered_dcp.load.device_reads import HostCopier, Ring
 
 NODES = {"LOCAL_WORLD_SIZE": 2}
 WORLD = 4
@@ -92,18 +93,40 @@ def _save(rank, world, root, steps):
         dcp.save(state(step, mesh), storage_writer=TieredWriter(cfg, step=step))
 
 
-def _load(rank, world, root, peer_timeout=60.0, stop_for=0.0):
+class Counting(HostCopier):
+    """A ring's host copy (the device flow without a GPU), counting the bytes it moved."""
+
+    copied = 0
+
+    def copy(self, dst, src) -> None:
+        self.copied += src.numel()
+        dst.copy_(src)
+
+
+def _load(rank, world, root, peer_timeout=60.0, stop_for=0.0, ring=False):
     cfg = make_config(root, peer_timeout)
     mesh = init_device_mesh("cpu", (world,))
     captured = Captured()
     reader = TieredReader(cfg)
+    through = Ring(Counting(), slots=2)
+    if ring:  # every tensor as onto a GPU: through a ring of 2 slots
+        reader._reads.ring_for = lambda device: through
     target = empty_state(mesh)
     planner = PausingPlanner(stop_for) if stop_for and rank == 1 else None
     started = time.monotonic()
     dcp.load(target, storage_reader=reader, planner=planner)
     check(target, reader.step)
     took = time.monotonic() - started
-    return reader.step, reader.tiers, captured.lines, took, reader._reads.peer_reads, reader._reads.read_from
+    crossed = (through.copier.copied, through.held) if ring else None
+    return (
+        reader.step,
+        reader.tiers,
+        captured.lines,
+        took,
+        reader._reads.peer_reads,
+        reader._reads.read_from,
+        crossed,
+    )
 
 
 class PausingPlanner(DefaultLoadPlanner):
@@ -173,13 +196,17 @@ def test_every_node_holds_every_part_metadata_and_marker(root):
 
 
 def test_node_loss_loads_everything_from_the_survivors(root):
+    """Node 1 wiped: its ranks take every item from node 0's; every tensor goes through a
+    ring as onto a GPU (own reads and items from peers alike: each byte crosses it once)."""
     wipe(root, 1)
-    results = run_ranks(_load, WORLD, str(root), env=NODES)
+    results = run_ranks(_load, WORLD, str(root), 60.0, 0.0, True, env=NODES)
     assert [r[0] for r in results] == [5] * WORLD  # the RAM step, newer than the bucket's 4
     assert all(0 in r[1] for r in results)
     # node 0's ranks read their own roots; node 1's (no tier left) all from peers, as much
     assert [sorted(r[5]) for r in results] == [["own"], ["own"], ["peer"], ["peer"]], results
     assert results[0][5]["own"] == results[2][5]["peer"] > 0  # the same DTensor shards' sizes
+    crossed = [r[6] for r in results]
+    assert crossed[0] == crossed[2] and crossed[0][0] > 0 and crossed[0][1] == 0, crossed  # peers' too
 
 
 def test_replacement_node_holds_its_parts_again_after_the_next_save(root):

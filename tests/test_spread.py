@@ -68,10 +68,12 @@ def ddp_step(gcs_emulator, tmp_path_factory):
 def test_a_restart_reads_each_stored_byte_once_and_every_rank_loads_exactly(ddp_step):
     bucket, args = ddp_step
     with bucket.proxy() as proxy:
-        spread, spread_ratio = load(bucket, proxy, args)
+        spread, spread_ratio = load(bucket, proxy, args, ring=True)  # as onto GPUs: through rings
         each, each_ratio = load(bucket, proxy, args, spread=False)
     for r in spread + each:
         assert r["error"] is None and r["exact"], r
+    for r in spread:  # each tensor byte crossed the ring once, those another rank read for it too
+        assert r["ring"]["copied"] == r["ring"]["tensor_bytes"] and r["ring"]["held"] == 0, r["ring"]
     assert spread_ratio <= 1.15, spread_ratio  # the bucket served the step about once
     assert each_ratio >= 2.5, each_ratio  # every replica read it (today's way): the test can fail
     # the loads' own count (``read_from``): a rank's state is "w" and "lr", the same on every

@@ -9,6 +9,8 @@ state's size. Only the rows of the stored item that a target asks for cross to t
 
 An item is handed to the planner only when every chunk held and its copies ran
 (``DeviceRead.finish``), so a damaged copy falls back to the next source as a host load does.
+An item that arrived whole in host memory (from a peer, or spread from another rank's read)
+crosses the same ring once checked (``from_host``).
 The device copy is a ``Copier``: CUDA's (``CudaCopier``), or a host copy (``HostCopier``),
 which runs the same ring on a machine without a GPU (the tests).
 """
@@ -193,6 +195,31 @@ def landing(req: ReadItem, target: torch.Tensor, dtype: torch.dtype, shape: list
     scratch = torch.empty(rows_shape(rows, shape), dtype=dtype, device=target.device)
     piece = narrowed(scratch, inner, target)
     return Landing(rows, byte_tensor(scratch), functools.partial(target.copy_, piece))
+
+
+def from_host(ring: Ring, raw: torch.Tensor, land: Landing, row_bytes: int) -> None:
+    """Land the rows ``land`` wants of a stored item whose raw bytes are already in host
+    memory, checked (an item a peer sent, or another rank's read of a spread load): slot by
+    slot through ``ring`` (a copy into a pinned slot, then a non-blocking copy to the device
+    on the ring's stream, as a chunk read from a tier goes); returns once they landed and
+    ``then`` ran."""
+    ring.copier.begin()
+    lo, hi = land.rows[0] * row_bytes, land.rows[1] * row_bytes
+    tokens = []
+    for at in range(lo, hi, ring.slot_bytes):
+        n = min(ring.slot_bytes, hi - at)
+        slot = ring.take()  # waits for the copy that last left it
+        token = None
+        try:
+            slot[:n].copy_(raw[at : at + n])
+            token = ring.copier.copy(land.dst[at - lo : at - lo + n], slot[:n])
+        finally:
+            ring.give(slot, token)
+        tokens.append(token)
+    for token in tokens:
+        ring.copier.wait(token)
+    if land.then is not None:
+        land.then()
 
 
 class DeviceRead:

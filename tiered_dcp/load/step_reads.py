@@ -466,16 +466,27 @@ class StepReads:
         if req.type != LoadItemType.TENSOR or info is None:
             return None
         target = planner.resolve_tensor(req).detach()
+        if self.ring_for(target.device) is not None:  # a device's target: through its ring
+            return None
         shape = list(info.shape or ())
         return target if holds_stored_bytes(req, target, dtype_from_name(info.dtype or ""), shape) else None
 
     def _deliver(self, req: ReadItem, planner: LoadPlanner, info: ItemInfo, buf: torch.Tensor) -> None:
+        """Place a checked item that arrived whole in host memory (``buf``, its raw bytes) in
+        its target: onto a device through the target's ring (``device_reads.from_host``),
+        else by a host copy of the piece asked."""
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, user_values.checked(buf.numpy().tobytes()))
             return
         target = planner.resolve_tensor(req).detach()
-        full = buf.view(dtype_from_name(info.dtype or "")).reshape(info.shape or ())
-        self._place(req, planner, full, target)
+        dtype, shape = dtype_from_name(info.dtype or ""), list(info.shape or ())
+        ring = self.ring_for(target.device)
+        if ring is not None:
+            land = device_reads.landing(req, target, dtype, shape)
+            device_reads.from_host(ring, buf, land, _row_bytes(dtype, shape))
+            planner.commit_tensor(req, target)
+            return
+        self._place(req, planner, buf.view(dtype).reshape(shape), target)
 
     def _read_spread(
         self,
@@ -511,8 +522,10 @@ class StepReads:
             )
 
         def landing(t: Transfer) -> torch.Tensor:
-            target = keep.exact(t.key)
-            return torch.empty(t.nbytes, dtype=torch.uint8) if target is None else byte_tensor(target)
+            target = keep.exact(t.key)  # a device's target (a ring) gets it through the ring
+            if target is None or self.ring_for(target.device) is not None:
+                return torch.empty(t.nbytes, dtype=torch.uint8)
+            return byte_tensor(target)
 
         def landed(t: Transfer, buf: torch.Tensor) -> None:
             info = self._item_info(t.key)
