@@ -100,3 +100,35 @@ def test_a_flipped_byte_on_the_fast_tier_falls_back_to_the_disk_tier_on_the_gpu(
     dcp.load(got, storage_reader=reader)
     assert_same(got, want)
     assert [f.kind.name for fs in reader._failures.values() for f in fs] == ["DAMAGED"]
+
+
+def _save_lose_node_1_load(rank: int, world: int, root: str) -> bool:
+    """Two ranks as two nodes, each part also on the other node; node 1's tier wiped; each
+    loads onto the GPU: rank 1 every item from rank 0, over the peer exchange, then the ring."""
+    import shutil
+
+    import torch.distributed as dist
+
+    cfg = TieredConfig("peers", [Tier(f"{root}/ram/{{node}}")], replication_factor=2, replication_jump=1)
+    mine = {k: v for k, v in state(4 + rank).items() if isinstance(v, torch.Tensor)}
+    want = {f"{k}.{rank}": v for k, v in mine.items()}
+    dcp.save(want, storage_writer=TieredWriter(cfg, step=1))
+    shutdown()
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(f"{root}/ram/1")
+    dist.barrier()
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    reader = TieredReader(cfg)
+    dcp.load(got, storage_reader=reader)
+    assert_same(got, want)
+    return sorted(reader._reads.read_from) == (["own"] if rank == 0 else ["peer"])
+
+
+def test_items_from_a_peer_land_on_the_gpu_through_the_ring(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dist_utils
+    from dist_utils import run_ranks
+
+    assert run_ranks(_save_lose_node_1_load, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}) == [True, True]
