@@ -120,17 +120,17 @@ def by_domain(
     factor: int, nodes: Sequence[int], domains: Sequence[str], source: str, jump: int = 1
 ) -> Layout:
     """Cliques of ranks each spanning failure domains (hence nodes), spread as evenly as the
-    domains allow; ValueError when a clique would lie in one domain.
+    domains allow.
 
     Ranks are listed domain by domain (largest domain first, each by node then rank) and
     dealt round-robin into ``max(1, world // factor)`` cliques. In a world of a multiple of
-    ``factor`` ranks where no domain holds more than world/factor of them, every clique has
-    ``factor`` members, each in another domain. A world that is not (a job that went on
-    with fewer ranks after a fault) gets cliques of ``factor`` to ``2 * factor - 1``
-    members, as ``by_node`` deals them, taken only when every clique still spans two
-    domains or more: each part then keeps a copy in another domain (``uneven_domains``
-    says so once). ``source`` names the config's failure_domain in messages; ``jump`` (the
-    config's, unused here) is only recorded.
+    ``factor`` ranks every clique has ``factor`` members, each in another domain, and a
+    domain holding more than world/factor ranks is refused (ValueError: no layout keeps the
+    copies apart; the job's configuration is to change). A world that is not a multiple (a
+    job that went on with fewer ranks after a fault) is never refused: its cliques have
+    ``factor`` to ``2 * factor - 1`` members, as ``by_node`` deals them, and
+    ``uneven_domains`` says once what each part keeps. ``source`` names the config's
+    failure_domain in messages; ``jump`` (the config's, unused here) is only recorded.
     """
     world = len(nodes)
     members: dict[str, list[int]] = {}
@@ -144,20 +144,13 @@ def by_domain(
     dealt: list[list[int]] = [[] for _ in range(count)]
     for i, r in enumerate(r for _, rs in order for r in sorted(rs, key=lambda r: (nodes[r], r))):
         dealt[i % count].append(r)
-    if world % factor == 0:  # cliques of ``factor``, each member in another domain
-        refused = max(len(rs) for rs in members.values()) > count
-    else:  # fewer ranks than a whole number of cliques: each clique across two domains at least
-        refused = any(len({domains[r] for r in g}) < 2 for g in dealt)
-    if refused:
+    if world % factor == 0 and max(len(rs) for rs in members.values()) > count:
         found = ", ".join(
             f"{d!r}: {len(rs)} rank(s) on {len({nodes[r] for r in rs})} node(s)" for d, rs in order
         )
         need = (
             f"{factor} distinct domains per clique, so no domain may hold more than "
             f"{world}/{factor}={count} of the {world} ranks"
-            if world % factor == 0
-            else f"a world size divisible by {factor}, or cliques of {factor} to {2 * factor - 1} "
-            "ranks that each span two domains or more"
         )
         raise ValueError(
             f"replication_factor={factor} with failure_domain={source} needs {need}; the domains found "
@@ -173,11 +166,15 @@ def uneven_domains(layout: Layout) -> str | None:
     size (``by_domain``, a world that is not a multiple of the factor); None otherwise."""
     if all(len(g) == layout.factor for g in layout.groups):
         return None
-    return (
+    head = (
         f"replication_factor={layout.factor}: this world of {layout.world} rank(s) does not split into "
-        f"cliques of {layout.factor}; by failure domain they are {[list(g) for g in layout.groups]}, "
-        "each spanning two domains or more: every part keeps a copy in another domain"
+        f"cliques of {layout.factor}; by failure domain they are {[list(g) for g in layout.groups]}"
     )
+    if all(len(g) == 1 for g in layout.groups):
+        return f"{head}; no replica can be placed: steps are saved without"
+    if any(len({layout.domains[r] for r in g}) < 2 for g in layout.groups):
+        return f"{head}; some cliques lie in one domain: a part of theirs does not survive its loss"
+    return f"{head}, each spanning two domains or more: every part keeps a copy in another domain"
 
 
 def _one_domain_per_node(nodes: Sequence[int], domains: Sequence[str], source: str) -> None:
