@@ -304,9 +304,9 @@ def test_abort_waits_for_an_upload_at_work_but_not_for_a_failed_save_still_held(
     gate = threading.Event()
 
     class Slow(TieredWriter):  # an upload that takes as long as the test says
-        def _write_data(self, plan, planner):
+        def _in_file(self, first):  # early in write_data
             gate.wait(30)
-            return super()._write_data(plan, planner)
+            return super()._in_file(first)
 
     uploading = dcp.async_save({"w": torch.ones(1 << 16)}, storage_writer=Slow(cfg, step=2))
     time.sleep(0.3)  # the upload thread is in write_data

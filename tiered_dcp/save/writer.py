@@ -524,11 +524,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.handoff_wait += handoff.wait_for_room()
         self._waited = True
 
+    @transport.working()  # ``tiered_dcp.abort`` waits for it
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with transport.working():  # ``tiered_dcp.abort`` waits for it
-            return self._write_data(plan, planner)
-
-    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.owner_pid == os.getpid() and self.generation != transport.generation():
             raise TieredCheckpointError(
                 f"step {self.step}: this save was staged in a world that is gone (its process "
