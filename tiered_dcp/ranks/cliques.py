@@ -170,11 +170,16 @@ def uneven_domains(layout: Layout) -> str | None:
         f"replication_factor={layout.factor}: this world of {layout.world} rank(s) does not split into "
         f"cliques of {layout.factor}; by failure domain they are {[list(g) for g in layout.groups]}"
     )
+    return head + _parts_keep(layout, layout.domains, "in one domain", "in another domain")
+
+
+def _parts_keep(layout: Layout, places: Sequence[object], one: str, another: str) -> str:
+    """What each part keeps under ``layout``, its ranks at ``places`` (their nodes or domains)."""
     if all(len(g) == 1 for g in layout.groups):
-        return f"{head}; no replica can be placed: steps are saved without"
-    if any(len({layout.domains[r] for r in g}) < 2 for g in layout.groups):
-        return f"{head}; some cliques lie in one domain: a part of theirs does not survive its loss"
-    return f"{head}, each spanning two domains or more: every part keeps a copy in another domain"
+        return "; no replica can be placed: steps are saved without"
+    if any(len({places[r] for r in g}) == 1 and len(g) > 1 for g in layout.groups):
+        return f"; some cliques lie {one}: a part of theirs does not survive its loss"
+    return f"; every part keeps a copy {another}"
 
 
 def _one_domain_per_node(nodes: Sequence[int], domains: Sequence[str], source: str) -> None:
@@ -199,11 +204,7 @@ def uneven_world(layout: Layout, nodes: Sequence[int], jump: int) -> str:
         f"{world} rank(s) on {len(set(nodes))} node(s){hint}: the cliques are laid out by node "
         f"instead, {[list(g) for g in layout.groups]}"
     )
-    if all(len(g) == 1 for g in layout.groups):
-        return f"{head}; no replica can be placed: steps are saved without"
-    if any(len({nodes[r] for r in g}) == 1 and len(g) > 1 for g in layout.groups):
-        return f"{head}; some cliques lie on one node: a part of theirs does not survive its loss"
-    return f"{head}; every part keeps a copy on another node"
+    return head + _parts_keep(layout, nodes, "on one node", "on another node")
 
 
 def peer_node(rank: int) -> int:
