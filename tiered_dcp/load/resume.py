@@ -35,6 +35,7 @@ from .reader import TieredReader
 log = logging.getLogger("tiered_dcp")
 
 T = TypeVar("T")
+TOLD_CHARS = 2000  # of a rank's error told to the others: every rank receives every rank's
 
 
 def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwargs: Any) -> int:
@@ -79,7 +80,7 @@ def load_planned_alone(state_dict: dict[str, Any], reader: TieredReader, **dcp_l
     if all_agree(error is None)[0]:
         return
     own = None if error is None else _wrapped(error)
-    mine = {} if own is None else {"type": type(own[0]).__name__, "message": str(own[0])}
+    mine = {} if own is None else {"type": type(own[0]).__name__, "message": str(own[0])[:TOLD_CHARS]}
     told = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]  # JSON, no pickle
     me = dist.get_rank()
     failures = {  # DCP's shape: (exception, its traceback); this rank's its own
