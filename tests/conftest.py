@@ -1,6 +1,7 @@
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 import uuid
@@ -34,6 +35,22 @@ def settle(cfg: TieredConfig, timeout: float = 60) -> None:
     while any(w.queue for w in writer_status(cfg)):
         assert time.monotonic() < deadline, f"writers still busy: {writer_status(cfg)}"
         time.sleep(0.05)
+
+
+def live_files(root: Path) -> dict[int, os.stat_result]:
+    """The regular files under `root` by inode, as a writer changes the tree: a file renamed or a
+    step directory retired while it is listed is skipped (os.walk ignores a vanished directory;
+    rglob raises)."""
+    found = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                st = os.stat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[st.st_ino] = st
+    return found
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import live_files
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for, writer_status
 from tiered_dcp.save.staging import POOL
@@ -242,14 +242,7 @@ def test_sigterm_lets_the_writer_copy_through_the_grace_period(tmp_path):
 def ram_copies(ram: Path) -> int:
     """The staged copies the RAM tier holds in /dev/shm: its part files (named, or spares)
     and the prepared ones the pool holds with no name, each file once."""
-    inodes = set()
-    for p in ram.rglob("*"):
-        try:  # a dirty part renamed clean as it is listed
-            st = p.stat()
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode) and st.st_size >= MiB:
-            inodes.add(st.st_ino)
+    inodes = {ino for ino, st in live_files(ram).items() if st.st_size >= MiB}
     for s in POOL._slots:  # only this tier's files count (earlier tests' stay mapped in the pool)
         if s.fd is not None and os.readlink(f"/proc/self/fd/{s.fd}").startswith(str(ram)):
             inodes.add(os.fstat(s.fd).st_ino)

@@ -10,7 +10,6 @@ loadable and the next save works; the memory /dev/shm holds stays near the floor
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import settle
+from conftest import live_files, settle
 from dist_utils import run_ranks
 from tiered_dcp.storage.format import part_key, read_index, step_dir
 from tiered_dcp.storage.local import LocalStorage
@@ -64,11 +63,7 @@ def _part(cfg: TieredConfig, step: int, rank: int = 0, tier: int = 0) -> Path:
 
 
 def _used(path: Path) -> int:
-    total = 0
-    for f in path.rglob("*"):
-        with contextlib.suppress(FileNotFoundError):  # a dirty part renamed clean meanwhile
-            total += f.stat().st_size if f.is_file() else 0
-    return total
+    return sum(st.st_size for st in live_files(path).values())
 
 
 def _save_change_load(cfg: TieredConfig, steps: range, kind, background: bool) -> list[str]:
