@@ -173,12 +173,19 @@ def make_record(
 
 
 def verify_raw(info: ItemInfo, raw: memoryview) -> None:
-    """Check every chunk of an item's raw (uncompressed) bytes against its checksums."""
-    pos = 0
+    """Check every chunk of an item's raw (uncompressed) bytes against its checksums, the
+    chunks of a large item in parallel (xxhash lets go of the GIL: a 4 GiB item is 0.3 s on
+    one core)."""
+    calls, pos = [], 0
     for i, (n, h) in enumerate(info.raw_chunks):
-        if checksum(raw[pos : pos + n]) != h:
-            raise ChecksumMismatch(f"chunk {i} (bytes {pos}..{pos + n} of the item)")
+        calls.append((_verify_chunk, raw[pos : pos + n], h, i, pos))
         pos += n
+    _parallel(calls)
+
+
+def _verify_chunk(raw: memoryview, h: int, i: int, pos: int) -> None:
+    if checksum(raw) != h:
+        raise ChecksumMismatch(f"chunk {i} (bytes {pos}..{pos + len(raw)} of the item)")
 
 
 def decode_chunk(codec: str, stored: Buffer, n: int, out: memoryview, i: int, h: int) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from . import direct_io
 from .base import Buffer, Reservation, Storage
 from .errors import NotAnObject
 from .registry import register_backend
@@ -180,12 +181,9 @@ class LocalStorage(Storage):
 
     def _write(self, key: str, chunks: Iterable[Buffer]) -> int:
         dirty = _Dirty(self, key, os.O_WRONLY)
-        total = 0
         try:
             try:
-                for chunk in chunks:
-                    _write_all(dirty.fd, chunk)
-                    total += memoryview(chunk).nbytes
+                total = self._fill(dirty.fd, chunks)
                 if dirty.fsync:
                     os.fsync(dirty.fd)
             finally:
@@ -196,26 +194,51 @@ class LocalStorage(Storage):
         dirty.publish()
         return total
 
+    def _fill(self, fd: int, chunks: Iterable[Buffer]) -> int:
+        """Write the stream to the new file ``fd``: direct on a disk (``direct_io``), so that
+        it goes at the device's pace and leaves no page of it in the cache; on a memory file
+        system the ordinary way (there the cache is the tier)."""
+        if self.durable:
+            return direct_io.DirectWrites(fd, self.root).write(chunks)
+        total = 0
+        for chunk in chunks:
+            _write_all(fd, chunk)
+            total += memoryview(chunk).nbytes
+        return total
+
     def reserve(self, key: str, size: int) -> Reservation:
         with self.errors(key):
             return MappedReservation(self, key, size)
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        if length is not None and length >= direct_io.DIRECT_READ_MIN and self.durable:
+            out = bytearray(length)  # the large reads of a copy down the tiers: direct when cold
+            got = self._read_into(key, offset, memoryview(out))
+            return out if got == length else out[:got]
         with self.errors(key), self._opened(key) as fd, open(fd, "rb", closefd=False) as f:
             f.seek(offset)
             return f.read() if length is None else f.read(length)
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         out = out.cast("B")
+        done = self._read_into(key, offset, out)
+        if done < len(out):  # a damaged file, not a failing medium: no storage error kind
+            raise OSError(errno.EIO, f"{self.describe(key)}: file ends {len(out) - done} bytes early")
+
+    def _read_into(self, key: str, offset: int, out: memoryview) -> int:
+        """The bytes of ``key`` from ``offset`` read into ``out``: direct from a disk where the
+        range is large and not in the page cache (``direct_io.read_direct``); how many (fewer
+        at the end of the file)."""
         done = 0
         with self.errors(key), self._opened(key) as fd:
+            if self.durable:
+                done = direct_io.read_direct(fd, offset, out, self.root) or 0
             while done < len(out):
                 n = os.preadv(fd, [out[done:]], offset + done)
                 if n == 0:
                     break
                 done += n
-        if done < len(out):  # a damaged file, not a failing medium: no storage error kind
-            raise OSError(errno.EIO, f"{self.describe(key)}: file ends {len(out) - done} bytes early")
+        return done
 
     def size(self, key: str) -> int | None:
         with self.errors(key):
