@@ -13,6 +13,9 @@
 # bash scripts/gpu_check.sh inprocess: the tests and issue 47's recovery inside the job with
 # CUDA states (bench_inprocess.py --device cuda: 4 ranks on the one card, NvRx 0.7.0's Wrapper
 # from the wheels --prepare put in .whl/nvrx, beside torchrun restarts; ~3 min).
+# bash scripts/gpu_check.sh disk: the tests and issue 48's disk tier against dd's direct I/O on
+# that host's disk (bench_disk_tier.py, 1 and 4 GiB steps) and the CPU stall series with the
+# disk tier on (bench_async.py --series); ~5 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--prepare" ]; then
@@ -57,6 +60,14 @@ if [ "${1:-}" = inprocess ]; then  # NvRx where bench_inprocess looks for it: th
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$repo/.venv/nvrx" "$repo"/.whl/nvrx/*.whl 2>&1 | tail -3
   bench bench_inprocess.txt 400 python3 "$repo/benchmarks/bench_inprocess.py" --device cuda --mib 64 --rounds 1
   clean
+  exit 0
+fi
+if [ "${1:-}" = disk ]; then
+  df -T /tmp | tee "$OUT/disk.txt"
+  bench bench_disk_tier.txt 270 python3 "$repo/benchmarks/bench_disk_tier.py" --gib 1 4 --runs 3
+  rm -rf /dev/shm/tdcp-benchd-* /tmp/tdcp-benchd-*
+  bench bench_async_series.txt 180 python3 "$repo/benchmarks/bench_async.py" --series --tensors 8 --runs 3
+  rm -rf /dev/shm/tdcp-bench-* /tmp/tdcp-bench-*
   exit 0
 fi
 ways=(none tiered_dcp stock_pinned)

@@ -45,21 +45,31 @@ class _Buffers:
     """Aligned buffers (anonymous maps are page-aligned), made once and reused: a transfer
     takes one when it starts and gives it back when done, so the memory held is what the
     most transfers at once ever needed (``IN_FLIGHT + 1`` per file being written,
-    ``READS_IN_FLIGHT`` per range being read), not a set per caller."""
+    ``READS_IN_FLIGHT`` per range being read), not a set per caller. ``release_idle``
+    hands their pages back to the kernel between bursts of work."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: list[mmap.mmap] = []
+        self._out = 0
 
     def take(self) -> mmap.mmap:
         with self._lock:
+            self._out += 1
             if self._free:
                 return self._free.pop()
         return mmap.mmap(-1, BUFFER_BYTES)
 
-    def give(self, bufs: Iterable[mmap.mmap]) -> None:
+    def give(self, bufs: list[mmap.mmap]) -> None:
         with self._lock:
+            self._out -= len(bufs)
             self._free.extend(bufs)
+
+    def release_idle(self) -> None:
+        with self._lock:
+            if self._out == 0:
+                for buf in self._free:
+                    buf.madvise(mmap.MADV_DONTNEED)  # the mapping stays; its pages go (zero when touched)
 
 
 _BUFFERS = _Buffers()
@@ -83,6 +93,14 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+
+def release_idle() -> None:
+    """Give the buffers' pages back to the kernel when no transfer is using them: called by
+    whoever knows a burst of work is over (the writer process with its queue empty, a load
+    once read), so an idle writer holds no more than before (its RSS target) and a trainer
+    keeps nothing after a load."""
+    _BUFFERS.release_idle()
 
 
 def set_direct(fd: int, on: bool, root: str) -> bool:

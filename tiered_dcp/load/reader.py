@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tiered_dcp.storage import direct_io
 from tiered_dcp.storage.format import ItemKey
 
 from ..config import TieredConfig, node_of
@@ -318,6 +319,7 @@ class TieredReader(StorageReader):
             raise
         finally:
             self._open_step().read_done(wait_for_all=everyone)
+            direct_io.release_idle()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

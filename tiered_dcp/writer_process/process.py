@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from tiered_dcp.storage import Storage
+from tiered_dcp.storage import Storage, direct_io
 from tiered_dcp.storage.codec import Encoder, iter_raw_chunks
 from tiered_dcp.storage.errors import PermanentStorageError, classify
 from tiered_dcp.storage.format import PartIndex, part_key, pin_key, step_dir, write_index
@@ -236,6 +236,7 @@ class Persister:
                 jobs = self.rd.queue.jobs(target)
                 if not jobs:
                     self.active.pop(target, None)
+                    direct_io.release_idle()  # nothing for this tier: its buffers' pages go back
                     return
                 self.active[target] = jobs[0]
             self.process(jobs[0])
