@@ -62,6 +62,13 @@ class Storage(ABC):
             raise OSError(f"{self.describe(key)}: short read ({len(data)} of {len(out)} bytes)")
         out[:] = data
 
+    def read_placed(self, key: str, offset: int, length: int, room: memoryview) -> int | None:
+        """Read ``length`` bytes of ``key`` at ``offset`` into ``room`` (``length`` plus
+        ``direct_io.PLACE_SPARE`` bytes or more), where the backend places them: their start
+        in ``room``. None, with nothing read, where the backend has no better way than
+        ``read_into`` (the default): a local disk reads a cold range straight into ``room``."""
+        return None
+
     @abstractmethod
     def size(self, key: str) -> int | None:
         """Size of the object under ``key``, or None when there is none."""

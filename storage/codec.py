@@ -348,6 +348,21 @@ def read_chunk_into(store: Storage, record: Record, i: int, out: memoryview) -> 
     decode_chunk(codec, stored, n, out, i, h)
 
 
+def read_chunk_placed(store: Storage, record: Record, i: int, room: memoryview) -> int:
+    """Chunk ``i`` of an item read, decoded and verified into ``room`` (its raw length plus
+    ``direct_io.PLACE_SPARE``), where the store places it (``Storage.read_placed``: a raw chunk
+    on a local disk straight from the device, no copy after); where it starts in ``room``."""
+    (_, n, pos), h = chunk_spans(record)[i], record.info.raw_chunks[i][1]
+    if record.blocks is None and record.chunk_codec(i) == "raw" and record.stored[i] == n and n:
+        at = store.read_placed(record.file, pos, n, room)
+        if at is not None:
+            if checksum(room[at : at + n]) != h:
+                raise ChecksumMismatch(f"chunk {i} of the item does not match its checksum")
+            return at
+    read_chunk_into(store, record, i, room[:n])
+    return 0
+
+
 def read_chunks(store: Storage, record: Record, first: int, last: int, out: memoryview) -> None:
     """Chunks ``first`` to ``last`` (exclusive) of an item read from ``store`` and decoded,
     verified, into ``out`` (their raw bytes back to back): the part of an item a piece of it

@@ -225,6 +225,15 @@ class LocalStorage(Storage):
         if done < len(out):  # a damaged file, not a failing medium: no storage error kind
             raise OSError(errno.EIO, f"{self.describe(key)}: file ends {len(out) - done} bytes early")
 
+    def read_placed(self, key: str, offset: int, length: int, room: memoryview) -> int | None:
+        if not self.durable:
+            return None
+        with self.errors(key), self._opened(key) as fd:
+            placed = direct_io.read_placed(fd, offset, length, room.cast("B"), self.root)
+        if placed is not None and placed[1] < length:  # damaged, as read_into says
+            raise OSError(errno.EIO, f"{self.describe(key)}: file ends {length - placed[1]} bytes early")
+        return None if placed is None else placed[0]
+
     def _read_into(self, key: str, offset: int, out: memoryview) -> int:
         """The bytes of ``key`` from ``offset`` read into ``out``: direct from a disk where the
         range is large and not in the page cache (``direct_io.read_direct``); how many (fewer

@@ -26,6 +26,7 @@ from tiered_dcp.storage.format import marker_key, part_key
 from tiered_dcp.storage.local import DIRTY, LocalStorage, in_memory
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for, writer_status
+from tiered_dcp.load.device_reads import HostCopier, Ring
 
 MiB = 1 << 20
 
@@ -225,3 +226,38 @@ def test_a_full_disk_fails_a_direct_write_cleanly(small_ext4):
     assert store.list("s") == []  # no dirty leftover holding the space
     data = _bytes(9 * MiB + 5, seed=2)
     assert store.write("s/part", [data]) == len(data) and store.read("s/part") == data
+
+
+class AddressCopier(HostCopier):
+    """The ring's host copy, keeping the address each copy started from."""
+
+    def __init__(self) -> None:
+        self.sources: list[int] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.sources.append(src.data_ptr())
+        dst.copy_(src)
+
+
+def test_a_cold_chunk_for_a_device_is_read_by_the_disk_into_the_ring_slot(disk):
+    """Onto a device, a cold disk tier's chunk lands in the pinned slot by the direct read
+    itself (its aligned span placed in the slot, the copy to the device starting inside it),
+    no bounce buffer: here an item at an odd offset, whose bytes then sit at odd addresses of
+    the slot (a bounce copy would put each chunk at the slot's start)."""
+    cfg = TieredConfig("ring", [Tier(str(disk / "ssd"))])
+    g = torch.Generator().manual_seed(3)
+    want = {
+        "a": torch.randint(0, 256, (3 * MiB + 7,), dtype=torch.uint8, generator=g),
+        "b": torch.randint(0, 256, (20 * MiB + 13,), dtype=torch.uint8, generator=g),
+    }
+    dcp.save(want, storage_writer=TieredWriter(cfg, step=1))
+    ring = Ring(AddressCopier(), slots=3)
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    reader = TieredReader(cfg, 1)
+    reader._reads.ring_for = lambda device: ring
+    dcp.load(got, storage_reader=reader)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert any(p % 2 for p in ring.copier.sources), "every chunk went through a bounce buffer"
+    part = Path(cfg.tiers[0].root(0, 0)) / part_key("ring", 1, 0)
+    assert _cached(part)[0] <= 2, "the load pulled the step through the page cache"
+    shutdown()

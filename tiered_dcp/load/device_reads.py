@@ -1,11 +1,14 @@
 """Items loaded onto an accelerator: through a bounded ring of pinned host buffers.
 
 A tensor whose load target is on a device is read chunk by chunk (``codec.CHUNK_BYTES``)
-into a pinned host slot, each chunk checked against its checksum on a worker thread, then
+into a pinned host slot (from a cold disk tier by the device itself: ``read_chunk_placed``),
+each chunk checked against its checksum on a worker thread, then
 copied to the device by a non-blocking copy on a side stream; the slot is taken again only
 once its copy has run. Reads, checks and copies of different chunks and items overlap, and
-the host memory a load holds is the ring's (``RING_SLOTS`` x ``SLOT_BYTES``), whatever the
-state's size. Only the rows of the stored item that a target asks for cross to the device.
+the host memory a load holds is the ring's (``RING_SLOTS`` slots of ``SLOT_BYTES`` and the
+room a direct read's aligned span needs, one pinned block: torch rounds a pinned allocation up
+to a power of two, so slots of 8 MiB + 12 KiB each would take 16 MiB), whatever the state's
+size. Only the rows of the stored item that a target asks for cross to the device.
 
 An item is handed to the planner only when every chunk held and its copies ran
 (``DeviceRead.finish``), so a damaged copy falls back to the next source as a host load does.
@@ -31,14 +34,15 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from tiered_dcp.storage import Storage
-from tiered_dcp.storage.codec import CHUNK_BYTES, chunk_spans, read_chunk_into
+from tiered_dcp.storage.codec import CHUNK_BYTES, chunk_spans, read_chunk_into, read_chunk_placed
+from tiered_dcp.storage.direct_io import PLACE_SPARE
 from tiered_dcp.storage.format import Record
 
 from ..errors import TieredCheckpointError
 from ..tensors import byte_tensor, byte_view
 
 SLOT_BYTES = CHUNK_BYTES  # one chunk as the writer cuts them
-RING_SLOTS = 8  # 64 MiB of pinned host memory per device, whatever the state
+RING_SLOTS = 7  # carved from one 64 MiB pinned block per device, whatever the state
 WORKERS = min(8, os.cpu_count() or 1)  # reads and checks release the GIL
 LOOKAHEAD_BYTES = 256 << 20  # raw bytes of items in flight at once (device scratch included)
 
@@ -111,8 +115,10 @@ class Ring:
     def __init__(self, copier: Copier, slots: int = RING_SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
         self.copier, self.slot_bytes = copier, slot_bytes
         self._free: queue.SimpleQueue[tuple[torch.Tensor, Any]] = queue.SimpleQueue()
-        for _ in range(slots):
-            self._free.put((copier.slot(slot_bytes), None))
+        stride = slot_bytes + PLACE_SPARE  # room for a chunk's aligned span, read straight in
+        block = copier.slot(slots * stride)
+        for i in range(slots):
+            self._free.put((block[i * stride : (i + 1) * stride], None))
         self._lock = threading.Lock()
         self.held = self.peak = 0
 
@@ -255,9 +261,9 @@ class DeviceRead:
         buf = ring.take()
         token = None
         try:
-            read_chunk_into(self.store, self.rec, i, byte_view(buf[:n]))
+            at = read_chunk_placed(self.store, self.rec, i, byte_view(buf[: n + PLACE_SPARE]))
             if b > a:
-                token = ring.copier.copy(self.land.dst[dst_at : dst_at + b - a], buf[a:b])
+                token = ring.copier.copy(self.land.dst[dst_at : dst_at + b - a], buf[at + a : at + b])
         finally:
             ring.give(buf, token)
         return token
