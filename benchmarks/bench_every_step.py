@@ -116,8 +116,13 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=1024, help="state per rank in MiB (default 1024)")
     ap.add_argument("--saves", type=int, default=8, help="saves back to back per case (default 8)")
     ap.add_argument("--tensors", type=int, default=8, help="tensors in the state (default 8)")
+    ap.add_argument("--single-only", action="store_true", help="the single-rank case alone")
     args = ap.parse_args()
-    single, replicated = case(False, args), case(True, args)
+    single = case(False, args)
+    if args.single_only:
+        print(json.dumps({"bench": "every-step", "single": single}))
+        return
+    replicated = case(True, args)
     ratios = {
         "single_host_vs_memcpy": single["host_vs_memcpy"],
         "replicated_host_vs_memcpy": replicated["host_vs_memcpy"],

@@ -63,7 +63,7 @@ MIN_BLOCKED = 64 << 10  # smaller items stay in the part file (a block file each
 LEASE_TTL = 600.0  # seconds after which a lease is presumed left by a dead GC on another host
 LEASE_POLL = 0.05
 THREADS = 8  # block checks and writes in flight per part (a bucket answers each in ~ms)
-PARALLEL_HASH = 256 << 10  # chunks from this size are hashed on the pool's threads
+PARALLEL_HASH = 256 << 10  # chunks from this size are hashed on the hashing threads (``hashing``)
 
 
 def block_id(raw: Buffer) -> str:
@@ -77,7 +77,7 @@ def block_hasher() -> Any:
 
 
 Screen = Callable[[memoryview], bool]  # a check of a chunk's bytes (the non-finite check)
-SCREEN_PIECE = 1 << 20  # bytes hashed, then screened while they are still in cache
+SCREEN_PIECE = 2 << 20  # bytes hashed, then screened while they are still in cache (L2/L3)
 
 
 class Print(NamedTuple):
@@ -101,8 +101,9 @@ def fingerprints(
     those bytes are in cache, so beside the hash it costs a fraction of a pass of its own.
     A block of the previous call keeps its checksum and its screens' answers: the id names
     the bytes, and both are functions of them, so an unchanged block is hashed (and screened)
-    once, not twice. Large chunks are hashed on the blocks' threads (xxhash and torch
-    release the GIL on large buffers, so this scales with the cores), small ones inline."""
+    once, not twice. Large chunks are hashed on ``hashing``'s threads, one per core of this
+    rank (xxhash and numpy release the GIL on large buffers, so this scales with the
+    cores), small ones inline."""
     global _LAST
     last = _LAST
     screens = screens or [None] * len(chunks)
@@ -126,7 +127,7 @@ def fingerprints(
         return Print(h, name, verdict)
 
     big = [i for i, c in enumerate(chunks) if len(c) >= PARALLEL_HASH]
-    futures = {i: pool().submit(one, i) for i in big} if len(big) > 1 else {}
+    futures = {i: hashing().submit(one, i) for i in big} if len(big) > 1 else {}
     got = [futures[i].result() if i in futures else one(i) for i in range(len(chunks))]
     _LAST = {}
     for p, screen in zip(got, screens, strict=True):
@@ -346,13 +347,43 @@ def remembered(store: Storage, directory: str, create: bool) -> dict[str, tuple[
 
 
 _POOL: ThreadPoolExecutor | None = None
+_HASHING: ThreadPoolExecutor | None = None
 
 
 def pool() -> ThreadPoolExecutor:
+    """Threads for block checks and writes: I/O, ``THREADS`` in flight."""
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="tdcp-blocks")
     return _POOL
+
+
+def rank_cores() -> int:
+    """The cores this rank's own CPU work may take: those it may run on, shared with the
+    other ranks of its node (``LOCAL_WORLD_SIZE``), which save at the same moment."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
+
+
+def hashing() -> ThreadPoolExecutor:
+    """Threads for checksums and screens: one per core of ``rank_cores``. More threads than
+    cores only take turns: 8 threads on 2 cores hashed and screened 1 GiB in 0.13 s where
+    2 took 0.08 s (each evicts the others' pieces from the cache)."""
+    global _HASHING
+    if _HASHING is None:
+        _HASHING = ThreadPoolExecutor(max_workers=rank_cores(), thread_name_prefix="tdcp-hash")
+    return _HASHING
+
+
+def _after_fork() -> None:
+    """A forked child has none of the parent's threads: a pool of them would take work and
+    never run it. The child makes its own."""
+    global _POOL, _HASHING
+    _POOL = _HASHING = None
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class BlockPut:

@@ -266,7 +266,7 @@ def test_a_screen_runs_once_per_block_and_only_where_asked():
         seen.append(len(piece))
         return bytes(piece[:1]) != b"\xff"
 
-    good, bad = (memoryview(bytes([v]) * (BLOCK_BYTES + 10)) for v in (0, 0xFF))
+    good, bad = (memoryview(bytes([v]) * (SCREEN_PIECE + 10)) for v in (0, 0xFF))
     got = fingerprints([good, bad], [True, True], [None, None], [screen, screen])
     assert [p.passed for p in got] == [True, False] and sum(seen) == len(good) + SCREEN_PIECE
     seen.clear()

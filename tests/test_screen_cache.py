@@ -40,3 +40,40 @@ def test_an_unchanged_block_is_screened_once_across_saves(monkeypatch):
     screened.clear()
     assert save() == [True, True, False]
     assert screened == [], f"{len(screened)} unchanged block(s) screened again"
+
+
+def _verdicts(dtype: torch.dtype, words: torch.Tensor) -> list[bool]:
+    """The screen's verdict on each word alone, beside a finite one (pieces of two values)."""
+    screen = finite_screen(dtype)
+    assert screen is not None
+    pairs = torch.stack([words, torch.zeros_like(words)], 1).contiguous().view(dtype)
+    view = memoryview(pairs.view(torch.uint8).numpy()).cast("B")
+    size = 2 * words.element_size()
+    return [screen(view[i * size : (i + 1) * size]) for i in range(len(words))]
+
+
+def test_the_screen_is_exact_for_every_16_bit_pattern():
+    """Every float16 and bfloat16 word: the screen says non-finite exactly where torch does
+    (NaN and Inf of either sign, payloads included); the two reductions leave none out."""
+    words = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    for dtype in (torch.float16, torch.bfloat16):
+        expected = torch.isfinite(words.view(dtype).float()).tolist()
+        assert _verdicts(dtype, words) == expected
+
+
+def test_the_screen_is_exact_at_the_edges_of_wide_floats():
+    """float32 and float64: the largest finite values of both signs, zeros, subnormals pass;
+    NaN and Inf of both signs, with any payload, fail; random words agree with torch."""
+    for dtype, itype in ((torch.float32, torch.int32), (torch.float64, torch.int64)):
+        info = torch.finfo(dtype)
+        values = torch.tensor(
+            [info.max, -info.max, 0.0, -0.0, info.tiny / 2, -info.tiny / 2, float("inf"), float("-inf")],
+            dtype=dtype,
+        )
+        nan = torch.tensor([float("nan")], dtype=dtype).view(itype)
+        words = torch.cat([values.view(itype), nan, nan | 1, nan | (1 << (itype.itemsize * 8 - 1)), nan - 1])
+        g = torch.Generator().manual_seed(1)
+        words = torch.cat([words, torch.randint(-(1 << 62), 1 << 62, (4096,), generator=g).to(itype)])
+        expected = torch.isfinite(words.view(dtype)).tolist()
+        assert _verdicts(dtype, words) == expected
+        assert expected[:6] == [True] * 6 and expected[6:12] == [False] * 6

@@ -35,14 +35,14 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-# Per checked dtype: the unsigned integer of its width and its exponent's bits. A value is
-# NaN or Inf exactly when every exponent bit is set (IEEE 754; bfloat16 is float32's top
-# half). Other dtypes (float8, complex, integers) are not checked.
+# Per checked dtype: the signed and unsigned integers of its width and its exponent's bits.
+# A value is NaN or Inf exactly when every exponent bit is set (IEEE 754; bfloat16 is
+# float32's top half). Other dtypes (float8, complex, integers) are not checked.
 EXPONENT_BITS = {
-    torch.float16: (np.uint16, 0x7C00),
-    torch.bfloat16: (np.uint16, 0x7F80),
-    torch.float32: (np.uint32, 0x7F800000),
-    torch.float64: (np.uint64, 0x7FF0000000000000),
+    torch.float16: (np.int16, np.uint16, 0x7C00),
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80),
+    torch.float32: (np.int32, np.uint32, 0x7F800000),
+    torch.float64: (np.int64, np.uint64, 0x7FF0000000000000),
 }
 CHECKED_DTYPES = tuple(EXPONENT_BITS)
 
@@ -54,14 +54,21 @@ def finite_screen(dtype: torch.dtype) -> Callable[[memoryview], bool] | None:
     return _SCREENS.get(dtype)
 
 
-def _finite_bytes(word: type, exponent: int, piece: memoryview) -> bool:
+def _finite_bytes(signed: type, unsigned: type, exponent: int, piece: memoryview) -> bool:
     """No value in ``piece`` with every exponent bit set: exact, whatever the values (no sum
-    to overflow). In numpy, one thread per call with the GIL released, so the hashing pool's
-    threads screen in parallel; a torch op here would start a parallel region over every
-    core from each of those threads (3x slower with 16 cores' worth of threads)."""
+    to overflow), in two reductions that make no array of their own. Read as signed
+    integers, the positive NaN/Inf are exactly the words from ``exponent`` up; read as
+    unsigned, the negative ones are exactly those from sign bit | ``exponent`` up.
+
+    In numpy, one thread per call with the GIL released, so the hashing pool's threads
+    screen in parallel; a torch op here would start a parallel region over every core from
+    each of those threads (3x slower with 16 cores' worth of threads)."""
     if not len(piece):
         return True
-    return int(np.bitwise_and(np.frombuffer(piece, dtype=word), exponent).max()) != exponent
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    if int(np.frombuffer(piece, dtype=signed).max()) >= exponent:
+        return False
+    return int(np.frombuffer(piece, dtype=unsigned).max()) < sign | exponent
 
 
 # The screens, made once: ``fingerprints`` remembers a block's answer per screen object, so a
