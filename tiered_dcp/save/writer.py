@@ -341,6 +341,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.generation = 0  # the trainer's world when it staged (``transport.generation``)
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
+        self.slot_wait: float | None = None  # of the staging, the wait for a slot earlier saves held
         self.staging_bytes: int | None = None  # the trainer's staging buffers once it staged
         self._write_seconds = 0.0  # this rank's part written to the first tier (``records``)
         # bytes this rank sent its clique's peers for their replicas (also in ``records``; in
@@ -417,7 +418,9 @@ class TieredWriter(StorageWriter, AsyncStager):
                 if len(self.config.tiers) > 1
                 else contextlib.nullcontext
             )
-            return POOL.stage(examined, reserved, self.staged_file, self.staging_slots, quiet)
+            staged = POOL.stage(examined, reserved, self.staged_file, self.staging_slots, quiet)
+            self.slot_wait = staged.slot_wait
+            return staged
         finally:
             if reserved is not None:  # whatever failed before the pool took it
                 reserved.release()
@@ -678,6 +681,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         }
         if self.stage_seconds is not None:
             fields["stage_s"] = round(self.stage_seconds, 6)
+        if self.slot_wait is not None:
+            fields["slot_wait_s"] = round(self.slot_wait, 6)
         here = self.owner_pid in (None, os.getpid())  # prepared files: in memory, in no listing
         staging = POOL.info()["bytes"] + POOL.prepared_bytes() if here else self.staging_bytes
         if staging is not None:  # not known in DCP's background process after background staging

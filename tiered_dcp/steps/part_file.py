@@ -32,10 +32,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tiered_dcp.storage.base import Storage
+from tiered_dcp.storage.base import Reservation, Storage
 from tiered_dcp.storage.errors import NotAnObject
 from tiered_dcp.storage.format import is_part_name, part_key, spare_dir, step_dir
-from tiered_dcp.storage.local import DIRTY, LocalStorage, in_memory
+from tiered_dcp.storage.local import DIRTY, LocalStorage, in_memory, map_whole
 
 from ..config import TieredConfig
 
@@ -89,13 +89,16 @@ def part_file(config: TieredConfig, store: LocalStorage, step: int, rank: int) -
     )
 
 
-def create(tf: TierFile, size: int) -> int:
+def create(tf: TierFile, size: int, avoid: frozenset[int] = frozenset()) -> int:
     """An open file at ``tf.dirty`` of ``size`` bytes, all claimed: a spare when there is
-    one (its pages reused), else a new one. The caller owns the descriptor. The step's
-    directory is made with no link on the way (one left there fails the save)."""
+    one (its pages reused; not those whose inode is in ``avoid``), else a new one. The
+    caller owns the descriptor. The step's directory is made with no link on the way (one
+    left there fails the save)."""
     os.close(tf.store.make_dir(tf.directory))
     with _opened_dir(tf.spares) as spares:
         for name in _listed(spares):
+            if name.isdigit() and int(name) in avoid:
+                continue
             with contextlib.suppress(FileNotFoundError):  # another save claimed it first
                 os.rename(name, tf.dirty, src_dir_fd=spares)
                 break
@@ -108,6 +111,56 @@ def create(tf: TierFile, size: int) -> int:
             os.unlink(tf.dirty)
         raise
     return fd
+
+
+def reserve(
+    config: TieredConfig, store: Storage, step: int, rank: int, size: int, avoid: frozenset[int] = frozenset()
+) -> Reservation:
+    """Where rank's part of ``step`` is received into ``store`` (a clique peer's replica):
+    on a tier whose retention recycles part files, a spare's pages (``create``; ``avoid``:
+    the inodes staging keeps mapped here, for its own next saves), so that a save every
+    step receives into warm pages, not fresh ones claimed and zeroed each time; elsewhere
+    the store's own reservation."""
+    key = part_key(config.namespace, step, rank)
+    if not isinstance(store, LocalStorage) or not recycles(config, store):
+        return store.reserve(key, size)
+    return _Received(part_file(config, store, step, rank), key, size, avoid)
+
+
+class _Received(Reservation):
+    """A part file filled in place by bytes from elsewhere: mapped whole, renamed clean on
+    ``commit`` (synced as ``finish`` syncs: on a memory file system, not at all)."""
+
+    def __init__(self, tf: TierFile, key: str, size: int, avoid: frozenset[int]) -> None:
+        self.tf, self.store, self.key, self.size = tf, tf.store, key, size
+        with self.store.errors(key):  # a full tier: the store's error, as its own reservation raises
+            self.fd = create(tf, size, avoid)
+            try:
+                self._map = map_whole(self.fd, size) if size else None
+            except BaseException:
+                os.close(self.fd)
+                discard(tf)
+                raise
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def _release(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.view.release()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a tensor still wraps it: GC closes it
+                self._map.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def commit(self) -> None:
+        self._release()
+        with self.store.errors(self.key):
+            finish(self.tf, self.size, [])
+
+    def discard(self) -> None:
+        self._release()
+        discard(self.tf)
 
 
 def _open_regular(path: str) -> int:

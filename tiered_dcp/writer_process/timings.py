@@ -10,7 +10,9 @@ scores (``scores``) work from what a real run measured::
 Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
 
 - ``save``: ``tier`` (the fastest tier taking the step), ``bytes`` (this rank's part),
-  ``stage_s`` (the copy ``async_save`` waits for; absent for a sync save), ``write_s`` (the
+  ``stage_s`` (the copy ``async_save`` waits for; absent for a sync save), ``slot_wait_s``
+  (the staging's wait for a staging slot that earlier saves still held: saves coming faster
+  than the host side commits them wait there, their memory bounded), ``write_s`` (the
   part written to that tier), ``commit_s`` (``write_data`` to the step's commit there, or to
   the part being written on a shared tier), ``handoff_s`` (waits for a writer that fell behind),
   ``sent`` (bytes sent to clique peers for their replicas: part files and the blocks they lacked),
@@ -75,6 +77,7 @@ class TimingRecord:
     bytes: int | None = None  # this rank's part(s)
     write_s: float | None = None
     stage_s: float | None = None  # save: the copy async_save waits for (absent: a sync save)
+    slot_wait_s: float | None = None  # save: the staging's wait for a slot earlier saves held
     commit_s: float | None = None  # save
     handoff_s: float | None = None  # save: waits for a writer that fell behind
     sent: int | None = None  # save: bytes sent to clique peers
@@ -98,6 +101,7 @@ class TimingRecord:
         "bytes": optional(is_int),
         "write_s": optional(is_number),
         "stage_s": optional(is_number),
+        "slot_wait_s": optional(is_number),
         "commit_s": optional(is_number),
         "handoff_s": optional(is_number),
         "sent": optional(is_int),

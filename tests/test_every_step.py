@@ -1,0 +1,89 @@
+"""A save every step (issue 49): what each save leaves behind stays flat from step to step.
+
+Real processes (2 ranks as 2 nodes on gloo), a real tmpfs RAM tier with ``keep=2`` and each
+part replicated to the other node: a replica is received into a spare's pages (the part
+file of a step retention dropped), not into a file claimed and zeroed anew each save; every
+step loads back exact. Saves that come faster than their commits wait for a staging slot,
+and their records say how long.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+from tiered_dcp.storage.format import part_key
+
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown
+from tiered_dcp.save.staging import POOL
+from tiered_dcp.writer_process.timings import Kind, read_records
+
+SAVES = 7
+NODES = {"LOCAL_WORLD_SIZE": 1}  # each rank its own node: each part's replica crosses to the other
+
+
+def _config(root: str) -> TieredConfig:
+    return TieredConfig("every", [Tier(f"{root}/{{node}}", keep=2)], replication_factor=2, replication_jump=1)
+
+
+def _state(rank: int, step: int) -> dict:
+    return {"model": {f"r{rank}.w{i}": torch.full((256 << 10,), step + rank / 2 + i / 8) for i in range(4)}}
+
+
+def _save_every_step(rank: int, world: int, root: str) -> dict:
+    cfg = _config(root)
+    group = dist.new_group(backend="gloo")
+    inodes = []
+    for step in range(1, SAVES + 1):
+        writer = TieredWriter(cfg, step=step)
+        dcp.async_save(_state(rank, step), storage_writer=writer, process_group=group).result()
+        inodes.append(os.stat(os.path.join(root, str(rank), part_key(cfg.namespace, step, 1 - rank))).st_ino)
+    exact = []
+    for step in (SAVES - 1, SAVES):
+        target = {"model": {k: torch.zeros_like(v) for k, v in _state(rank, 0)["model"].items()}}
+        dcp.load(target, storage_reader=TieredReader(cfg, step=step), process_group=group)
+        want = _state(rank, step)["model"]
+        exact.append(all(torch.equal(target["model"][k], v) for k, v in want.items()))
+    shutdown(wait=True, timeout=60)
+    return {"inodes": inodes, "exact": exact}
+
+
+def test_a_replica_is_received_into_a_recycled_part_file(shm):
+    """From the 4th save on (retention has dropped a step by then), each save receives its
+    peer's part into one of the dropped steps' files: the replicas of 7 saves take at most
+    keep + 1 = 3 files, where a fresh file each save would take 7."""
+    results = run_ranks(_save_every_step, 2, str(shm), env=NODES)
+    for got in results:
+        assert got["exact"] == [True, True]
+        assert len(set(got["inodes"])) <= 3, got["inodes"]
+        assert len(set(got["inodes"][3:])) <= 3
+
+
+def test_saves_faster_than_their_commits_wait_for_a_slot_and_the_records_say_so(tmp_path):
+    """Three async saves back to back to a disk tier with one staging slot: the 2nd and 3rd
+    wait in their staging for the slot the save before still holds (its upload), so host
+    memory holds one staged copy, never three; each SAVE record says how long its save
+    waited (``slot_wait_s``), the first none. Every step is there, exact."""
+    cfg = TieredConfig("faster", [Tier(f"{tmp_path}/disk", keep=3)])
+    state = {"model": {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(8)}}  # 32 MiB
+    futures = []
+    for step in (1, 2, 3):
+        for i, v in enumerate(state["model"].values()):
+            v.fill_(step + i / 8)
+        futures.append(dcp.async_save(state, storage_writer=TieredWriter(cfg, step=step, staging_slots=1)))
+        assert POOL.info()["busy"] <= 1
+    for fut in futures:
+        fut.result()
+    waits = {r.step: r.slot_wait_s for r in read_records(cfg, Kind.SAVE)}
+    assert waits[1] is not None and waits[1] < 0.005, waits
+    assert waits[2] > 0.001 and waits[3] > 0.001, waits
+    for step in (1, 2, 3):
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        dcp.load(target, storage_reader=TieredReader(cfg, step=step))
+        assert all(
+            torch.equal(t, torch.full_like(t, step + i / 8)) for i, t in enumerate(target["model"].values())
+        )
+    shutdown(wait=True, timeout=60)
