@@ -21,15 +21,20 @@ their indexes and copying those two files.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
 import math
 import pickle
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import xxhash
 
 from .base import Storage
 from .records import (
@@ -753,9 +758,34 @@ def read_index(store: Storage, namespace: str, step: int, rank: int, limit: int)
     except DamagedRecord as e:
         raise BadIndex(str(e)) from None
     try:
-        return PartIndex.from_bytes(data, namespace, step, rank)
+        return _parsed(data, namespace, step, rank)
     except BadIndex as e:
         raise BadIndex(f"{store.describe(key)}: {e}") from e
+
+
+PARSED_INDEXES = 32  # indexes whose parse is remembered (by their bytes), the latest used
+_PARSED: OrderedDict[tuple[bytes, str, int, int], PartIndex] = OrderedDict()
+_PARSED_LOCK = threading.Lock()
+
+
+def _parsed(data: bytes, namespace: str, step: int, rank: int) -> PartIndex:
+    """``PartIndex.from_bytes``, remembered by the bytes' xxh3-128: a save every step reads
+    the kept steps' indexes again at each retention (is each part whole?), and parsing and
+    checking every record of thousands cost more than the rest of a save of small tensors.
+    The same bytes parse the same way, so a remembered parse is the parse; each caller gets
+    its own records dict."""
+    key = (xxhash.xxh3_128_digest(data), namespace, step, rank)
+    with _PARSED_LOCK:
+        index = _PARSED.get(key)
+        if index is not None:
+            _PARSED.move_to_end(key)
+    if index is None:
+        index = PartIndex.from_bytes(data, namespace, step, rank)
+        with _PARSED_LOCK:
+            _PARSED[key] = index
+            while len(_PARSED) > PARSED_INDEXES:
+                _PARSED.popitem(last=False)
+    return dataclasses.replace(index, records=dict(index.records))
 
 
 class IndexCache:

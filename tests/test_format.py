@@ -206,6 +206,33 @@ def test_index_written_read_and_cached_once(tmp_path):
     assert IndexCache().get(store, "run", 1, 1, LIMIT) == index
 
 
+def test_an_index_is_parsed_once_per_content_and_its_damage_always_seen(tmp_path, monkeypatch):
+    """``read_index`` remembers a parse by the bytes (a save every step reads the kept steps'
+    indexes at each retention): the same bytes are not parsed again, a changed byte is,
+    so damage is never hidden by a remembered parse; each caller gets its own records."""
+    store = LocalStorage(str(tmp_path))
+    index = PartIndex.of(1, [(ItemKey("a", (0,), 0), _record(offset=0))])
+    write_index(store, "run", 1, index)
+    parses = []
+    real = PartIndex.from_bytes
+
+    def counting(data, *args):
+        parses.append(len(data))
+        return real(data, *args)
+
+    monkeypatch.setattr(PartIndex, "from_bytes", staticmethod(counting))
+    first = read_index(store, "run", 1, 1, LIMIT)
+    first.records.clear()  # a caller's own dict: the next read is whole
+    assert read_index(store, "run", 1, 1, LIMIT) == index and len(parses) == 1
+    raw = store.read(index_key("run", 1, 1))
+    store.write(index_key("run", 1, 1), [raw.replace(b'"offset":0', b'"offset":-1')])
+    with pytest.raises(BadIndex):
+        read_index(store, "run", 1, 1, LIMIT)
+    assert len(parses) == 2
+    store.write(index_key("run", 1, 1), [raw])
+    assert read_index(store, "run", 1, 1, LIMIT) == index and len(parses) == 2
+
+
 def test_format2_pickled_index_is_read_without_torch_classes():
     store = LocalStorage(os.path.join(DATA, "format2", "ram", "0"))
     marker = Marker.from_bytes(store.read(marker_key("legacy", 2)))
