@@ -33,6 +33,7 @@ file (``settle``), which is then the slot's as if it had been staged into.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -49,7 +50,7 @@ import torch
 from ..errors import SnapshotError
 from ..steps import part_file
 from ..steps.part_file import TierFile
-from .snapshot import KINDS, Kind, refused
+from .snapshot import KINDS, PLAIN, Kind, refused
 from .snapshot import examine as examine_leaf
 
 log = logging.getLogger("tiered_dcp")
@@ -142,7 +143,16 @@ class _Refusal(Exception):
 
 
 def _flatten(obj: Any, ex: Examined) -> Any:
-    """A template of ``obj`` with every leaf replaced by a ``_Hole``; leaves examined in order."""
+    """A template of ``obj`` with every leaf replaced by a ``_Hole``; leaves examined in order.
+
+    On the training thread at every save, once per leaf: plain tensors in plain dicts, what
+    a trainer's state mostly is, take a path of their own (~3 µs a leaf, not ~7)."""
+    if type(obj) is dict:
+        plain = ex.plain
+        return {
+            k: plain(v) if type(v) is torch.Tensor or type(v) is torch.nn.Parameter else _flatten(v, ex)
+            for k, v in obj.items()
+        }
     if isinstance(obj, Mapping):
         return {k: _flatten(v, ex) for k, v in obj.items()}
     if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
@@ -200,17 +210,27 @@ class Examined:
     refresh: list[int] = field(default_factory=list)  # the leaves with a per-save part
     written: dict[Any, Any] = field(default_factory=dict)  # CUDA device -> event (``mark_written``)
 
+    def plain(self, t: torch.Tensor) -> _Hole:
+        """A plain tensor leaf (``snapshot.examine``'s fast path, inlined): its hole."""
+        values = self.values
+        values.append(t)
+        self.kinds.append(PLAIN)
+        self.pieces.append([t])
+        self.flat_pieces.append(t)
+        self.layouts.append(("tensor", t.dtype, t.shape, t.device.type))
+        return _Hole(len(values) - 1)
+
     def mark_written(self) -> None:
         """Record, per CUDA device of the state, an event on the caller's current stream:
         the state's last writes, which the copies wait for. Called on the training thread,
         so that a copy made later on another (``background_staging``) waits for its
         stream, not for that thread's own."""
-        for device in {p.device for p in self.flat_pieces if p.device.type == "cuda"}:
+        for device in {p.device for p in self.flat_pieces if p.is_cuda}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self.written[device] = event
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """The bytes a staged copy of this state takes (its arena: no padding)."""
         return sum(_nbytes(p) for p in self.flat_pieces)
