@@ -16,6 +16,10 @@
 # bash scripts/gpu_check.sh disk: the tests and issue 48's disk tier against dd's direct I/O on
 # that host's disk (bench_disk_tier.py, 1 and 4 GiB steps) and the CPU stall series with the
 # disk tier on (bench_async.py --series); ~5 min.
+# bash scripts/gpu_check.sh every-step: the tests and issue 49's loop (bench_cuda.py's train part,
+# model + AdamW 3.22 GB): a save every step and every 10 (60 steps each) with background
+# staging, tiered-dcp beside stock's pinned DefaultStager with async staging and no saves; then
+# the host side's commit rate (bench_every_step.py, one rank and replicated); ~5 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--prepare" ]; then
@@ -68,6 +72,14 @@ if [ "${1:-}" = disk ]; then
   rm -rf /dev/shm/tdcp-benchd-* /tmp/tdcp-benchd-*
   bench bench_async_series.txt 180 python3 "$repo/benchmarks/bench_async.py" --series --tensors 8 --runs 3
   rm -rf /dev/shm/tdcp-bench-* /tmp/tdcp-bench-*
+  exit 0
+fi
+if [ "${1:-}" = every-step ]; then
+  bench bench_every_step_loop.txt 300 python3 "$repo/benchmarks/bench_cuda.py" --only train --train-gib 3.0 \
+    --train-loops 60:1 60:10 --train-ways none tiered_bg stock_bg
+  clean
+  bench bench_every_step.txt 150 python3 "$repo/benchmarks/bench_every_step.py" --mib 1024 --saves 8
+  rm -rf /dev/shm/tdcp-bench-every-*
   exit 0
 fi
 ways=(none tiered_dcp stock_pinned)
