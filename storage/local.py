@@ -125,7 +125,31 @@ class _Dirty:
         os.close(self.dir)
 
 
-class MappedReservation(Reservation):
+class MappedFile(Reservation):
+    """A reservation over a file open as ``fd``, mapped whole (``map_whole``) as ``view``;
+    its kinds say how the file is made, committed and discarded."""
+
+    fd: int
+    _map: mmap.mmap | None
+
+    def _open_map(self, fd: int, size: int) -> None:
+        self._map = map_whole(fd, size) if size else None
+        self.fd = fd
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def _release(self) -> None:
+        """Unmap and close, once."""
+        with contextlib.suppress(BufferError):
+            self.view.release()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a tensor still wraps it: GC closes it
+                self._map.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class MappedReservation(MappedFile):
     """A dirty file mapped into memory: filled in place, then synced and renamed clean."""
 
     def __init__(self, store: LocalStorage, key: str, size: int) -> None:
@@ -134,21 +158,11 @@ class MappedReservation(Reservation):
         fd = self.dirty.fd
         try:
             _allocate(fd, size)
-            self._map = map_whole(fd, size) if size else None
+            self._open_map(fd, size)
         except BaseException:
             os.close(fd)
             self.dirty.remove()
             raise
-        self.fd = fd
-        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
-
-    def _release(self) -> None:
-        with contextlib.suppress(BufferError):
-            self.view.release()
-        if self._map is not None:
-            with contextlib.suppress(BufferError):  # a tensor still wraps it: GC closes it
-                self._map.close()
-        os.close(self.fd)
 
     def commit(self) -> None:
         with self.store.errors(self.key):

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from tiered_dcp.storage.format import part_key
 
-from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown
+from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, status
 from tiered_dcp.save.staging import POOL
 from tiered_dcp.writer_process.timings import Kind, read_records
 
@@ -87,3 +87,29 @@ def test_saves_faster_than_their_commits_wait_for_a_slot_and_the_records_say_so(
             torch.equal(t, torch.full_like(t, step + i / 8)) for i, t in enumerate(target["model"].values())
         )
     shutdown(wait=True, timeout=60)
+
+
+def test_the_slower_tier_takes_every_nth_step_while_the_ram_tier_takes_every_one(shm, tmp_path):
+    """A save every step to a RAM tier ``every=1, keep=2`` over a disk tier ``every=3``
+    (``on_lagging_tier="wait"``: no step may be skipped): the writer process copies steps
+    3, 6, 9 down as it would at any pace, the RAM tier holds the last two, and each loads
+    back exact from the disk tier alone."""
+    cfg = TieredConfig(
+        "nth",
+        [Tier(f"{shm}/ram", every=1, keep=2), Tier(f"{tmp_path}/disk", every=3, keep=3)],
+        on_lagging_tier="wait",
+    )
+    state = {"model": {f"w{i}": torch.zeros(1 << 18) for i in range(4)}}
+    for step in range(1, 10):
+        for i, v in enumerate(state["model"].values()):
+            v.fill_(step + i / 8)
+        dcp.async_save(state, storage_writer=TieredWriter(cfg, step=step)).result()
+    shutdown(wait=True, timeout=60)
+    committed = {(r.tier_index, r.step) for r in status(cfg) if r.state == "committed"}
+    assert committed == {(0, 8), (0, 9), (1, 3), (1, 6), (1, 9)}
+    disk_only = TieredConfig("nth", [Tier(f"{tmp_path}/disk", every=3, keep=3)])
+    for step in (3, 6, 9):
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        dcp.load(target, storage_reader=TieredReader(disk_only, step=step))
+        got = target["model"].values()
+        assert all(torch.equal(t, torch.full_like(t, step + i / 8)) for i, t in enumerate(got))

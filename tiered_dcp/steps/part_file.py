@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from tiered_dcp.storage.base import Reservation, Storage
 from tiered_dcp.storage.errors import NotAnObject
 from tiered_dcp.storage.format import is_part_name, part_key, spare_dir, step_dir
-from tiered_dcp.storage.local import DIRTY, LocalStorage, in_memory, map_whole
+from tiered_dcp.storage.local import DIRTY, LocalStorage, MappedFile, in_memory
 
 from ..config import TieredConfig
 
@@ -127,31 +127,20 @@ def reserve(
     return _Received(part_file(config, store, step, rank), key, size, avoid)
 
 
-class _Received(Reservation):
+class _Received(MappedFile):
     """A part file filled in place by bytes from elsewhere: mapped whole, renamed clean on
     ``commit`` (synced as ``finish`` syncs: on a memory file system, not at all)."""
 
     def __init__(self, tf: TierFile, key: str, size: int, avoid: frozenset[int]) -> None:
         self.tf, self.store, self.key, self.size = tf, tf.store, key, size
         with self.store.errors(key):  # a full tier: the store's error, as its own reservation raises
-            self.fd = create(tf, size, avoid)
+            fd = create(tf, size, avoid)
             try:
-                self._map = map_whole(self.fd, size) if size else None
+                self._open_map(fd, size)
             except BaseException:
-                os.close(self.fd)
+                os.close(fd)
                 discard(tf)
                 raise
-        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
-
-    def _release(self) -> None:
-        with contextlib.suppress(BufferError):
-            self.view.release()
-        if self._map is not None:
-            with contextlib.suppress(BufferError):  # a tensor still wraps it: GC closes it
-                self._map.close()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
     def commit(self) -> None:
         self._release()
