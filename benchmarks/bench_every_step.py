@@ -17,8 +17,8 @@ Per save, on the slowest rank:
   machine's noise of the moment in both);
 - ``cpu``: the process's CPU time over ``host`` (every thread's), for GB/s per core;
 - ``peak/state``: the most host memory the checkpoints held on the fullest node over the
-  loop (``Peak``: the tier's files, spares and replicas included, and the staging beyond
-  them), in states: ``keep + 1`` = 3 for one rank; a node holding its peer's replicas too
+  loop (``Peak``: the tier's files, spares, replicas and prepared files, each once, and the
+  staging beyond them), in states: ``keep + 1`` = 3 for one rank; a node holding its peer's replicas too
   holds ``2 * keep + 1``.
 
 Cases: ``single`` (one rank), ``replicated`` (2 ranks as 2 nodes, ``LOCAL_WORLD_SIZE=1``,
@@ -63,10 +63,11 @@ def value(step: int, i: int) -> float:
 
 
 class Peak:
-    """The most host memory the checkpoints held while running: the bytes of every file
-    under ``where`` (the RAM tier's steps, spares, a replica; or stock's directories) plus
-    this process's staging beyond them (buffers, a first copy, part files prepared with no
-    name yet), sampled every 5 ms on a thread of its own."""
+    """The most host memory the checkpoints held while running: every file under ``where``
+    (the RAM tier's steps, spares, a replica; or stock's directories) and every file there
+    this process holds open with no name (part files prepared for the next saves), each
+    inode once, plus this process's staging buffers beyond them (a first copy in private
+    memory), sampled every 5 ms on a thread of its own."""
 
     def __init__(self, where: str) -> None:
         self.where, self.most, self._stop = where, 0, threading.Event()
@@ -74,12 +75,17 @@ class Peak:
         self._thread.start()
 
     def held(self) -> int:
-        total = POOL.info()["bytes"] + POOL.prepared_bytes()
-        for folder, _, names in os.walk(self.where):
-            for name in names:
-                with contextlib.suppress(FileNotFoundError):  # renamed or retired as it is listed
-                    total += os.stat(os.path.join(folder, name)).st_blocks * 512
-        return total
+        paths = [os.path.join(d, n) for d, _, names in os.walk(self.where) for n in names]
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(self.where):
+                    paths.append(f"/proc/self/fd/{fd}")
+        blocks = {}
+        for path in paths:
+            with contextlib.suppress(OSError):  # renamed or retired as it is listed
+                st = os.stat(path)
+                blocks[st.st_ino] = st.st_blocks * 512
+        return sum(blocks.values()) + POOL.info()["bytes"]
 
     def _run(self) -> None:
         while not self._stop.wait(0.005):
