@@ -181,6 +181,9 @@ def main() -> None:
         "--cases", default="single,replicated,stock", help="of single, replicated, stock (default all)"
     )
     args = ap.parse_args()
+    unknown = set(args.cases.split(",")) - {"single", "replicated", "stock"}
+    if unknown:
+        ap.error(f"--cases: {sorted(unknown)} unknown; give some of single,replicated,stock")
     cases = {how: case(how, args) for how in args.cases.split(",")}
     single, replicated = cases.get("single"), cases.get("replicated")
     ratios = {}

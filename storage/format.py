@@ -26,6 +26,7 @@ import io
 import json
 import logging
 import math
+import os
 import pickle
 import threading
 import time
@@ -763,9 +764,18 @@ def read_index(store: Storage, namespace: str, step: int, rank: int, limit: int)
         raise BadIndex(f"{store.describe(key)}: {e}") from e
 
 
-PARSED_INDEXES = 32  # indexes whose parse is remembered (by their bytes), the latest used
+PARSED_RECORDS = 1 << 15  # records of the parses remembered (by their bytes), the latest used (~15 MB)
 _PARSED: OrderedDict[tuple[bytes, str, int, int], PartIndex] = OrderedDict()
 _PARSED_LOCK = threading.Lock()
+
+
+def _parsed_after_fork() -> None:
+    """A child forked while another thread held the lock would wait on it forever."""
+    global _PARSED_LOCK
+    _PARSED_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_parsed_after_fork)
 
 
 def _parsed(data: bytes, namespace: str, step: int, rank: int) -> PartIndex:
@@ -783,8 +793,9 @@ def _parsed(data: bytes, namespace: str, step: int, rank: int) -> PartIndex:
         index = PartIndex.from_bytes(data, namespace, step, rank)
         with _PARSED_LOCK:
             _PARSED[key] = index
-            while len(_PARSED) > PARSED_INDEXES:
-                _PARSED.popitem(last=False)
+            held = sum(len(i.records) for i in _PARSED.values())
+            while held > PARSED_RECORDS and len(_PARSED) > 1:  # a rank's host memory stays bounded
+                held -= len(_PARSED.popitem(last=False)[1].records)
     return dataclasses.replace(index, records=dict(index.records))
 
 

@@ -4,8 +4,10 @@ import json
 import os
 import pickle
 import shutil
+import time
 
 import pytest
+import tiered_dcp.storage.format as fmt
 import torch
 import torch.distributed.checkpoint as dcp
 from tiered_dcp.storage.format import (
@@ -318,3 +320,36 @@ def test_an_index_is_read_up_to_its_bound_and_no_further(tmp_path):
     with pytest.raises(BadIndex, match="larger than"):
         read_index(store, "run", 1, 1, size - 1)
     assert records_limit(1000) >= 16 * 1000  # an index ~2.8x its metadata at most (dedup, 1 rank)
+
+
+def test_the_remembered_parses_stay_within_their_record_budget(tmp_path, monkeypatch):
+    """Indexes read one after another (a load over many ranks' indexes): the parses kept are
+    the latest, never more records than ``PARSED_RECORDS`` (a rank's memory, 8 ranks a node)."""
+    monkeypatch.setattr(fmt, "PARSED_RECORDS", 10)
+    store = LocalStorage(str(tmp_path))
+    for rank in range(6):
+        recs = [(ItemKey(f"t{i}", (0,), 0), _record(offset=15 * i)) for i in range(4)]
+        write_index(store, "run", 1, PartIndex.of(rank, recs))
+        read_index(store, "run", 1, rank, LIMIT)
+        assert sum(len(i.records) for i in fmt._PARSED.values()) <= 10
+    assert len(fmt._PARSED) == 2
+
+
+def test_a_child_forked_while_the_parse_memo_is_locked_still_reads_indexes(tmp_path):
+    """A child forked (a DataLoader worker) while another thread held the memo's lock gets a
+    lock of its own: its reads of indexes do not wait forever."""
+    store = LocalStorage(str(tmp_path))
+    index = PartIndex.of(1, [(ItemKey("a", (0,), 0), _record(offset=0))])
+    write_index(store, "run", 1, index)
+    with fmt._PARSED_LOCK:  # held by this thread at the fork, as by another one mid-read
+        pid = os.fork()
+        if pid == 0:
+            ok = read_index(store, "run", 1, 1, LIMIT) == index
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0

@@ -238,10 +238,15 @@ PYTHON = Kind(
 KINDS = {k.name: k for k in (PLAIN, DTENSOR, SHARDED, SUBCLASS, PYTHON)}
 
 
+def plain_layout(t: torch.Tensor) -> tuple:
+    """A plain tensor's layout (what picks its staging slot): the one place it is made."""
+    return ("tensor", t.dtype, t.shape, t.device.type)
+
+
 def examine(value: Any) -> tuple[Kind, list[torch.Tensor], tuple]:
     """``value``'s kind, the tensors to copy and its layout; raises if it cannot be staged."""
     if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case, fast
-        return PLAIN, [value], ("tensor", value.dtype, value.shape, value.device.type)
+        return PLAIN, [value], plain_layout(value)
     if isinstance(value, DTensor) and is_plain(value._local_tensor):
         kind = DTENSOR
     elif isinstance(value, ShardedTensor) or (

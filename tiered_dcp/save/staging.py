@@ -50,7 +50,7 @@ import torch
 from ..errors import SnapshotError
 from ..steps import part_file
 from ..steps.part_file import TierFile
-from .snapshot import KINDS, PLAIN, Kind, refused
+from .snapshot import KINDS, PLAIN, Kind, plain_layout, refused
 from .snapshot import examine as examine_leaf
 
 log = logging.getLogger("tiered_dcp")
@@ -217,7 +217,7 @@ class Examined:
         self.kinds.append(PLAIN)
         self.pieces.append([t])
         self.flat_pieces.append(t)
-        self.layouts.append(("tensor", t.dtype, t.shape, t.device.type))
+        self.layouts.append(plain_layout(t))
         return _Hole(len(values) - 1)
 
     def mark_written(self) -> None:
