@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
-from tiered_dcp.storage.format import part_key
+from tiered_dcp.storage.blocks import hashing
+from tiered_dcp.storage.codec import ChecksumMismatch, checksum
+from tiered_dcp.storage.format import ItemInfo, Record, part_key
+from tiered_dcp.storage.local import LocalStorage
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, status
+from tiered_dcp.save.replicate import Landing, _verify
 from tiered_dcp.save.staging import POOL
 from tiered_dcp.writer_process.timings import Kind, read_records
 
@@ -113,3 +118,46 @@ def test_the_slower_tier_takes_every_nth_step_while_the_ram_tier_takes_every_one
         dcp.load(target, storage_reader=TieredReader(disk_only, step=step))
         got = target["model"].values()
         assert all(torch.equal(t, torch.full_like(t, step + i / 8)) for i, t in enumerate(got))
+
+
+CHUNK = 64 << 10
+
+
+def _landed(tmp_path, flipped: int | None) -> tuple[Landing, Record, Record]:
+    """A replica of three 64 KiB chunks received into a real reservation, each hashed as it
+    landed, as ``Swap`` does (byte ``flipped`` changed in transit, if given); the record its
+    sender made of the bytes it sent, and a record of the same bytes cut into other chunks."""
+    sent = b"".join(bytes([i + 1]) * CHUNK for i in range(3))
+    res = LocalStorage(str(tmp_path)).reserve("job/part", len(sent))
+    res.view[:] = sent
+    if flipped is not None:
+        res.view[flipped] ^= 0x40
+    land = Landing(1, {}, res, {}, [CHUNK] * 3)
+    for at in range(0, len(sent), CHUNK):
+        land.arrived[(at, CHUNK)] = hashing().submit(checksum, res.view[at : at + CHUNK])
+
+    def record(cuts: list[int]) -> Record:
+        ends = [*cuts[1:], len(sent)]
+        chunks = tuple((b - a, checksum(sent[a:b])) for a, b in zip(cuts, ends, strict=True))
+        return Record("job/part", 0, "raw", tuple(n for n, _ in chunks), ItemInfo(1, "tensor", chunks))
+
+    return land, record([0, CHUNK, 2 * CHUNK]), record([0, CHUNK // 2])
+
+
+def test_a_replica_hashed_as_it_landed_is_checked_against_the_senders_records(tmp_path):
+    land, rec, other = _landed(tmp_path, None)
+    _verify(land, rec)  # each chunk's checksum taken as it landed
+    _verify(land, other)  # a record that cuts the bytes otherwise: hashed again where it cuts
+    land.hashed()
+    land.part.discard()
+
+
+@pytest.mark.parametrize("flipped", [5, CHUNK + 7, 3 * CHUNK - 1])
+def test_a_byte_changed_in_transit_fails_the_replica(tmp_path, flipped):
+    land, rec, other = _landed(tmp_path, flipped)
+    with pytest.raises(ChecksumMismatch, match=f"^chunk {flipped // CHUNK} "):
+        _verify(land, rec)
+    with pytest.raises(ChecksumMismatch, match=f"^chunk {0 if flipped < CHUNK // 2 else 1} "):
+        _verify(land, other)
+    land.hashed()
+    land.part.discard()

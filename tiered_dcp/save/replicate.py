@@ -14,13 +14,14 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from tiered_dcp.storage.base import Buffer, Reservation
-from tiered_dcp.storage.blocks import pool
-from tiered_dcp.storage.codec import ChecksumMismatch, verify_stored
-from tiered_dcp.storage.format import BLOCK_HEADER, Chunk
+from tiered_dcp.storage.blocks import hashing, pool
+from tiered_dcp.storage.codec import ChecksumMismatch, checksum, verify_stored
+from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Record
 from tiered_dcp.storage.format import write_index as write_part_index
 
 from ..errors import TieredCheckpointError
@@ -57,12 +58,26 @@ class SavedPart:
 
 @dataclass
 class Landing:
-    """A peer's part arriving in this root: its part file, and the blocks this root lacked."""
+    """A peer's part arriving in this root: its part file, and the blocks this root lacked.
+
+    ``records`` are its block records (the peer names its blocks before it sends) until
+    ``Swap.finish`` replaces them with all its records; ``sizes`` its part file's stored
+    chunks as it announced them, each received on its own and hashed as it lands
+    (``arrived``: (start, length) -> the checksum's future)."""
 
     rank: int
     records: Records  # as the peer's root holds them
     part: Reservation
     blocks: dict[str, memoryview]  # block id -> its file's bytes (header, stored), as sent
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    receiving: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)  # (start, length, work)
+    arrived: dict[tuple[int, int], Future[int]] = dataclasses.field(default_factory=dict)
+
+    def hashed(self) -> None:
+        """Wait for the hashing of its chunks (none may read the file once it is released)."""
+        for fut in self.arrived.values():
+            if not fut.cancel():
+                fut.exception()
 
 
 def write_index(view: TierView, step: int, rank: int, records: Records, written: int | None = None) -> None:
@@ -79,12 +94,24 @@ def stored_chunk_sizes(records: Records) -> list[int]:
     return [n for rec in in_file for n in rec.stored]
 
 
+def blocked(records: Records) -> Records:
+    """The records whose chunks are blocks (dedup): known before the part's checksums are."""
+    return {i: r for i, r in records.items() if r.blocks is not None}
+
+
 class Swap:
     """This rank's part swapped with its clique's members on other roots, theirs landing here.
 
     ``start`` posts the transfers (they run in gloo's threads while the rank writes its own
     part); ``finish`` waits, verifies every replica against its checksums and renames it
     clean with its index. Any failure discards the landed replicas.
+
+    The bytes travel before their checksums are known: a member first announces its part
+    file's chunk sizes and its block records (``layout``), which is all a peer needs to
+    receive them, and sends; its checksums are computed meanwhile, on its hashing threads,
+    and its records follow in ``finish``. The receiver hashes each chunk as it lands, while
+    the next ones arrive, and checks those checksums against the records when they come
+    (``_verify``): the bytes are not passed over again after the transfer.
 
     What travels to a peer is its part file, then the block files its root lacks: the peer
     first claims every block the part uses (``dedup.claim``: its list before the GC lease,
@@ -105,6 +132,12 @@ class Swap:
         self.works: list[Any] = []
         self.sent = 0
 
+    def layout(self) -> bytes:
+        """What a peer needs to receive this rank's part: its part file's chunk sizes, in
+        file order, and its block records (named before the rest of its checksums)."""
+        sizes = [memoryview(c).nbytes for c in self.part.stored]
+        return json.dumps({"sizes": sizes, "blocks": records_to_json(self.part.records).decode()}).encode()
+
     def start(self) -> Swap:
         view, part = self.view, self.part
         transport.sweep("swap")  # the previous save ended on every rank: its group is gone
@@ -112,27 +145,29 @@ class Swap:
         transport.leave("swap", transport.group_keys(name, self.members.index(part.rank)))
         try:
             self.group = Group(name, self.members, part.rank, view.config.peer_timeout)
-            infos = [records_from_json(b) for b in self.group.allgather(records_to_json(part.sealed()))]
-            peers = {q: recs for q, recs in zip(self.members, infos, strict=True) if q in self.takes}
-            wanted = self._claim(peers)  # this rank, or a member writing into this same root: not in peers
+            announced = [_announced(b) for b in self.group.allgather(self.layout())]
+            peers = {q: a for q, a in zip(self.members, announced, strict=True) if q in self.takes}
+            wanted = self._claim({q: records for q, (_, records) in peers.items()})
             asks = self.group.allgather(json.dumps({str(q): ids for q, ids in wanted.items()}).encode())
             mine = dedup.block_chunks(part.records)
-            sends, recvs = [], []
-            for q, records in peers.items():
+            sends = []
+            for q in peers:
                 asked = json.loads(asks[self.members.index(q)]).get(str(part.rank), [])
                 sends += [(q, as_bytes_tensor(c)) for c in part.stored]
                 sends += [(q, as_bytes_tensor(b)) for block in asked for b in self._block_file(block, mine)]
-                size = sum(r.part_length for r in records.values())
-                res = part_file.reserve(view.config, view.own, self.step, q, size, POOL.mapped_inodes())
-                landing = Landing(q, records, res, {})
+            self.sent = sum(t.numel() for _, t in sends)
+            self.works = self.group.post(sends, [])
+            for q, (sizes, records) in peers.items():
+                res = part_file.reserve(view.config, view.own, self.step, q, sum(sizes), POOL.mapped_inodes())
+                landing = Landing(q, records, res, {}, sizes)
                 self.landed.append(landing)
                 pos = 0
-                for n in stored_chunk_sizes(records):
-                    recvs.append((q, as_bytes_tensor(res.view[pos : pos + n])))
+                for n in sizes:  # one by one: each is hashed as it lands (``_receive``)
+                    for _, work in self.group.post([], [(q, as_bytes_tensor(res.view[pos : pos + n]))]):
+                        landing.receiving.append((pos, n, work))
                     pos += n
-                recvs += [(q, as_bytes_tensor(b)) for b in self._land_blocks(landing, wanted[q])]
-            self.sent = sum(t.numel() for _, t in sends)
-            self.works = self.group.post(sends, recvs)
+                blocks = [(q, as_bytes_tensor(b)) for b in self._land_blocks(landing, wanted[q])]
+                self.works += self.group.post([], blocks)
         except BaseException:
             self.abort()
             raise
@@ -176,25 +211,42 @@ class Swap:
     def finish(self) -> None:
         try:
             assert self.group is not None
-            self.group.wait(self.works)
-            self.works = []
+            self._receive()
+            sealed = self.group.allgather(records_to_json(self.part.sealed()))
             for land in self.landed:
-                for rec in land.records.values():
-                    if rec.blocks is not None:
-                        continue
-                    try:
-                        verify_stored(rec, land.part.view[rec.offset : rec.offset + rec.length])
-                    except ChecksumMismatch as e:
-                        raise self._damaged(land.rank, e) from e
+                records = records_from_json(sealed[self.members.index(land.rank)])
+                if stored_chunk_sizes(records) != land.sizes or blocked(records) != land.records:
+                    raise self._damaged(land.rank, ValueError("its records do not describe what it sent"))
+                land.records = records
+                for rec in records.values():
+                    if rec.blocks is None:
+                        try:
+                            _verify(land, rec)
+                        except ChecksumMismatch as e:
+                            raise self._damaged(land.rank, e) from e
             self._write_blocks()
             ns = self.view.config.namespace
             for land in self.landed:
+                land.hashed()
                 land.part.commit()
                 records = dedup.as_held(ns, land.records, self.here)
                 write_index(self.view, self.step, land.rank, records, sum(map(len, land.blocks.values())))
             self.landed.clear()
         finally:
             self.abort()
+
+    def _receive(self) -> None:
+        """Wait for every transfer, hashing each chunk of a replica's part file as it lands
+        (on ``hashing``'s threads, while the next ones arrive). Each chunk has the peer
+        timeout to arrive: a peer that goes on sending is not a lost one."""
+        assert self.group is not None
+        for land in self.landed:
+            for start, n, work in land.receiving:
+                self.group.wait([(land.rank, work)])
+                land.arrived[(start, n)] = hashing().submit(checksum, land.part.view[start : start + n])
+            land.receiving = []
+        self.group.wait(self.works)
+        self.works = []
 
     def _write_blocks(self) -> None:
         """Every block that arrived, verified and written into this root (in parallel)."""
@@ -219,5 +271,34 @@ class Swap:
             self.group = None
         self.works = []
         for land in self.landed:
+            land.hashed()
             land.part.discard()
         self.landed.clear()
+
+
+def _announced(blob: bytes) -> tuple[list[int], Records]:
+    """A member's ``Swap.layout``: its part file's chunk sizes and its block records."""
+    doc = json.loads(blob)
+    sizes = doc["sizes"]
+    if not (isinstance(sizes, list) and all(isinstance(n, int) and n >= 0 for n in sizes)):
+        raise TieredCheckpointError(f"a clique peer announced its part as {str(sizes)[:100]}")
+    return sizes, records_from_json(doc["blocks"].encode())
+
+
+def _verify(land: Landing, rec: Record) -> None:
+    """Check one record of a landed part: a raw one against the checksums its chunks got as
+    they landed (a chunk the record cuts otherwise is hashed here), any other decoded."""
+    stored = land.part.view[rec.offset : rec.offset + rec.length]
+    if rec.codec != "raw" or rec.codecs is not None:
+        verify_stored(rec, stored)
+        return
+    if len(stored) != rec.length or rec.length != rec.info.raw_length:
+        raise ChecksumMismatch(f"{len(stored)} bytes where the record says {rec.length}")
+    pos = rec.offset
+    for i, (n, h) in enumerate(rec.info.raw_chunks):
+        got = land.arrived.get((pos, n))
+        value = got.result() if got is not None else checksum(land.part.view[pos : pos + n])
+        if value != h:
+            at = pos - rec.offset
+            raise ChecksumMismatch(f"chunk {i} (bytes {at}..{at + n} of the item)")
+        pos += n
