@@ -94,9 +94,13 @@ def stored_chunk_sizes(records: Records) -> list[int]:
     return [n for rec in in_file for n in rec.stored]
 
 
-def blocked(records: Records) -> Records:
-    """The records whose chunks are blocks (dedup): known before the part's checksums are."""
-    return {i: r for i, r in records.items() if r.blocks is not None}
+def _describes(records: Records, land: Landing) -> bool:
+    """Whether a peer's records describe what it announced: its part file's chunks, and the
+    blocks (with their lengths and checksums) it named and this root claimed. Aliases (the
+    save planner's) are records of their own over blocks already named."""
+    return stored_chunk_sizes(records) == land.sizes and dedup.block_chunks(records) == dedup.block_chunks(
+        land.records
+    )
 
 
 class Swap:
@@ -215,7 +219,7 @@ class Swap:
             sealed = self.group.allgather(records_to_json(self.part.sealed()))
             for land in self.landed:
                 records = records_from_json(sealed[self.members.index(land.rank)])
-                if stored_chunk_sizes(records) != land.sizes or blocked(records) != land.records:
+                if not _describes(records, land):
                     raise self._damaged(land.rank, ValueError("its records do not describe what it sent"))
                 land.records = records
                 for rec in records.values():
