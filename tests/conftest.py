@@ -1,3 +1,4 @@
+import atexit
 import logging
 import os
 import shutil
@@ -20,10 +21,14 @@ from s3_server import MotoServer, s3_request_kind  # noqa: E402
 from s3_server import missing as s3_missing  # noqa: E402
 
 # Writer-process runtime dirs of this test session: private, removed when it ends.
-# Rank subprocesses import this module too: they inherit the session's directory.
-OWN_RUNTIME_DIR = "TIERED_DCP_RUNTIME_DIR" not in os.environ
+# Rank subprocesses import this module too: they inherit the session's directory. Each
+# pytest-xdist worker has one of its own (a worker inherits the controller's environment).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+OWN_RUNTIME_DIR = "TIERED_DCP_RUNTIME_DIR" not in os.environ or os.environ.get("TDCP_TEST_WORKER") != WORKER
 if OWN_RUNTIME_DIR:
     os.environ["TIERED_DCP_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tdcp-runtime-")
+    os.environ["TDCP_TEST_WORKER"] = WORKER
+    atexit.register(shutil.rmtree, os.environ["TIERED_DCP_RUNTIME_DIR"], True)
 RUNTIME_DIR = os.environ["TIERED_DCP_RUNTIME_DIR"]
 
 from tiered_dcp import Tier, TieredConfig, shutdown, writer_status  # noqa: E402
