@@ -9,6 +9,8 @@ and their records say how long.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import pytest
@@ -20,10 +22,13 @@ from tiered_dcp.storage.blocks import hashing
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.format import ItemInfo, Record, part_key
 from tiered_dcp.storage.local import LocalStorage
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, status
-from tiered_dcp.save.replicate import Landing, _verify
+from tiered_dcp.errors import TieredCheckpointError
+from tiered_dcp.save.replicate import Landing, _announced, _describes, _verify
 from tiered_dcp.save.staging import POOL
+from tiered_dcp.steps.metadata import records_from_json, records_to_json
 from tiered_dcp.writer_process.timings import Kind, read_records
 
 SAVES = 7
@@ -161,3 +166,26 @@ def test_a_byte_changed_in_transit_fails_the_replica(tmp_path, flipped):
         _verify(land, other)
     land.hashed()
     land.part.discard()
+
+
+def test_records_that_do_not_describe_what_was_announced_are_refused(tmp_path):
+    land, rec, _ = _landed(tmp_path, None)
+    land.hashed()
+    land.part.discard()
+    block = Record("", 0, "raw", (CHUNK,), ItemInfo(1, "tensor", ((CHUNK, 7),)), blocks=("ab" * 16,))
+    land.records = {MetadataIndex("emb"): block}  # the block it named before it sent
+    alias = dataclasses.replace(block, info=dataclasses.replace(block.info, shape=(2,)))
+    sealed = {MetadataIndex("w"): rec, MetadataIndex("emb"): block, MetadataIndex("tied"): alias}
+    assert _describes(sealed, land)  # an alias is a record of its own over a block already named
+    assert not _describes({MetadataIndex("w"): rec}, dataclasses.replace(land, sizes=[CHUNK] * 2))
+    other = dataclasses.replace(block, info=dataclasses.replace(block.info, raw_chunks=((CHUNK, 8),)))
+    assert not _describes({MetadataIndex("w"): rec, MetadataIndex("emb"): other}, land)
+
+
+def test_a_layout_that_cannot_be_read_names_the_rank_and_the_fix():
+    good = json.dumps({"sizes": [CHUNK, 0], "blocks": records_to_json({}).decode()}).encode()
+    assert _announced(good, 3) == ([CHUNK, 0], records_from_json(b"[]"))
+    older = records_to_json({})  # what a tiered-dcp before the layout sends: its records
+    for blob in (older, b'{"sizes": [-1], "blocks": "[]"}', b"not json"):
+        with pytest.raises(TieredCheckpointError, match="rank 3's part layout .* same tiered-dcp version"):
+            _announced(blob, 3)

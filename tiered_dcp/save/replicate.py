@@ -149,7 +149,8 @@ class Swap:
         transport.leave("swap", transport.group_keys(name, self.members.index(part.rank)))
         try:
             self.group = Group(name, self.members, part.rank, view.config.peer_timeout)
-            announced = [_announced(b) for b in self.group.allgather(self.layout())]
+            layouts = self.group.allgather(self.layout())
+            announced = [_announced(b, q) for b, q in zip(layouts, self.members, strict=True)]
             peers = {q: a for q, a in zip(self.members, announced, strict=True) if q in self.takes}
             wanted = self._claim({q: records for q, (_, records) in peers.items()})
             asks = self.group.allgather(json.dumps({str(q): ids for q, ids in wanted.items()}).encode())
@@ -280,13 +281,19 @@ class Swap:
         self.landed.clear()
 
 
-def _announced(blob: bytes) -> tuple[list[int], Records]:
-    """A member's ``Swap.layout``: its part file's chunk sizes and its block records."""
-    doc = json.loads(blob)
-    sizes = doc["sizes"]
-    if not (isinstance(sizes, list) and all(isinstance(n, int) and n >= 0 for n in sizes)):
-        raise TieredCheckpointError(f"a clique peer announced its part as {str(sizes)[:100]}")
-    return sizes, records_from_json(doc["blocks"].encode())
+def _announced(blob: bytes, rank: int) -> tuple[list[int], Records]:
+    """Rank's ``Swap.layout``: its part file's chunk sizes and its block records."""
+    try:
+        doc = json.loads(blob)
+        sizes, blocks = doc["sizes"], records_from_json(doc["blocks"].encode())
+        if not all(isinstance(n, int) and n >= 0 for n in sizes):
+            raise ValueError(f"chunk sizes {str(sizes)[:80]}")
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise TieredCheckpointError(
+            f"rank {rank}'s part layout for the replica exchange could not be read ({e!r:.120}): "
+            "run the same tiered-dcp version on every rank of the job"
+        ) from e
+    return sizes, blocks
 
 
 def _verify(land: Landing, rec: Record) -> None:
@@ -296,8 +303,10 @@ def _verify(land: Landing, rec: Record) -> None:
     if rec.codec != "raw" or rec.codecs is not None:
         verify_stored(rec, stored)
         return
-    if len(stored) != rec.length or rec.length != rec.info.raw_length:
+    if len(stored) != rec.length:
         raise ChecksumMismatch(f"{len(stored)} bytes where the record says {rec.length}")
+    if rec.length != rec.info.raw_length:
+        raise ChecksumMismatch(f"a raw record of {rec.length} bytes, its chunks {rec.info.raw_length}")
     pos = rec.offset
     for i, (n, h) in enumerate(rec.info.raw_chunks):
         got = land.arrived.get((pos, n))
