@@ -19,13 +19,13 @@ import os
 import struct
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
 import zstandard
 
 from .base import Buffer, Storage
+from .forks import ThreadPool
 from .format import BLOCK_HEADER, BLOCK_LIMIT, ItemInfo, Record, block_header, block_key, parse_block_header
 from .records import CHUNK_BYTES
 
@@ -248,15 +248,8 @@ def _block_into(store: Storage, record: Record, i: int, out: memoryview) -> None
     decode_chunk(codec, stored, n, out, i, h)
 
 
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    """Threads that read and decode chunks in parallel (zstd and file reads release the GIL)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tdcp-codec")
-    return _POOL
+# threads that read and decode chunks in parallel (zstd and file reads release the GIL)
+_pool = ThreadPool("tdcp-codec", lambda: min(8, os.cpu_count() or 1))
 
 
 def _parallel(calls: list[tuple[Any, ...]]) -> None:

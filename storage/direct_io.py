@@ -29,7 +29,9 @@ import mmap
 import os
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+
+from .forks import ThreadPool, renew_in_child
 
 log = logging.getLogger(__name__)
 
@@ -74,26 +76,15 @@ class _Buffers:
 
 
 _BUFFERS = _Buffers()
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+_pool = ThreadPool("tiered-dcp-direct-io", 2 * READS_IN_FLIGHT)
 _REFUSED: set[str] = set()  # roots whose file system refused O_DIRECT (said once each)
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(2 * READS_IN_FLIGHT, thread_name_prefix="tiered-dcp-direct-io")
-        return _POOL
-
-
-def _after_fork() -> None:
-    """A forked child has none of the parent's threads: it makes its own pool and buffers."""
-    global _POOL, _BUFFERS, _POOL_LOCK
-    _POOL, _BUFFERS, _POOL_LOCK = None, _Buffers(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+@renew_in_child
+def _renew_buffers() -> None:
+    """The parent's buffers may be out to its transfers: a child takes its own."""
+    global _BUFFERS
+    _BUFFERS = _Buffers()
 
 
 def release_idle() -> None:

@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import math
-import os
 import pickle
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import Any
 import xxhash
 
 from .base import Storage
+from .forks import renew_in_child
 from .records import (
     CHUNK_BYTES,
     MAX_BYTES,
@@ -769,13 +769,11 @@ _PARSED: OrderedDict[tuple[bytes, str, int, int], PartIndex] = OrderedDict()
 _PARSED_LOCK = threading.Lock()
 
 
-def _parsed_after_fork() -> None:
+@renew_in_child
+def _renew_parsed_lock() -> None:
     """A child forked while another thread held the lock would wait on it forever."""
     global _PARSED_LOCK
     _PARSED_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_parsed_after_fork)
 
 
 def _parsed(data: bytes, namespace: str, step: int, rank: int) -> PartIndex:

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import CHUNK_BYTES, chunk_spans, read_chunk_into, read_chunk_placed
 from tiered_dcp.storage.direct_io import PLACE_SPARE
+from tiered_dcp.storage.forks import ThreadPool
 from tiered_dcp.storage.format import Record
 
 from ..errors import TieredCheckpointError
@@ -136,9 +137,7 @@ class Ring:
         self._free.put((buf, token))
 
 
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="tdcp-load")
+_pool = ThreadPool("tdcp-load", WORKERS)
 
 
 @functools.cache

@@ -40,6 +40,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from statistics import median
 
+from tiered_dcp.storage.forks import renew_in_child
+
 from ..config import TieredConfig
 from ..writer_process.run_dir import OutcomeState
 from ..writer_process.timings import Kind, TimingRecord, read_records, records_dir
@@ -55,6 +57,12 @@ MIN_SHARE = 0.25  # a part smaller than this share of the save's largest is not 
 TAIL_BYTES = 64 << 10  # how much of each rank's records the trainer's check reads
 _warned: set[tuple[str, int, int]] = set()  # (job, tier, rank) flagged and not yet recovered
 _checking = threading.Lock()  # one check at a time per process; a save never waits for one
+
+
+@renew_in_child
+def _renew_checking() -> None:
+    global _checking
+    _checking = threading.Lock()
 
 
 @dataclass

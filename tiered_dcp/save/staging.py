@@ -34,18 +34,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from tiered_dcp.storage.forks import ThreadPool, renew_in_child
 
 from ..errors import SnapshotError
 from ..steps import part_file
@@ -433,11 +436,11 @@ class StagingPool:
         self._closing = False
         self._reserved = 0  # saves counted in flight whose background staging has no slot yet
         self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
-        self._preparer: ThreadPoolExecutor | None = None
         # first copies (``_first_copy``) not yet in their part files, by its dirty path: the
         # slot and its staged dict (``settle`` moves both)
         self._first_copies: dict[str, tuple[_Slot, weakref.ref]] = {}
         self._streams: dict[torch.device, Any] = {}  # device -> the side stream its copies run on
+        self._inherited: list[_Slot] = []  # a forked child's: its parent's slots (``_renew_pool``)
 
     def reserve(self) -> Reservation:
         """Count a save as in flight before its background staging has taken a slot."""
@@ -619,8 +622,6 @@ class StagingPool:
     def prepare_soon(self, ex: Examined, where: TierFile | None, files: int) -> Future[int]:
         """``prepare`` on the pool's own thread, off the training thread; a failure (a full
         tier) is logged, and the save that finds nothing prepared claims its file itself."""
-        if self._preparer is None:
-            self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-prepare")
 
         def run() -> int:
             try:
@@ -629,7 +630,7 @@ class StagingPool:
                 log.warning("preparing the next saves' part files failed (they make their own): %s", e)
                 return 0
 
-        return self._preparer.submit(run)
+        return _preparer().submit(run)
 
     def mapped_inodes(self) -> frozenset[int]:
         """The part files this pool keeps mapped (by inode): a replica received into this
@@ -650,7 +651,7 @@ class StagingPool:
         signature = ex.signature
         started = time.monotonic()
         waited = 0.0
-        warned = False
+        warned = collected = False
         with self._cond:
             self._closing = False
             while True:
@@ -674,6 +675,10 @@ class StagingPool:
                         slot = _allocate(ex, target)
                     self._slots.insert(0, slot)
                     return self._take(slot, slots), waited
+                if not collected and waited > 0.5:  # a staged dict left in a reference cycle (an
+                    collected = True  # exception's traceback) frees its slot at a collection only
+                    gc.collect()
+                    continue
                 if not warned and time.monotonic() - started > 5:
                     warned = True
                     log.warning(
@@ -738,7 +743,7 @@ class StagingPool:
 
     def _release(self, slot: _Slot, generation: int) -> None:
         with self._cond:
-            if slot.busy and slot.generation == generation:
+            if slot.busy and slot.generation == generation and slot not in self._inherited:
                 slot.busy = False
                 counted = sum(s.busy or s.fd is None for s in self._slots)
                 if self._closing or slot.first_copy or (slot.fd is None and counted > slot.limit):
@@ -798,3 +803,25 @@ class StagingPool:
 
 
 POOL = StagingPool()
+_preparer = ThreadPool("tiered-dcp-prepare", 1)  # ``prepare_soon``'s thread
+
+
+@renew_in_child
+def _renew_pool() -> None:
+    """A forked child starts with no slot: its parent's are the parent's saves (their part
+    files, their staged dicts in flight). They stay mapped here, never staged into, freed
+    or deleted from here; the child's own saves take slots of their own."""
+    inherited = POOL._inherited + POOL._slots
+    POOL.__init__()  # type: ignore[misc]
+    POOL._inherited = inherited
+    STAGED_FILES.clear()
+
+
+@renew_in_child
+def _one_torch_thread() -> None:
+    """GNU OpenMP's pool of the thread that forked is not there in the child, and a parallel
+    op on that thread waits for it forever: this module's copies (``dst.copy_``), a load's,
+    and any of the child's own. The child runs torch's CPU ops on one thread, as torch's
+    DataLoader workers do."""
+    if torch.get_num_threads() > 1 and "OpenMP" in torch.__config__.parallel_info():
+        torch.set_num_threads(1)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterable
 
+from tiered_dcp.storage.forks import renew_in_child
 from tiered_dcp.storage.owners import pid_alive
 
 from ..config import TieredConfig
@@ -215,6 +216,13 @@ def writer_handle(config: TieredConfig, rank: int) -> WriterHandle:
         handle = _HANDLES[rd] = WriterHandle(config, rank)
     handle.config = config
     return handle
+
+
+@renew_in_child
+def _forget_writers() -> None:
+    """A forked child starts and feeds writers of its own: its parent's are not its children."""
+    _HANDLES.clear()
+    _LAUNCHED.clear()
 
 
 def handles() -> list[WriterHandle]:
