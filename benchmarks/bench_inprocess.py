@@ -12,7 +12,13 @@ every step (``inprocess_train.py`` is the loop); rank 1 fails after step 6's sav
   raises (every rank re-enters) or is SIGKILLed (the 3 others go on);
 - ``torchrun``: the same loop and tiers, restarted by torchrun (``--max-restarts=1``, two
   agents as two nodes, c10d rendezvous, the settings the user guide gives);
-- ``stock``: torchrun, stock DCP's ``async_save``/``load`` to a local directory.
+- ``stock``: torchrun, stock DCP's ``async_save``/``load`` to a local directory;
+- ``-plain``: the loop waits for each save with a plain ``future.result()`` (DCP's examples)
+  instead of the user guide's ``tiered_dcp.inprocess.result``, and the training group's
+  timeout is 10 min (the survivors' saves cannot wait it out);
+- ``-kill-in-save``: rank 1 is SIGKILLed as soon as step 6's save began, so every other
+  rank's save waits on it when the launcher's SIGTERM comes; ``-wait1``: with
+  ``TIERED_DCP_SIGTERM_WAIT=1`` (the handler waits 1 s at most).
 
 Per case, the seconds from the fault (rank 1's clock just before it fails) to each phase on
 the slowest surviving rank: ``abort`` (NvRx: its abort begun, i.e. the fault detected),
@@ -51,9 +57,10 @@ def events(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("EVENT ")]
 
 
-def run_nvrx(fault: str, root: str, mib: int) -> list[dict]:
+def run_nvrx(fault: str, root: str, mib: int, extra: dict[str, str]) -> list[dict]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
+    env.update(extra)
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     nvrx = os.path.join(os.path.dirname(HERE), ".venv", "nvrx")  # setup.sh --test puts NvRx there
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), nvrx) if p)
@@ -71,9 +78,9 @@ def run_nvrx(fault: str, root: str, mib: int) -> list[dict]:
     return [e for p in procs for e in events(p.communicate(timeout=240)[0])]
 
 
-def run_torchrun(mode: str, root: str, mib: int) -> list[dict]:
+def run_torchrun(mode: str, fault: str, root: str, mib: int, extra: dict[str, str]) -> list[dict]:
     port = free_port()
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **extra}
     agents = [
         subprocess.Popen(
             [
@@ -90,7 +97,7 @@ def run_torchrun(mode: str, root: str, mib: int) -> list[dict]:
                 "--monitor-interval=0.1",
                 TRAIN,
                 mode,
-                "raise",
+                fault,
                 root,
                 str(mib),
                 str(STEPS),
@@ -106,13 +113,29 @@ def run_torchrun(mode: str, root: str, mib: int) -> list[dict]:
     return [e for p in agents for e in events(p.communicate(timeout=240)[0])]
 
 
+# case -> (launcher, fault, the environment beside it): the loop waits for each save as the
+# user guide says (tiered_dcp.inprocess.result), or as DCP's examples do ("plain")
+CASES = {
+    "nvrx-raise": ("nvrx", "raise", {}),
+    "nvrx-kill": ("nvrx", "kill", {}),
+    "nvrx-raise-plain": ("nvrx", "raise", {"BENCH_WAIT": "plain", "BENCH_PG_TIMEOUT": "600"}),
+    "nvrx-kill-plain": ("nvrx", "kill", {"BENCH_WAIT": "plain", "BENCH_PG_TIMEOUT": "600"}),
+    "torchrun": ("torchrun", "raise", {}),
+    "torchrun-kill-in-save": ("torchrun", "kill-in-save", {}),
+    "torchrun-kill-in-save-wait1": ("torchrun", "kill-in-save", {"TIERED_DCP_SIGTERM_WAIT": "1"}),
+    "stock": ("stock", "raise", {}),
+    "stock-kill-in-save": ("stock", "kill-in-save", {}),
+}
+
+
 def measure(case: str, mib: int) -> dict:
     root = tempfile.mkdtemp(prefix="tdcp-bench-inproc-", dir="/dev/shm")
+    launcher, fault, extra = CASES[case]
     try:
-        if case.startswith("nvrx"):
-            got = run_nvrx(case.split("-")[1], root, mib)
+        if launcher == "nvrx":
+            got = run_nvrx(fault, root, mib, extra)
         else:
-            got = run_torchrun(case, root, mib)
+            got = run_torchrun(launcher, fault, root, mib, extra)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     (fault,) = [e["t"] for e in got if e["event"] == "fault"]
@@ -139,11 +162,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--cases", default="nvrx-raise,nvrx-kill,torchrun,stock")
+    ap.add_argument("--cases", default="nvrx-raise,nvrx-kill,torchrun,stock", help=", ".join(CASES))
     ap.add_argument("--device", default="cpu", help="the state's device (cuda: every rank on the one card)")
     args = ap.parse_args()
     os.environ["BENCH_DEVICE"] = args.device  # the ranks' (inprocess_train.py)
     cases = args.cases.split(",")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}: the cases are {', '.join(CASES)}")
     rows: dict[str, list[dict]] = {c: [] for c in cases}
     for _ in range(args.rounds):
         for case in cases:

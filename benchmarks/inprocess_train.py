@@ -7,7 +7,8 @@ MODE: ``nvrx`` (NvRx's inprocess.Wrapper, tiered-dcp), ``torchrun`` (tiered-dcp,
 restart) or ``stock`` (stock DCP to a local directory, a torchrun restart). Each rank holds
 MIB MiB of its own (on ``BENCH_DEVICE``, default cpu) and saves asynchronously every step
 (tiered-dcp: a RAM tier per node, every part replicated on the other node); rank 1 fails
-once after step FAULT_AT's save (FAULT ``raise`` or ``kill``), or (``three``) ranks 1, 2
+once after step FAULT_AT's save (FAULT ``raise`` or ``kill``), or is SIGKILLed as soon as
+that save began (``kill-in-save``: every other rank's save then waits on it), or (``three``) ranks 1, 2
 and 3 raise in turn after steps FAULT_AT, 2*FAULT_AT and 3*FAULT_AT, node 0's RAM tier
 wiped at the third. Prints ``EVENT`` JSON lines with wall-clock times.
 """
@@ -37,6 +38,8 @@ from tiered_dcp.writer_process.timings import Kind, read_records  # noqa: E402
 MODE, FAULT, ROOT = sys.argv[1], sys.argv[2], sys.argv[3]
 DEVICE = torch.device(os.environ.get("BENCH_DEVICE", "cpu"))  # cuda: every rank on the one card
 MIB, STEPS, FAULT_AT = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+WAIT = os.environ.get("BENCH_WAIT", "guide")  # how the loop waits: "plain" fut.result(), or the guide's
+PG_TIMEOUT = float(os.environ.get("BENCH_PG_TIMEOUT", "5"))  # the training group's collectives
 FIRST_RANK = int(os.environ.setdefault("BENCH_FIRST_RANK", os.environ["RANK"]))
 CFG = TieredConfig(
     "bench", [Tier(f"{ROOT}/ram/{{node}}", keep=2)], replication_factor=2, replication_jump=2, peer_timeout=10
@@ -67,6 +70,16 @@ def stock_latest(state: dict) -> int:
     step = max(done)
     dcp.load(state, checkpoint_id=f"{ROOT}/stock/step_{step}")
     return step
+
+
+def first_attempt(step: int) -> bool:
+    """Whether this is the first time a rank reaches the fault after ``step`` (once per job:
+    a restarted worker finds the mark)."""
+    mark = f"{ROOT}/fault_{step}"
+    if os.path.exists(mark):
+        return False
+    open(mark, "w").close()
+    return True
 
 
 def read_from(rank: int, step: int) -> dict:
@@ -101,7 +114,7 @@ class Timed(tiered_dcp.inprocess.Abort):
 
 def train(store: dist.Store, world: int, rank: int) -> None:
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=5)
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=PG_TIMEOUT)
     )
     event("group")
     key = f"w{FIRST_RANK}"
@@ -122,16 +135,18 @@ def train(store: dist.Store, world: int, rank: int) -> None:
             fut = dcp.async_save(state, checkpoint_id=f"{ROOT}/stock/step_{s}")
         else:
             fut = dcp.async_save(state, storage_writer=TieredWriter(CFG, step=s))
-        if MODE == "stock":
+        fault = FAULTS.get(s)
+        if fault is not None and fault[1] == "kill-in-save" and fault[0] == FIRST_RANK and first_attempt(s):
+            event("fault", step=s)  # the save just began on every rank: its commit needs this one
+            os.kill(os.getpid(), signal.SIGKILL)
+        if MODE == "stock" or WAIT == "plain":  # DCP's examples' wait
             fut.result()
-        else:  # interruptible: NvRx's restart gets in while a save waits on a lost rank
+        else:  # the user guide's: a failed save raised as an ordinary exception
             tiered_dcp.inprocess.result(fut)
         if first:
             event("committed", step=s)
             first = False
-        fault = FAULTS.get(s)
-        if fault is not None and fault[0] == FIRST_RANK and not os.path.exists(f"{ROOT}/fault_{s}"):
-            open(f"{ROOT}/fault_{s}", "w").close()  # once: a restarted worker finds it
+        if fault is not None and fault[0] == FIRST_RANK and first_attempt(s):
             if fault[2]:  # node 0's RAM tier is lost too: its ranks reload from their peers
                 shutil.rmtree(f"{ROOT}/ram/0", ignore_errors=True)
             event("fault", step=s)

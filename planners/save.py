@@ -195,7 +195,7 @@ class KnownWorlds:
     A process-wide cache on purpose, as DCP's own plan cache is (``SavePlanner._cached_*``,
     class attributes): a save whose plans DCP took from its cache brings no ``SaveRank``,
     and each save has a writer of its own, so its world is the one remembered here. Only
-    for the process group it was planned in (``generation``, ``transport.generation``): a
+    for the process group it was planned in (``generation``, ``worlds.generation``): a
     job restarted in its processes may place its ranks on other nodes.
     """
 

@@ -1,4 +1,4 @@
-"""Issue 47: tiered-dcp inside NVIDIA's in-process restart, for real: nvidia-resiliency-ext's
+"""tiered-dcp inside NVIDIA's in-process restart, for real: nvidia-resiliency-ext's
 ``inprocess.Wrapper`` (installed by ``scripts/setup.sh --test``) around a training function,
 4 ranks as 2 nodes on gloo, a RAM tier per node with replicas across nodes, tiered-dcp's
 ``Abort`` composed with NvRx's ``AbortTorchDistributed``: one rank SIGKILLed, and three
@@ -32,9 +32,14 @@ def _job(
 ) -> tuple[list[tuple[int, list[dict], list[dict]]], str]:
     """Run the 4 ranks (1 MiB each, to ``steps``, rank 1 failing after ``fault_at``); per rank: its
     exit code, its reloads (one per call of the function) and its ends; and, for a failed
-    assertion, each rank's events, the end of its stderr and its NvRx monitor's log."""
+    assertion, each rank's events, the end of its stderr and its NvRx monitor's log.
+
+    The loop waits for each save with a plain ``future.result()``, as DCP's examples do, and
+    its group's collectives wait 10 min: a survivor whose save waits on the failed rank is
+    freed by tiered-dcp's abort, or by nothing before NvRx's timeouts (60 s, then a kill)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
+    env.update(BENCH_WAIT="plain", BENCH_PG_TIMEOUT="600")
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(NVRX)) if p)
     procs = [
@@ -47,11 +52,12 @@ def _job(
         )
         for r in range(4)
     ]
-    out, report = [], []
+    out, report, faults = [], [], []
     try:
         for r, p in enumerate(procs):
             stdout, stderr = p.communicate(timeout=150)
             out.append((p.returncode, _rows(stdout, "loaded"), _rows(stdout, "done")))
+            faults += _rows(stdout, "fault")
             monitor = root / f"nvrx_monitor_{r}.log"
             report += [f"--- rank {r}: exit {p.returncode}", stdout, stderr[-3000:]]
             report += [monitor.read_text()[-3000:] if monitor.exists() else "(no monitor log)"]
@@ -59,6 +65,10 @@ def _job(
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    for _, calls, _ in out:  # each reload soon after its fault: before, NvRx gave up at 60 s
+        for call in calls[1:]:
+            before = max(f["t"] for f in faults if f["t"] < call["t"])
+            assert call["t"] - before < 30, "\n".join(report)
     return out, "\n".join(report)
 
 

@@ -232,7 +232,7 @@ def _ask_twice(rank: int, world: int) -> list[list[int]]:
     item two chunks, served chunk by chunk (chunk j of item i filled with 10 * i + j + 1)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from tiered_dcp.ranks import transport
+    from tiered_dcp.ranks import worlds
 
     def req(i: int) -> peer_exchange.PeerRequest:
         return peer_exchange.PeerRequest(0, 0, MetadataIndex(f"item{i}"), 7, (4, 3))
@@ -242,7 +242,7 @@ def _ask_twice(rank: int, world: int) -> list[list[int]]:
         return lambda j, out: out.fill_(10 * i + j + 1) is not None
 
     wanted = {0: [req(2), req(1), req(2)]} if rank == 1 else {}
-    exchange = peer_exchange.PeerExchange(transport.next_name("t", "load"), rank, world, 20.0)
+    exchange = peer_exchange.PeerExchange(worlds.next_name("t", "load"), rank, world, 20.0)
     arrived = exchange.round(wanted, serve)
     assert arrived is not None
     return [[r.index.fqn[4:], *buf.tolist()] for _, r, buf in arrived]

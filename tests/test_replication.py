@@ -356,7 +356,7 @@ def _load_counting(rank, world, root, loads):
     """``loads`` loads; after each, the step, the groups this rank opened, the store's key count."""
     import torch.distributed as dist
 
-    from tiered_dcp.ranks import transport
+    from tiered_dcp.ranks import transport, worlds
 
     out = []
     for _ in range(loads):
@@ -364,7 +364,7 @@ def _load_counting(rank, world, root, loads):
         loaded = _load(rank, world, root)
         step, reads = loaded[0], loaded[4]
         dist.barrier()  # every rank is done: nobody writes or deletes keys while we count
-        out.append((step, list(transport.OPENED), transport.store().num_keys(), reads))
+        out.append((step, list(transport.OPENED), worlds.store().num_keys(), reads))
         dist.barrier()
     return out
 
@@ -381,13 +381,13 @@ def _save_counting(rank, world, root, steps):
     """Save ``steps``; after each, the store's key count (every rank done saving)."""
     import torch.distributed as dist
 
-    from tiered_dcp.ranks import transport
+    from tiered_dcp.ranks import worlds
 
     out = []
     for step in steps:
         _save(rank, world, root, [step])
         dist.barrier()
-        out.append(transport.store().num_keys())
+        out.append(worlds.store().num_keys())
         dist.barrier()
     return out
 

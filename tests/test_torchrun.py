@@ -12,6 +12,7 @@ import torchrun_worker as worker
 from conftest import assert_state_equal
 
 from tiered_dcp import TieredConfig, latest_step, wait_for
+from tiered_dcp.cli.fakegcs import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, DIE_AT = 8, 5
@@ -56,3 +57,80 @@ def test_a_rank_dies_torchrun_restarts_and_every_rank_resumes_from_ram(tmp_path)
     assert latest_step(cfg) == STEPS
     wait_for(cfg, 6, tier=1, timeout=120)  # the restarted ranks' writers filled the SSD tier
     assert latest_step(TieredConfig(cfg.namespace, [cfg.tiers[1]])) == 6
+
+
+TRAIN = os.path.join(os.path.dirname(HERE), "benchmarks", "inprocess_train.py")  # bench_inprocess's loop
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[len("EVENT ") :]) for line in text.splitlines() if line.startswith("EVENT ")]
+
+
+def test_a_worker_killed_during_a_save_the_others_exit_at_once_and_resume_exact(tmp_path):
+    """Two agents as two nodes, a rank each, a save every step; rank 1 is SIGKILLed as soon as
+    step 6's save began. Its agent SIGTERMs rank 0, whose save waits on rank 1: the handler
+    finds rank 1 gone and abandons the save at once (before, it waited for it until torchrun
+    gave up after 30 s and SIGKILLed it). Every rank resumes step 5 exactly."""
+    port = free_port()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                *common,
+                f"--node-rank={n}",
+                "--rdzv-id=kill",
+                "--max-restarts=1",
+                "--monitor-interval=0.1",
+                TRAIN,
+                "torchrun",
+                "kill-in-save",
+                str(tmp_path),
+                "1",
+                "9",
+                "6",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in agents]
+    report = "\n".join(o + e[-4000:] for o, e in outs)
+    assert all(p.returncode == 0 for p in agents), report
+    assert not any("forcefully exiting via 9" in e for _, e in outs), report  # nobody SIGKILLed
+    assert any("SIGTERM after a fault" in e and "abandoned" in e for _, e in outs), report
+    loaded = [e for o, _ in outs for e in _events(o) if e["event"] == "loaded"]
+    assert sorted((e["rank"], e["step"], e["exact"]) for e in loaded if e["step"]) == [
+        (0, 5, True),
+        (1, 5, True),
+    ]
+    assert len([e for o, _ in outs for e in _events(o) if e["event"] == "done"]) == 2, report
+
+
+def test_a_ddp_job_saving_on_the_default_group_trains_to_the_end(tmp_path):
+    """The idiom a new user writes: DDP, an async save every step without a process group
+    of its own, no pause between steps. DCP's collectives of each save would run on the
+    default group while DDP's all-reduces do (before: both waited forever, silently);
+    tiered-dcp runs them on a group of its own, and the job trains to its end."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(HERE, "ddp_worker.py"),
+        str(tmp_path),
+        "12",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert json.loads((tmp_path / "done.json").read_text()) == {"resumed": 0, "ended": 12}
+    from ddp_worker import config
+
+    assert latest_step(config(str(tmp_path))) == 12

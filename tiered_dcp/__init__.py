@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import Tier, TieredConfig
 from .errors import (
+    AbortedError,
     CheckpointCorruptError,
     NoCheckpointError,
     NonFiniteStateError,
@@ -83,6 +84,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AbortedError",
     "CheckpointCorruptError",
     "HostMemory",
     "NoCheckpointError",

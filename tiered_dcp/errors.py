@@ -46,3 +46,18 @@ class NonFiniteStateError(TieredCheckpointError):
 
 class SnapshotError(TieredCheckpointError, TypeError):
     """``async_save`` staging met a value it cannot snapshot; names its key and type."""
+
+
+class AbortedError(TieredCheckpointError):
+    """A save or load was cut because this process left its world while it waited on other
+    ranks (``tiered_dcp.abort``; a SIGTERM that found a rank gone): it is never committed.
+
+    ``step``: the step (None: the newest, not chosen yet); ``phase``: what it was waiting in.
+    """
+
+    def __init__(self, message: str, step: int | None = None, phase: str = "") -> None:
+        super().__init__(message)
+        self.step, self.phase = step, phase
+
+    def __reduce__(self) -> tuple:  # DCP sends a rank's failure to the others pickled
+        return (type(self), (str(self), self.step, self.phase))

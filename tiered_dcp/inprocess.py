@@ -5,7 +5,7 @@ user's own loop catch a fault, tear down the process groups, build new ones (the
 have shrunk, or a spare taken a gone rank's place) and call the training function again,
 which reloads with ``load_latest``. tiered-dcp keeps what outlives a world (the writer
 process, the RAM tier's part files, the staging buffers: the next save faults no page
-again) and forgets what belongs to it (``ranks.transport.World``: group names, store
+again) and forgets what belongs to it (``ranks.worlds.World``: group names, store
 clients, store keys, the failure domains gathered, the plans' worlds), by itself when the
 default process group changes, at once with ``abort``.
 
@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from .ranks import transport
+from .ranks import worlds
 
 log = logging.getLogger("tiered_dcp")
 
@@ -32,26 +32,26 @@ POLL = 0.05  # seconds ``result`` waits at a time: an interruption gets in betwe
 
 
 def abort(timeout: float = ABORT_WAIT) -> int:
-    """Leave the current world: wait up to ``timeout`` seconds for this process's async
-    saves that are uploading or committing (``transport.working``) to finish, then forget
-    the world's state (``transport.leave_world``). Returns how many were still at work:
-    those are abandoned, never committed half (a step commits only once every rank's part
-    is in, which a torn-down world no longer gives them), and fail when they next need a
-    peer. A save still in DCP's own planning collectives, or failed and held by its future,
-    is not waited for: nothing of tiered-dcp's runs for it (its staging slot comes back when
-    DCP drops the staged state). Call it on every rank after a fault, before the next
-    world's first save or load; torchrun restarts (fresh processes) need nothing."""
+    """Leave the current world: every wait of this process on other ranks ends now, and
+    every save or load in flight fails (``AbortedError``, naming the abort) instead of
+    waiting for a rank that is gone. Waits up to ``timeout`` seconds for this process's
+    saves to stop (``worlds.working``): a plain ``future.result()`` returns by then on every
+    rank. Returns how many were still at work (a transfer to a peer that hangs without
+    closing its connection ends at ``peer_timeout``). Nothing is committed half: a step
+    commits only once every rank agreed, and a rank that leaves marks the agreement it
+    waited in, so that no rank commits it. Call it on every rank after a fault, before the
+    next world's first save or load; torchrun restarts (fresh processes) need nothing."""
     if timeout < 0:
         raise ValueError(f"abort: timeout={timeout!r} must be >= 0 seconds")
-    left = transport.wait_quiet(timeout)
+    worlds.leave_world("tiered_dcp.abort")
+    left = worlds.wait_quiet(timeout)
     if left:
         log.warning(
-            "tiered-dcp abort: %d async save(s) still uploading after %.1f s are abandoned "
-            "(never committed: the world they were saved in is gone)",
+            "tiered-dcp abort: %d async save(s) still at work after %.1f s (a transfer to a peer "
+            "that hangs ends at peer_timeout); never committed",
             left,
             timeout,
         )
-    transport.leave_world()
     return left
 
 

@@ -71,6 +71,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from tiered_dcp.storage.forks import ThreadPool, renew_in_child
 from tiered_dcp.storage.owners import pid_alive
 
 from .config import TieredConfig
@@ -78,7 +79,7 @@ from .errors import NoCheckpointError
 from .load.discovery import broadcast_bytes
 from .load.reader import TieredReader
 from .load.resume import resume
-from .ranks import transport
+from .ranks import worlds
 from .save.writer import TieredWriter
 
 POINTER = "tiered_dcp.json"  # in ckpt_dir: which namespace and step were saved there
@@ -334,12 +335,12 @@ def _checkpoint_dirs(save_dir: str | os.PathLike, namespace: str) -> tuple[dict[
     """Step -> the checkpoint directory under ``save_dir`` to load it through; step -> why the
     directories naming it cannot be. Rank 0's look, the same on every rank (its error too)."""
     blob = None
-    if not transport.dist_up() or dist.get_rank() == 0:
+    if not worlds.dist_up() or dist.get_rank() == 0:
         try:
             blob = json.dumps([*_scan(Path(save_dir), namespace), None]).encode()
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
             blob = json.dumps([{}, {}, f"{type(e).__name__}: {e}"]).encode()
-    if transport.dist_up():
+    if worlds.dist_up():
         blob = broadcast_bytes(blob)
     dirs, why_not, error = json.loads(blob)
     if error is not None:
@@ -474,19 +475,30 @@ def _save_group() -> Any:
     return _GROUPS[id(world)]
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-megatron")
-    return _EXECUTOR
+_executor = ThreadPool("tiered-dcp-megatron", 1)
+
+
+@renew_in_child
+def _forget_saves() -> None:
+    """A child's saves are its own: its parent's futures and groups are not waited for here."""
+    global _DONE_DIR
+    _IN_FLIGHT.clear()
+    _GROUPS.clear()
+    _DONE_DIR = None
 
 
 def _done_dir() -> Path:
     global _DONE_DIR
     if _DONE_DIR is None:
         _DONE_DIR = Path(tempfile.mkdtemp(prefix="tdcp-megatron-"))
-        atexit.register(shutil.rmtree, _DONE_DIR, True)
+        atexit.register(_remove_in, os.getpid(), _DONE_DIR)
     return _DONE_DIR
+
+
+def _remove_in(pid: int, path: Path) -> None:
+    """At exit, the directory this process made (a forked child runs its parent's atexit too)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 __all__ = [

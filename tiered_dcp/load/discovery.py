@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from tiered_dcp.storage.format import Marker
 
-from ..ranks import transport
+from ..ranks import worlds
 from ..steps.catalog import StepCopy, TierView
 from ..steps.choice import Found, StepMarks, newest_complete
 
@@ -144,7 +144,7 @@ def all_read(name: str, release: Callable[[], None]) -> None:
     the lease until ``READ_WAIT`` at most (or rank 0's own end: a lease on a shared tier
     then expires after ``leases.LEASE_TTL``).
     """
-    store = transport.store()
+    store = worlds.store()
     counter, done = f"{name}/read", f"{name}/read/done"
     if store.add(counter, 1) == dist.get_world_size():
         store.set(done, "1")

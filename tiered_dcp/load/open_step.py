@@ -20,18 +20,18 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import weakref
 from collections.abc import Iterable, Mapping
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from tiered_dcp.planners.load import PooledTier, Sources
+from tiered_dcp.storage import forks
 from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import IndexCache, metadata_key
 
 from ..config import TieredConfig, node_of
 from ..errors import CheckpointCorruptError, NoCheckpointError
-from ..ranks import transport
+from ..ranks import worlds
 from ..steps import metadata as md_blob
 from ..steps.catalog import StepCopy, bounded, describe_search, read_metadata_blob, views
 from ..steps.choice import Found, StepMarks, candidates, choose, describe_skipped, loadable_steps
@@ -184,7 +184,7 @@ class OpenStep:
         lost: dict[int, dict[int, list[int]]] = {}
         if self.with_group:
             found, cluster, lost = self._pool(step)
-            self.group_name = transport.next_name(self.config.namespace, "load")
+            self.group_name = worlds.next_name(self.config.namespace, "load")
         else:
             found, cluster = loadable_steps(self.views.values(), step, set(self.exclude)), {}
         self.candidates = candidates(self.views.values(), found, cluster)  # each step by one save's marks
@@ -245,8 +245,8 @@ class OpenStep:
         (``all_read``)."""
         self.leases = Leases(self.config.namespace, self.step)
         self.job_leases = Leases(self.config.namespace, self.step)  # rank 0's, on shared tiers
-        weakref.finalize(self, self.leases.release)
-        weakref.finalize(self, self.job_leases.release)
+        forks.finalize(self, self.leases.release)
+        forks.finalize(self, self.job_leases.release)
         ok = True
         for copy in found.copies.get(self.step, []):
             view = self.views[copy.tier_index]

@@ -25,7 +25,7 @@ from tiered_dcp.storage import Storage
 from tiered_dcp.storage.codec import CHUNK_BYTES, ChecksumMismatch, read_chunk_into, verify_raw
 from tiered_dcp.storage.format import ItemInfo, ItemKey, Record, metadata_key
 
-from ..ranks import transport
+from ..ranks import transport, worlds
 from ..ranks.transport import Group, PeerTimeout
 from ..steps.catalog import TierView
 from ..steps.choice import StepMarks
@@ -263,8 +263,8 @@ class PeerExchange:
     def __init__(self, name: str, rank: int, world: int, timeout: float) -> None:
         self.name, self.rank, self.world, self.timeout = name, rank, world, timeout
         self.rounds = 0
-        self.store = transport.store()
-        transport.sweep("load")
+        self.store = worlds.store()
+        worlds.sweep("load")
 
     def round(
         self,
@@ -291,14 +291,14 @@ class PeerExchange:
     def _anyone_wants(self, name: str, wanted: dict[int, list[PeerRequest]]) -> bool:
         for holder, reqs in wanted.items():
             key = f"{name}/ask/{holder}"
-            transport.leave("load", [key])
+            worlds.sweep_later("load", [key])
             line = json.dumps([self.rank, [r.to_json() for r in reqs]], separators=(",", ":"))
             self.store.append(key, line.encode() + b"\n")  # JSON escapes newlines: one line each
         counter, verdict = f"{name}/arrived", f"{name}/wanting"
-        transport.leave("load", [counter])
+        worlds.sweep_later("load", [counter])
         arrived = self.store.add(counter, 1 + (_WANTS if wanted else 0))
         if arrived % _WANTS == self.world:  # the last to arrive: every wish list is in
-            transport.leave("load", [verdict])
+            worlds.sweep_later("load", [verdict])
             self.store.set(verdict, str(arrived // _WANTS))
         try:
             self.store.wait([verdict], datetime.timedelta(seconds=self.timeout))
@@ -338,7 +338,7 @@ class PeerExchange:
         try:
             for pair in sorted(tuple(sorted((self.rank, p))) for p in partners):
                 group_name = f"{name}/pair{pair[0]}-{pair[1]}"
-                transport.leave("load", transport.group_keys(group_name, pair.index(self.rank)))
+                worlds.sweep_later("load", transport.group_keys(group_name, pair.index(self.rank)))
                 peer = pair[1] if pair[0] == self.rank else pair[0]
                 groups[peer] = Group(group_name, pair, self.rank, self.timeout)
             receives = []

@@ -36,7 +36,7 @@ from tiered_dcp.storage.format import ItemKey
 
 from ..config import TieredConfig, node_of
 from ..errors import PeerLostError
-from ..ranks import transport
+from ..ranks import transport, worlds
 from ..steps import metadata as md_blob
 from ..steps.checkpoint_id import new_id, step_id, step_of
 from ..writer_process.timings import Kind, record
@@ -48,7 +48,7 @@ log = logging.getLogger("tiered_dcp")
 
 
 def _dist_rank() -> tuple[int, bool]:
-    up = transport.dist_up()
+    up = worlds.dist_up()
     return (dist.get_rank() if up else 0), up
 
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..config import TieredConfig
 from ..errors import CheckpointCorruptError, NoCheckpointError, TieredCheckpointError
-from ..ranks import transport
+from ..ranks import transport, worlds
 from ..steps.choice import describe_skipped
 from .discovery import all_agree, all_gather_bytes
 from .reader import TieredReader
@@ -65,7 +65,7 @@ def load_planned_alone(state_dict: dict[str, Any], reader: TieredReader, **dcp_l
     reader.open()
     planner = dcp_load_kwargs.get("planner")
     if (
-        not transport.dist_up()
+        not worlds.dist_up()
         or reader.needs_global_plan()
         or {"process_group", "no_dist"} & set(dcp_load_kwargs)
         or _plans_globally(planner)
@@ -186,5 +186,5 @@ def _data_failure(e: BaseException) -> str | None:
 
 def _warn(caller: str, step: int, passed: dict[int, str]) -> None:
     newer = {s: why for s, why in passed.items() if s > step}
-    if newer and (not transport.dist_up() or dist.get_rank() == 0):
+    if newer and (not worlds.dist_up() or dist.get_rank() == 0):
         log.warning("%s loaded step %d, passing over %s", caller, step, describe_skipped(newer))

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from tiered_dcp.planners.routing import holds_stored_bytes
 from tiered_dcp.storage.format import ItemInfo, ItemKey
 
-from ..ranks import transport
+from ..ranks import transport, worlds
 from ..steps.metadata import item_key
 from ..tensors import byte_tensor, dtype_from_name
 
@@ -145,7 +145,7 @@ def exchange(
     lands in (its target's own, where they are the stored raw bytes), ``landed(t, buf)``
     takes what arrived (unchecked). Raises ``transport.PeerTimeout`` naming a rank that did
     not answer."""
-    transport.sweep("load")
+    worlds.sweep("load")
     peers = sorted({r for t in spread.transfers for r in (t.reader, *t.receivers) if r != rank})
     if not peers:
         return
@@ -154,7 +154,7 @@ def exchange(
         for peer in peers:  # in one global order of pairs: no two ranks wait on each other
             pair = (min(rank, peer), max(rank, peer))
             group_name = f"{name}/spread/pair{pair[0]}-{pair[1]}"
-            transport.leave("load", transport.group_keys(group_name, pair.index(rank)))
+            worlds.sweep_later("load", transport.group_keys(group_name, pair.index(rank)))
             groups[peer] = transport.Group(group_name, pair, rank, timeout)
         for window in windows(spread.transfers):
             posted, arrived, sending = [], [], []

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from ..config import TieredConfig, node_of
-from . import transport
+from . import transport, worlds
 from .cliques import Layout, by_domain, check_cliques, uneven_domains
 
 log = logging.getLogger("tiered_dcp")
@@ -32,7 +32,7 @@ class Layouts:
     (a node's rack does not change under a running job, and every writer of the config would
     otherwise gather again), keyed by what a layout depends on: the config's namespace and
     domain source, the world size, the replication factor and jump; only for the process
-    group it was gathered in (``transport.generation``)."""
+    group it was gathered in (``worlds.generation``)."""
 
     def __init__(self) -> None:
         self._found: dict[tuple[Any, ...], Layout] = {}
@@ -43,9 +43,9 @@ class Layouts:
         fd = config.failure_domain
         factor, jump = config.replication_factor, config.replication_jump
         key = (config.namespace, fd if isinstance(fd, str) else id(fd), world, factor, jump)
-        if transport.generation() != self._generation:
+        if worlds.generation() != self._generation:
             self._found.clear()
-            self._generation = transport.generation()
+            self._generation = worlds.generation()
         if key not in self._found:
             found = _gather(config, world, rank)
             errors = [f["error"] for f in found if f["error"]]
@@ -105,14 +105,14 @@ def _gather(config: TieredConfig, world: int, rank: int) -> list[dict[str, Any]]
     """Every rank's {node, domain, error}, in rank order (one rank alone: its own)."""
     domain, error = own_domain(config, rank)
     mine = {"node": node_of(rank), "domain": domain, "error": error}
-    if world == 1 or not transport.dist_up():
+    if world == 1 or not worlds.dist_up():
         return [mine]
-    name = transport.next_name(config.namespace, "domains")
+    name = worlds.next_name(config.namespace, "domains")
     group = transport.Group(name, list(range(world)), rank, config.peer_timeout)
     try:
         blobs = group.allgather(json.dumps(mine).encode())
     finally:
         group.close()
     for key in transport.group_keys(name, rank):  # every member joined: its address is not read again
-        transport.store().delete_key(key)
+        worlds.store().delete_key(key)
     return [json.loads(b) for b in blobs]

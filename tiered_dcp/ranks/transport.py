@@ -10,13 +10,7 @@ peer is never reused.
 Small agreements (who is done, the commit's metadata, who wants what from whom at load) go
 through the store itself.
 
-Everything here belongs to one world: the default process group it was made for
-(``World``). A job that restarts inside its processes (NVIDIA's in-process restart, a
-user's own loop) makes a new default group, on a store with a prefix of its own (NvRx's
-``_inprocess_<n>``, torchrun's ``/worker/attempt_<n>``); the first call in the new world
-starts afresh: sequence numbers from 1 on every rank (survivors and a replacement alike),
-store clients of the new store, keys of the new world. Keys live under the default
-store's prefixes, so no two worlds meet in the store.
+Everything here belongs to one world (``world``): its store, its operations' names.
 """
 
 from __future__ import annotations
@@ -24,20 +18,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
-import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
 from ..errors import PeerLostError, TieredCheckpointError
+from . import worlds
 
 log = logging.getLogger("tiered_dcp")
 OPENED: deque[list[int]] = deque(maxlen=1000)  # members of the last groups this process opened (tests)
@@ -82,21 +73,39 @@ def lost(
 def silent_ranks(wait: float = CHECK_IN) -> tuple[int, ...]:
     """The ranks that did not check in within ``wait`` seconds after a collective broke.
 
-    Each survivor sets its own key in the job's store (torch's prefixed one: a restarted
-    job's attempt has its own) and waits for the others'. Empty when the store itself does
-    not answer: it lives with rank 0 or the launcher, which may be what died.
+    Each survivor appends its rank and the time to one list in the job's store (torch's
+    prefixed one: a restarted job's attempt has its own) and reads it, more rarely as it
+    waits, until every rank is in; a check-in older than ``wait`` before this one is an
+    earlier break's, and does not count. Empty when the store itself does not answer: it
+    lives with rank 0 or the launcher, which may be what died.
     """
     try:
-        job, rank, world = store(), dist.get_rank(), dist.get_world_size()
-        job.set(f"tiered_dcp/alive/{rank}", "1")
-        deadline = time.monotonic() + wait
-        missing = list(range(world))
-        while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not job.check([f"tiered_dcp/alive/{r}"])]
-            time.sleep(0.05)
-        return tuple(missing)
+        job, rank, size = worlds.store(), dist.get_rank(), dist.get_world_size()
+        now = time.time()
+        job.append(ALIVE, f"{rank}@{now:.3f},".encode())
+        deadline, pause = time.monotonic() + wait, 0.05
+        while True:
+            missing = _not_in(job.get(ALIVE).decode(), size, since=now - wait)
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause *= 2
     except Exception:  # noqa: BLE001 - the store is gone too: who stopped cannot be told
         return ()
+
+
+ALIVE = "tiered_dcp/alive"  # the survivors' check-ins: "rank@time," each, appended
+
+
+def _not_in(listed: str, size: int, since: float) -> tuple[int, ...]:
+    """The ranks below ``size`` with no check-in at or after ``since`` in ``listed``."""
+    seen = set()
+    for entry in filter(None, listed.split(",")):
+        rank, _, at = entry.partition("@")
+        with contextlib.suppress(ValueError):
+            if float(at) >= since:
+                seen.add(int(rank))
+    return tuple(r for r in range(size) if r not in seen)
 
 
 def broken_collective(e: BaseException) -> bool:
@@ -117,133 +126,9 @@ def watching_peers(step: int | None, phase: str) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if not (dist_up() and broken_collective(e)):
+        if not (worlds.dist_up() and broken_collective(e)):
             raise
         raise lost(step, phase, e) from e
-
-
-def dist_up() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-class World:
-    """What this process keeps for the world of one default process group: the sequence
-    numbers of its operations' names, its store clients and the keys it left in the store.
-    ``generation`` counts the worlds this process has been in (caches of a world's facts,
-    such as its failure domains, key on it)."""
-
-    def __init__(self, group: Any, generation: int) -> None:
-        self.group = weakref.ref(group)  # never keeps a destroyed group alive
-        self.pid = os.getpid()  # a forked child is in a world of its own
-        self.generation = generation
-        self.store: dist.Store = distributed_c10d._get_default_store()
-        self.seq: dict[str, int] = {}
-        self.clients: dict[float, dist.Store] = {}
-        self.left: dict[str, list[str]] = {}
-
-    def current(self) -> bool:
-        return self.pid == os.getpid() and dist_up() and self.group() is distributed_c10d._get_default_group()
-
-
-_WORLD: World | None = None
-_GENERATION = 0
-
-
-def world() -> World:
-    """This process's state for the current default process group, new for a new group."""
-    global _WORLD, _GENERATION
-    if _WORLD is None or not _WORLD.current():
-        _GENERATION += 1
-        _WORLD = World(distributed_c10d._get_default_group(), _GENERATION)
-    return _WORLD
-
-
-def generation() -> int:
-    """Which world this process is in (0: none yet, or no process group)."""
-    return world().generation if dist_up() else 0
-
-
-def leave_world() -> None:
-    """Forget the current world (``tiered_dcp.abort``): its clients close, and the next
-    call starts a new one even if the default group were the same object."""
-    global _WORLD
-    _WORLD = None
-
-
-_WORK = threading.Condition()
-_working = 0  # threads in a save's upload or commit (``working``): what ``abort`` waits for
-
-
-@contextlib.contextmanager
-def working() -> Iterator[None]:
-    """A save's own work in progress (its upload, its commit): ``tiered_dcp.abort`` waits
-    for it, not for a staged state a failed save's future still holds (those wait only for
-    garbage collection; nothing of ours runs for them)."""
-    global _working
-    with _WORK:
-        _working += 1
-    try:
-        yield
-    finally:
-        with _WORK:
-            _working -= 1
-            _WORK.notify_all()
-
-
-def wait_quiet(timeout: float) -> int:
-    """Wait up to ``timeout`` seconds for every ``working`` block to end; how many have not."""
-    deadline = time.monotonic() + timeout
-    with _WORK:
-        while _working and (left := deadline - time.monotonic()) > 0:
-            _WORK.wait(left)
-        return _working
-
-
-def next_name(namespace: str, purpose: str) -> str:
-    """A store prefix unique to this operation in this world and equal on every rank of it
-    (same call order from the world's start)."""
-    seq, key = world().seq, f"{namespace}/{purpose}"
-    seq[key] = seq.get(key, 0) + 1
-    return f"tiered_dcp/{key}/{seq[key]}"
-
-
-def sweep(purpose: str) -> None:
-    """Delete the keys this process left for ``purpose`` at its previous operation of it
-    (every rank has left that one by the time it starts the next: a save's or a load's
-    collective lies between): the store keeps one operation's keys per purpose."""
-    w = world()
-    for key in w.left.pop(purpose, []):
-        w.store.delete_key(key)
-
-
-def leave(purpose: str, keys: Sequence[str]) -> None:
-    """Keys this operation wrote in the store, deleted by the next ``sweep(purpose)``."""
-    world().left.setdefault(purpose, []).extend(keys)
-
-
-def store() -> dist.Store:
-    """The job's store (the default group's, under all its prefixes): every key of ours."""
-    return world().store
-
-
-def rendezvous_store(timeout: float) -> dist.Store:
-    """A client of the job's store (its prefixes kept) whose waits end after ``timeout``
-    (the job's are 30 min); setting it on the job's own client would change torch's too.
-
-    One client per world and timeout, kept: connecting to the store can stall for 5 s when
-    connections open in quick succession (measured here: one in ~25), and every rank
-    opening one at the same moment for each load's groups would hit that. A store that
-    cannot be cloned (a FileStore, a HashStore) is used as it is.
-    """
-    w = world()
-    if timeout not in w.clients:
-        try:
-            client = w.store.clone()
-            client.set_timeout(datetime.timedelta(seconds=timeout))
-        except Exception:  # noqa: BLE001 - no second client of this store: the job's own
-            client = w.store
-        w.clients[timeout] = client
-    return w.clients[timeout]
 
 
 def group_keys(name: str, member: int) -> list[str]:
@@ -274,7 +159,7 @@ class Group:
         self.timeout = timeout
         self._tags: dict[tuple[str, int], int] = {}  # (send|recv, peer) -> ops posted so far
         OPENED.append(self.members)
-        prefix = dist.PrefixStore(name, rendezvous_store(timeout))
+        prefix = dist.PrefixStore(name, worlds.rendezvous_store(timeout))
         try:
             self.pg = dist.ProcessGroupGloo(
                 prefix, self.me, len(self.members), datetime.timedelta(seconds=timeout)

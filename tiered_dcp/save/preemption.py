@@ -1,18 +1,29 @@
 """Preemption: a SIGTERM lets the async saves in flight finish, then ends the process or
-lets the loop take one last (emergency) save.
+lets the loop take one last (emergency) save; a SIGTERM that meets a broken world ends it
+at once.
 
 Installed (in the main thread) by the first async save whose writer has
 ``handle_sigterm=True``, the default, or by the first ``preemption_requested()`` /
 ``on_preemption()`` call. On SIGTERM it lets the writer processes run (a copy it
-interrupted no longer pauses them: ``run_dir.StagingLock.let_go``) and waits up to
-``WAIT_SECONDS`` for every staged save of this process to finish its upload (committed on
-its fastest tier and handed to the writer process, which then finishes the slower tiers on
-its own), but for a copy the signal interrupted on the handler's own thread, which cannot
-go on while it waits (the process then ends without it; its slot is not waited for), then
-passes the signal on: to the handler that was there before, or, if that was the default,
-by restoring the default and raising the signal again so the process ends exactly as it
-would have. A sync ``dcp.save`` runs in the main thread, where the handler runs too, so it
-cannot be waited for; the previous step stays loadable.
+interrupted no longer pauses them: ``run_dir.StagingLock.let_go``) and tells the two
+reasons for a SIGTERM apart (``_judge``):
+
+- a preemption: every peer is alive. It waits up to ``WAIT_SECONDS`` for every staged save
+  of this process to finish its upload (committed on its fastest tier and handed to the
+  writer process, which then finishes the slower tiers on its own), but for a copy the
+  signal interrupted on the handler's own thread, which cannot go on while it waits;
+- a launcher restarting the job after a fault (torchrun, NvRx's ft_launcher): a rank is
+  gone, and a save that needs it can never commit. The saves are abandoned at once
+  (``worlds.leave_world``: never committed half) and the process ends, before the
+  launcher's own stop timeout would kill it. A rank is gone when its process on this host
+  is (the world's processes per host: ``worlds.gone_on_this_host``), or when a save of
+  this process has waited ``GRACE`` seconds on other ranks while not every rank of the
+  world has been told to stop (a rank on another host, with its node).
+
+Then it passes the signal on: to the handler that was there before, or, if that was the
+default, by restoring the default and raising the signal again so the process ends exactly
+as it would have. A sync ``dcp.save`` runs in the main thread, where the handler runs too,
+so it cannot be waited for; the previous step stays loadable.
 
 A loop that asks ``preemption_requested()`` (or registered ``on_preemption``) takes the end
 into its own hands: the handler then records the request, runs the callbacks and returns at
@@ -24,6 +35,7 @@ agree on the step that is saved, so ``preemption_requested`` asks the process gr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -35,12 +47,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..ranks import worlds
 from ..writer_process.client import handles
 from .staging import POOL
 
 log = logging.getLogger("tiered_dcp")
 
 WAIT_SECONDS = float(os.environ.get("TIERED_DCP_SIGTERM_WAIT", "300"))
+GRACE = 2.0  # seconds a save may wait on ranks not all told to stop before the world is judged broken
+TOLD = "tiered_dcp/sigterm"  # the world's count of ranks told to stop (the job's store)
 
 _previous: Any = None
 _installed = False
@@ -135,12 +150,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     here = threading.get_ident()  # a copy this handler interrupted cannot finish meanwhile
     pending = POOL.in_flight(besides=here)
     if pending:
-        log.warning("SIGTERM: finishing %d checkpoint save(s) in flight before exiting", pending)
-        started = time.monotonic()
-        if POOL.wait_idle(WAIT_SECONDS, besides=here):
-            log.warning("SIGTERM: in-flight save(s) finished in %.1f s", time.monotonic() - started)
-        else:
-            log.error("SIGTERM: save(s) still in flight after %.0f s; exiting anyway", WAIT_SECONDS)
+        _finish_or_abandon(pending, here)
     previous = _previous
     if callable(previous):
         previous(signum, frame)
@@ -150,3 +160,78 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         uninstall()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _finish_or_abandon(pending: int, here: int) -> None:
+    """Wait for the ``pending`` saves while every peer they need is alive; abandon them at
+    once when one is gone (``_judge``). Says in the log which it was."""
+    started = time.monotonic()
+    judge = _Judge()
+    while True:
+        if POOL.wait_idle(0.1, besides=here):
+            log.warning(
+                "SIGTERM (every peer alive): %d checkpoint save(s) in flight finished in %.1f s",
+                pending,
+                time.monotonic() - started,
+            )
+            return
+        gone = judge.gone(started)
+        if gone is not None:
+            log.warning(
+                "SIGTERM after a fault: %s; the %d save(s) in flight can never commit and are "
+                "abandoned (never committed half); exiting now",
+                gone,
+                pending,
+            )
+            worlds.leave_world(f"SIGTERM, {gone}")
+            worlds.wait_quiet(1.0)  # the saves' threads drop what they wrote
+            return
+        if time.monotonic() - started > WAIT_SECONDS:
+            log.error("SIGTERM: save(s) still in flight after %.0f s; exiting anyway", WAIT_SECONDS)
+            return
+
+
+class _Judge:
+    """Whether a rank this process's saves need is gone, asked again as the saves wait.
+
+    This rank counts itself as told to stop in the world's store, once; the store is asked
+    on a thread, for at most a second: it lives with rank 0 or the launcher, which may be
+    what died (then nothing is told, and the timed rule alone decides)."""
+
+    def __init__(self) -> None:
+        self.world = worlds.current()
+        self.told = 0
+        if self.world is not None:
+            self._ask(lambda w: w.store.add(TOLD, 1))
+
+    def gone(self, started: float) -> str | None:
+        """None while the saves may yet finish; else what is gone, in words."""
+        w = self.world
+        if w is None:
+            return None
+        dead = self._ask(worlds.gone_on_this_host)
+        if dead:
+            return f"rank(s) {dead} of this host are gone"
+        now = time.monotonic()
+        stuck = [x for x in worlds.waits_now() if now - x.since >= GRACE]
+        if not stuck or now - started < GRACE:
+            return None
+        told = self._ask(lambda w: w.store.add(TOLD, 0))
+        if isinstance(told, int) and told >= w.size:
+            return None  # every rank was told to stop: a preemption, all alive
+        ranks = sorted({r for x in stuck for r in x.ranks})
+        who = f"rank(s) {ranks}" if ranks else "a rank"
+        waited = f"{now - stuck[0].since:.1f} s during {stuck[0].what}"
+        return f"{who} did not answer for {waited}, and not every rank was told to stop"
+
+    def _ask(self, question: Callable[[worlds.World], Any]) -> Any:
+        out: list[Any] = []
+
+        def run() -> None:
+            with contextlib.suppress(Exception):
+                out.append(question(self.world))
+
+        t = threading.Thread(target=run, daemon=True, name="tiered-dcp-sigterm")
+        t.start()
+        t.join(1.0)
+        return out[0] if out else None

@@ -28,6 +28,7 @@ from ..errors import TieredCheckpointError
 from ..ranks import transport
 from ..ranks.cliques import Layout
 from ..ranks.transport import Group, as_bytes_tensor
+from ..ranks.worlds import Op
 from ..steps import dedup, part_file
 from ..steps.catalog import TierView
 from ..steps.metadata import Records, part_index, records_from_json, records_to_json
@@ -124,11 +125,11 @@ class Swap:
     """
 
     def __init__(
-        self, view: TierView, step: int, part: SavedPart, world: list[int], name: str, layout: Layout
+        self, view: TierView, step: int, part: SavedPart, world: list[int], op: Op, layout: Layout
     ) -> None:
         self.view, self.step, self.part = view, step, part
         self.members = layout.clique(part.rank)
-        self.world, self.name = world, name
+        self.world, self.op = world, op
         self.takes = view.placement.parts_written_by(part.rank, dict(enumerate(world)), layout)[1:]
         self.landed: list[Landing] = []
         self.here: dict[str, dedup.Held | None] = {}  # the blocks the peers' parts use, in this root
@@ -144,9 +145,8 @@ class Swap:
 
     def start(self) -> Swap:
         view, part = self.view, self.part
-        transport.sweep("swap")  # the previous save ended on every rank: its group is gone
-        name = f"{self.name}/clique{self.members[0]}"
-        transport.leave("swap", transport.group_keys(name, self.members.index(part.rank)))
+        name = self.op.key(f"clique{self.members[0]}")
+        self.op.sweep_later(transport.group_keys(name, self.members.index(part.rank)))
         try:
             self.group = Group(name, self.members, part.rank, view.config.peer_timeout)
             layouts = self.group.allgather(self.layout())
@@ -217,6 +217,7 @@ class Swap:
         try:
             assert self.group is not None
             self._receive()
+            self.op.check("the replica exchange")
             sealed = self.group.allgather(records_to_json(self.part.sealed()))
             for land in self.landed:
                 records = records_from_json(sealed[self.members.index(land.rank)])

@@ -14,10 +14,10 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ConcurrentFuture
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,13 +33,14 @@ from tiered_dcp.planners.save import ALIASES, KNOWN_WORLDS, Alias, save_rank, ta
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
+from tiered_dcp.storage.forks import ThreadPool
 from tiered_dcp.storage.format import NONFINITE_NAMES, ItemInfo, failed_key, index_key, part_key, pin_key
 from tiered_dcp.storage.local import LocalStorage
 
 from ..config import TieredConfig, node_of
 from ..errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
 from ..metrics import scores
-from ..ranks import domains, transport
+from ..ranks import domains, transport, worlds
 from ..ranks.cliques import Layout, by_node, jump_fits, uneven_world
 from ..ranks.transport import PeerTimeout
 from ..steps import commit, dedup, part_file
@@ -52,7 +53,7 @@ from ..tensors import as_cpu_contiguous, byte_view, finite_screen
 from ..writer_process.client import MAX_PENDING, writer_handle
 from ..writer_process.run_dir import Job
 from ..writer_process.timings import Kind, record
-from . import host_memory, preemption
+from . import dcp_group, host_memory, preemption
 from .handoff import Handoff
 from .replicate import SavedPart, Swap, write_index
 from .staging import POOL, Examined, Reservation, examine, staged_file
@@ -132,16 +133,9 @@ def fingerprint(items: list[RawItem]) -> ConcurrentFuture[None]:
     return _fingerprinting().submit(run)
 
 
-_FINGERPRINT_THREAD: ThreadPoolExecutor | None = None
-
-
-def _fingerprinting() -> ThreadPoolExecutor:
-    """The thread that hands a save's chunks to ``blocks``' threads and collects them (not one
-    of those threads: a task of that pool waiting on the pool could wait forever)."""
-    global _FINGERPRINT_THREAD
-    if _FINGERPRINT_THREAD is None:
-        _FINGERPRINT_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-fingerprint")
-    return _FINGERPRINT_THREAD
+# The thread that hands a save's chunks to ``blocks``' threads and collects them (not one of
+# those threads: a task of that pool waiting on the pool could wait forever).
+_fingerprinting = ThreadPool("tiered-dcp-fingerprint", 1)
 
 
 def plan_bytes(plan: SavePlan) -> int:
@@ -338,7 +332,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.staging_slots = staging_slots
         self.max_pending = max_pending
         self.owner_pid: int | None = None  # the trainer's pid, set when it stages
-        self.generation = 0  # the trainer's world when it staged (``transport.generation``)
+        self.generation = 0  # the trainer's world when it staged (``worlds.generation``)
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
         self.slot_wait: float | None = None  # of the staging, the wait for a slot earlier saves held
@@ -355,6 +349,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.node = node_of(0)
         self.is_coordinator = True
         self._world: list[int] | None = None
+        self._op: worlds.Op | None = None  # this save in the job's store (``set_up_storage_writer``)
+        self._stager: int | None = None  # the thread that staged this save (``stage``)
 
     def _target(self, step: int) -> None:
         """Save ``step``: on the tiers that take it (every tier for an emergency save)."""
@@ -375,14 +371,16 @@ class TieredWriter(StorageWriter, AsyncStager):
         return step_id(self.config.namespace, self.step)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_world": None, "_next_files": None}
+        return {**self.__dict__, "_world": None, "_next_files": None, "_op": None}
 
     # -- AsyncStager: the copy the training loop waits for --------------------------------
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | ConcurrentFuture[STATE_DICT_TYPE]:
         self.owner_pid = os.getpid()
-        self.generation = transport.generation()
+        self.generation = worlds.generation()
         self.handoff_wait = 0.0  # this save's: DCP's reset(checkpoint_id) comes after stage
+        self._stager = threading.get_ident()
+        dcp_group.prepare()
         if self.handle_sigterm:
             preemption.install()
         rank = _current_rank()
@@ -503,6 +501,13 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.rank = int(rank)
         self.node = node_of(self.rank)
         self.is_coordinator = is_coordinator
+        if self.owner_pid == os.getpid() and threading.get_ident() != self._stager:
+            dcp_group.move()  # an async save's own thread: its collectives off the training's group
+        self._op = None
+        if worlds.dist_up():
+            self._op = worlds.Op(self.config.namespace, "save", self.step, self.config.peer_timeout)
+            if _world_size() > 1:  # every rank here before DCP's first collective of the save
+                self._op.arrive("the save's start")
         if self.layout is None:  # failure domains: every rank is here, in DCP's set-up
             self.layout = domains.LAYOUTS.get(self.config, _world_size(), self.rank)
 
@@ -513,7 +518,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The save's world in every plan (``planners.save``); with DCP's plan cache, the
         world of this process's last full plan (DCP's cache is per process too)."""
-        plans, world = KNOWN_WORLDS.plan_global(plans, transport.generation())
+        plans, world = KNOWN_WORLDS.plan_global(plans, worlds.generation())
         if world is not None:
             self._world = world
         return plans
@@ -527,9 +532,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.handoff_wait += handoff.wait_for_room()
         self._waited = True
 
-    @transport.working()  # ``tiered_dcp.abort`` waits for it
+    @worlds.working()  # ``tiered_dcp.abort`` waits for it
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self.owner_pid == os.getpid() and self.generation != transport.generation():
+        if self.owner_pid == os.getpid() and self.generation != worlds.generation():
             raise TieredCheckpointError(
                 f"step {self.step}: this save was staged in a world that is gone (its process "
                 "group was torn down, tiered_dcp.abort); it is abandoned, never committed: save "
@@ -557,17 +562,16 @@ class TieredWriter(StorageWriter, AsyncStager):
             refused = _refused(self.step, self.rank, items)
         aliases = (plan.storage_data or {}).get(ALIASES, [])
         slower = self.tier_indexes[1:]
-        ns = self.config.namespace
         where = save_rank(plan)
         world = (where.nodes() if where is not None else None) or [self.node]
-        name = transport.next_name(ns, "save") if transport.dist_up() else ""
+        op = self._op
         try:
             committer = commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout)
             records = committer.write(
-                lambda: self._write_part(first, resolved, aliases, world, name, slower),
+                lambda: self._write_part(first, resolved, aliases, world, op, slower),
                 refused,
                 world,
-                name,
+                op,
                 _metadata_of(planner, self.storage_meta()),
             )
         except BaseException as e:
@@ -598,7 +602,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         resolved: Resolved,
         aliases: list[Alias],
         world: list[int],
-        name: str,
+        op: worlds.Op | None,
         slower: list[int],
     ) -> Records:
         """Pin the step for the slower tiers, then write this rank's part and, where the tier
@@ -609,7 +613,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         try:
             part = encode_part(first, self.step, self.rank, resolved, aliases, replicated)
             if replicated:  # the transfer runs while the part is written
-                swap = Swap(first, self.step, part, world, name, self._layout(world)).start()
+                assert op is not None, "a replicated tier is written by several ranks"
+                swap = Swap(first, self.step, part, world, op, self._layout(world)).start()
             t0 = time.perf_counter()
             write_part(first, self.step, part)
             self._write_seconds = time.perf_counter() - t0
@@ -699,7 +704,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         world = self._world if self._world is not None else [self.node]
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         try:
-            with transport.working():
+            with worlds.working():
                 commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout).finish(
                     metadata, records, world
                 )
@@ -783,12 +788,5 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-_STAGING_THREAD: ThreadPoolExecutor | None = None
+_staging_thread = ThreadPool("tiered-dcp-staging", 1)  # background staging's copies
 _UNEVEN_SAID: set[tuple] = set()  # the worlds laid out by node that a warning named (``_layout``)
-
-
-def _staging_thread() -> ThreadPoolExecutor:
-    global _STAGING_THREAD
-    if _STAGING_THREAD is None:
-        _STAGING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-dcp-staging")
-    return _STAGING_THREAD

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import time
@@ -50,10 +49,10 @@ from .placement import CopyCommit, SaveProtocol
 from .retention import apply_retention
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
     from torch.distributed.checkpoint.metadata import Metadata
 
     from ..ranks.cliques import Layout
+    from ..ranks.worlds import Op
     from .metadata import Records
 
 log = logging.getLogger("tiered_dcp")
@@ -132,12 +131,12 @@ class SaveCommit(ABC):
         write_part: Callable[[], Records],
         refused: BaseException | None,
         world: list[int],
-        name: str,
+        op: Op | None,
         metadata: Callable[[], Metadata],
     ) -> Records:
         """This rank's part written by ``write_part``: its records. ``refused``: the save
-        must not commit (non-finite state under ``on_nonfinite="raise"``); ``name``: the
-        save's store prefix, equal on every rank; ``metadata``: DCP's global Metadata."""
+        must not commit (non-finite state under ``on_nonfinite="raise"``); ``op``: the save
+        in the job's store (None: a process alone); ``metadata``: DCP's global Metadata."""
 
     @abstractmethod
     def finish(self, metadata: Metadata, records: Records, world: list[int]) -> None:
@@ -153,7 +152,7 @@ class CoordinatorCommit(SaveCommit):
         write_part: Callable[[], Records],
         refused: BaseException | None,
         world: list[int],
-        name: str,
+        op: Op | None,
         metadata: Callable[[], Metadata],
     ) -> Records:
         if refused is not None:  # nothing of the step is written; DCP tells every rank
@@ -177,7 +176,7 @@ class AgreedCommit(SaveCommit):
         write_part: Callable[[], Records],
         refused: BaseException | None,
         world: list[int],
-        name: str,
+        op: Op | None,
         metadata: Callable[[], Metadata],
     ) -> Records:
         from ..ranks import transport  # torch: the save path only
@@ -188,7 +187,7 @@ class AgreedCommit(SaveCommit):
             records = write_part()
         except Exception as e:  # told to every rank, so that none waits for this one
             error = e
-        agreement = _Agreement(self, world, name, metadata)
+        agreement = _Agreement(self, world, op, metadata)
         with transport.watching_peers(self.step, "the commit agreement"):  # the store may be gone
             agreement.run(records, error or refused)
         return records
@@ -246,22 +245,22 @@ class Failure(Enum):
 
 @dataclass
 class _Agreement:
-    """``AgreedCommit``'s round through the job's store, keyed under the save's ``name``.
+    """``AgreedCommit``'s round through the job's store, under the save's ``op``.
 
-    Every rank publishes whether its part is clean, with its records; the coordinator
-    waits for all of them and publishes the metadata and marker, or the failures; the
-    lowest rank of each root (``Placement.commits_root``) writes them there."""
+    Every rank publishes whether its part is clean, with its records, and counts itself in;
+    the last sets a flag the coordinator waits for. The coordinator publishes the metadata
+    and marker, or the failures; the lowest rank of each root (``Placement.commits_root``)
+    writes them there. A verdict is set once (``compare_set``): a rank that left the world
+    first (``worlds.leave_world``) marked it, and then no root commits."""
 
     save: SaveCommit
     world: list[int]
-    name: str
+    op: Op | None
     metadata: Callable[[], Metadata]
 
     def run(self, records: Records, error: BaseException | None) -> None:
-        from ..ranks import transport  # torch: the save path only
-
-        save, world = self.save, self.world
-        if not transport.dist_up() or len(world) == 1:
+        save, world, op = self.save, self.world, self.op
+        if op is None or len(world) == 1:
             if error is not None:
                 raise error
             blob, marker = build_commit(
@@ -269,54 +268,48 @@ class _Agreement:
             )
             commit_root(save.view, save.step, blob, marker)
             return
-        store = transport.store()
-        transport.sweep("commit")  # the previous save ended on every rank: nobody reads its keys
-        self._publish(store, records, error)
+        op.check("the commit agreement")
+        self._publish(op, records, error)
         if save.is_coordinator:
-            self._decide(store)
+            self._decide(op)
         if save.view.placement.commits_root(save.rank, dict(enumerate(world))):
-            self._apply(store)
+            self._apply(op)
 
-    @property
-    def verdict(self) -> str:
-        return f"{self.name}/commit"
-
-    @property
-    def timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.save.view.config.peer_timeout)
-
-    def _publish(self, store: Store, records: Records, error: BaseException | None) -> None:
+    def _publish(self, op: Op, records: Records, error: BaseException | None) -> None:
         """This rank's word: clean, with its records, or why not (then raised here)."""
-        from ..ranks import transport
         from .metadata import records_to_json
 
-        save = self.save
-        done = f"{self.name}/done/{save.rank}"
+        save, store = self.save, op.store
+        done, count, verdict = op.key(f"done/{save.rank}"), op.key("done/count"), op.key("commit")
         store.set(done, json.dumps(_outcome(error, save.rank)).encode() + b"\n" + records_to_json(records))
-        transport.leave("commit", [done])
+        op.sweep_later([done])
         if save.is_coordinator and error is not None:  # it cannot commit: said now, not at the timeout
-            transport.leave("commit", [self.verdict])
-            store.set(self.verdict, json.dumps(_refusal(save.step, save.view, [_outcome(error, save.rank)])))
+            refusal = _refusal(save.step, save.view, [_outcome(error, save.rank)])
+            store.compare_set(verdict, b"", json.dumps(refusal))
+        if store.add(count, 1) == len(self.world):
+            store.set(op.key("done/all"), b"1")
         if error is not None:
             raise error
 
-    def _decide(self, store: Store) -> None:
+    def _decide(self, op: Op) -> None:
         """The coordinator's verdict once every rank spoke: the metadata and marker, or the
         failures (raised here too)."""
         from ..ranks import transport
         from .metadata import records_from_json
 
-        save, step, verdict = self.save, self.save.step, self.verdict
-        transport.leave("commit", [verdict])
-        keys = [f"{self.name}/done/{r}" for r in range(len(self.world))]
+        save, step, store, verdict = self.save, self.save.step, op.store, op.key("commit")
+        op.sweep_later([op.key("done/count"), op.key("done/all"), verdict, f"{verdict}/metadata"])
+        keys = [op.key(f"done/{r}") for r in range(len(self.world))]
         try:
-            store.wait(keys, self.timeout)
+            op.wait(op.key("done/all"), "the commit agreement")
+        except PeerLostError:
+            raise
         except Exception as e:
             late = [r for r, k in enumerate(keys) if not store.check([k])]
-            waited = f"no word from them within peer_timeout={self.timeout.total_seconds():g} s"
+            waited = f"no word from them within peer_timeout={op.timeout:g} s"
             err = transport.lost(step, "the commit agreement", e, late, waited)
-            store.set(
-                verdict, json.dumps({"error": str(err), "kind": Failure.PEER_LOST.value, "ranks": late})
+            store.compare_set(
+                verdict, b"", json.dumps({"error": str(err), "kind": Failure.PEER_LOST.value, "ranks": late})
             )
             raise err from e
         merged: Records = {}
@@ -328,30 +321,31 @@ class _Agreement:
             merged.update(records_from_json(recs))
         if failed:
             refusal = _refusal(step, save.view, failed)
-            store.set(verdict, json.dumps(refusal))
+            store.compare_set(verdict, b"", json.dumps(refusal))
             raise _refused(refusal, step)
         blob, marker = build_commit(
             save.view, step, self.metadata(), self.world, merged, save.layout(self.world)
         )
-        transport.leave("commit", [f"{verdict}/metadata"])
+        op.check("the commit agreement")
         store.set(f"{verdict}/metadata", blob)  # before the verdict, which says it is there
-        store.set(verdict, json.dumps({"error": None, "marker": marker.to_bytes().decode()}))
+        store.compare_set(verdict, b"", json.dumps({"error": None, "marker": marker.to_bytes().decode()}))
 
-    def _apply(self, store: Store) -> None:
+    def _apply(self, op: Op) -> None:
         """A root's lowest rank: the verdict written in its root, or raised."""
         from ..ranks import transport
 
-        step, verdict, timeout = self.save.step, self.verdict, self.timeout
+        step, verdict = self.save.step, op.key("commit")
         try:  # the coordinator waits ``timeout`` for the slowest rank first: this wait is longer
-            store.wait([verdict], 2 * timeout)
+            outcome = json.loads(op.wait(verdict, "the commit agreement", [0], 2 * op.timeout))
+        except PeerLostError:
+            raise
         except Exception as e:
-            waited = f"no decision from the coordinator within {2 * timeout.total_seconds():g} s"
+            waited = f"no decision from the coordinator within {2 * op.timeout:g} s"
             raise transport.lost(step, "the commit agreement", e, [0], waited) from e
-        outcome = json.loads(store.get(verdict))
         if outcome["error"] is not None:
             raise _refused(outcome, step)
         marker = Marker.from_bytes(outcome["marker"].encode())
-        commit_root(self.save.view, step, store.get(f"{verdict}/metadata"), marker)
+        commit_root(self.save.view, step, op.store.get(f"{verdict}/metadata"), marker)
 
 
 def _outcome(error: BaseException | None, rank: int) -> dict:

@@ -1,0 +1,93 @@
+"""DCP's collectives of an async save, off the group the training uses.
+
+``dcp.async_save`` without a ``process_group`` runs the save's collectives (its planning,
+its final gather) on the default group, from a thread of its own, while the training
+thread runs its collectives there too (DDP's all-reduces, FSDP's all-gathers): the two
+threads' collectives interleave on one group and both wait forever, with no message.
+
+So an async save in DCP's THREAD mode whose collectives would run on the default group is
+moved onto a gloo group of tiered-dcp's, over the same ranks in the same order: made once
+per world (``worlds.World``), at the first such save, on the thread that calls
+``async_save``, where every rank makes it at the same point of its program
+(``prepare``); then the save's own thread hands it to the save (``move``), in the save's
+first hook, before DCP's first collective of it. A group the caller passed is kept, as is
+a save in DCP's PROCESS mode (its process has a group of its own) or a sync ``dcp.save``
+(its collectives run in order with the training's, on the training's thread).
+
+DCP keeps the group of a save in its ``_DistWrapper``, built before any hook of the
+storage writer runs; ``move`` finds it on the save thread's stack and sets its group.
+Where torch keeps it elsewhere (a future release), nothing is moved and ``moved``
+says so (a test pins the torch versions this runs on).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import FrameType
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from ..ranks import worlds
+
+log = logging.getLogger(__name__)
+
+DEPTH = 12  # frames looked through, from the hook up to DCP's function
+
+
+def prepare() -> None:
+    """On the thread calling ``dcp.async_save``: this world's save group, made if the save
+    runs DCP's collectives on the default group in its THREAD mode."""
+    if not worlds.dist_up() or dist.get_world_size() == 1:
+        return
+    args = _locals_of("async_save", ("process_group", "async_checkpointer_type"))
+    if args is not None:
+        thread_mode = args["async_checkpointer_type"] == AsyncCheckpointerType.THREAD
+        if not (thread_mode and _is_default(args["process_group"])):
+            return
+    w = worlds.world()
+    if w.dcp_group is None:
+        w.dcp_group = dist.new_group(backend="gloo", group_desc="tiered_dcp_async_saves")
+
+
+def move() -> bool:
+    """On the save's own thread, in its first hook: the save's collectives onto this
+    world's save group (``prepare``), where they would run on the default group. Whether
+    they were moved."""
+    group = worlds.world().dcp_group if worlds.dist_up() else None
+    if group is None:
+        return False
+    found = _locals_of("_save_state_dict", ("distW",))
+    if found is None or not hasattr(found["distW"], "group"):
+        log.warning(
+            "this torch keeps an async save's process group where tiered-dcp does not look: "
+            "its collectives stay on the default group; pass dcp.async_save(..., "
+            "process_group=dist.new_group(backend='gloo')) if the training runs collectives meanwhile"
+        )
+        return False
+    wrapper = found["distW"]
+    if not _is_default(wrapper.group):
+        return False
+    wrapper.group = group
+    return True
+
+
+def _is_default(group: Any) -> bool:
+    return group is None or group is distributed_c10d._get_default_group()
+
+
+def _locals_of(function: str, names: tuple[str, ...]) -> dict[str, Any] | None:
+    """The locals ``names`` of the nearest caller frame of ``function`` that has them all."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(DEPTH):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == function:
+            local = frame.f_locals
+            if all(n in local for n in names):
+                return {n: local[n] for n in names}
+        frame = frame.f_back
+    return None
