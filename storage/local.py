@@ -117,12 +117,22 @@ class _Dirty:
         os.replace(self.tmp, self.name, src_dir_fd=self.dir, dst_dir_fd=self.dir)
         if self.fsync:
             os.fsync(self.dir)
-        os.close(self.dir)
+        self._close_dir()
 
     def remove(self) -> None:
+        """Delete the dirty file, unless it was published (or removed) already."""
+        if self.dir < 0:
+            return
         with contextlib.suppress(OSError):
             os.unlink(self.tmp, dir_fd=self.dir)
-        os.close(self.dir)
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        """Close the directory's descriptor, once: closed again later, its number may be
+        another thread's file or socket by then, which would close under its owner."""
+        if self.dir >= 0:
+            fd, self.dir = self.dir, -1
+            os.close(fd)
 
 
 class MappedFile(Reservation):
@@ -164,6 +174,8 @@ class MappedReservation(MappedFile):
             self.dirty.remove()
             raise
 
+    committed = False
+
     def commit(self) -> None:
         with self.store.errors(self.key):
             try:
@@ -174,8 +186,12 @@ class MappedReservation(MappedFile):
             finally:
                 self._release()
             self.dirty.publish()
+        self.committed = True
 
     def discard(self) -> None:
+        """Drop it unless committed: a failure after its commit leaves the object as it is."""
+        if self.committed:
+            return
         self._release()
         self.dirty.remove()
 

@@ -230,15 +230,19 @@ class Swap:
                         except ChecksumMismatch as e:
                             raise self._damaged(land.rank, e) from e
             self._write_blocks()
-            ns = self.view.config.namespace
-            for land in self.landed:
-                land.hashed()
-                land.part.commit()
-                records = dedup.as_held(ns, land.records, self.here)
-                write_index(self.view, self.step, land.rank, records, sum(map(len, land.blocks.values())))
-            self.landed.clear()
+            while self.landed:
+                self._commit(self.landed[0])
         finally:
             self.abort()
+
+    def _commit(self, land: Landing) -> None:
+        """Rename a verified replica clean, then write its index. It leaves ``landed`` as it
+        commits: a failure after that (its index, the next replica) discards only the rest."""
+        land.hashed()
+        land.part.commit()
+        self.landed.remove(land)
+        records = dedup.as_held(self.view.config.namespace, land.records, self.here)
+        write_index(self.view, self.step, land.rank, records, sum(map(len, land.blocks.values())))
 
     def _receive(self) -> None:
         """Wait for every transfer, hashing each chunk of a replica's part file as it lands
