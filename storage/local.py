@@ -113,11 +113,19 @@ class _Dirty:
             raise
 
     def publish(self) -> None:
-        """Rename it clean (a link at the clean name is replaced, never followed), synced."""
-        os.replace(self.tmp, self.name, src_dir_fd=self.dir, dst_dir_fd=self.dir)
-        if self.fsync:
-            os.fsync(self.dir)
-        self._close_dir()
+        """Rename it clean (a link at the clean name is replaced, never followed), synced.
+        Its directory is closed whatever fails; a dirty file that could not be renamed goes."""
+        try:
+            try:
+                os.replace(self.tmp, self.name, src_dir_fd=self.dir, dst_dir_fd=self.dir)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.tmp, dir_fd=self.dir)
+                raise
+            if self.fsync:
+                os.fsync(self.dir)
+        finally:
+            self._close_dir()
 
     def remove(self) -> None:
         """Delete the dirty file, unless it was published (or removed) already."""

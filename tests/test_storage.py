@@ -146,3 +146,23 @@ def test_a_committed_reservation_discarded_later_closes_nothing_again(tmp_path):
         os.close(r)
         os.close(w)
     assert store.read("d/obj") == bytes(100)
+
+
+@pytest.mark.parametrize("how", ["write", "reserve"])
+def test_a_rename_that_fails_leaves_no_descriptor_open(tmp_path, how):
+    """A directory where the file goes: the rename that publishes it fails, and neither the
+    dirty file nor its directory's descriptor is left behind."""
+    store = LocalStorage(str(tmp_path))
+    (tmp_path / "d" / "obj").mkdir(parents=True)
+    before = fd_table()
+    with pytest.raises(IsADirectoryError):
+        if how == "write":
+            store.write("d/obj", [b"x" * 100])
+        else:
+            res = store.reserve("d/obj", 100)
+            try:
+                res.commit()
+            finally:
+                res.discard()
+    assert fd_table() == before
+    assert os.listdir(tmp_path / "d") == ["obj"]
