@@ -696,14 +696,7 @@ class PartIndex:
                 index = cls(rank, sum(r.length for r in records.values()), records)
         except DamagedRecord as e:
             raise BadIndex(str(e)) from None
-        except (
-            ValueError,
-            TypeError,
-            AttributeError,
-            EOFError,
-            RecursionError,
-            pickle.UnpicklingError,
-        ) as e:
+        except Exception as e:  # noqa: BLE001 - any error while the record becomes objects is damage
             raise BadIndex(f"{type(e).__name__}: {str(e)[:200]}") from None
         return index.check_names(namespace).check_extents(part_key(namespace, step, rank))
 

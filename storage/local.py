@@ -75,6 +75,14 @@ def _write_all(fd: int, buf: Buffer) -> None:
         view = view[n:]
 
 
+def _within(size: int, offset: int, length: int | None) -> int:
+    """The bytes a read of ``length`` (None: the rest) at ``offset`` can return from a file
+    of ``size``: what it allocates. A record is read bounded by its kind's limit (64 MiB
+    for a blocks list), and its buffer sized by the limit would be zeroed in full."""
+    left = max(size - offset, 0)
+    return left if length is None else min(length, left)
+
+
 def _allocate(fd: int, size: int) -> None:
     """Size the file and claim its blocks now: on a full file system this fails with ENOSPC,
     where a sparse file would kill the process with SIGBUS when its map is written."""
@@ -113,16 +121,34 @@ class _Dirty:
             raise
 
     def publish(self) -> None:
-        """Rename it clean (a link at the clean name is replaced, never followed), synced."""
-        os.replace(self.tmp, self.name, src_dir_fd=self.dir, dst_dir_fd=self.dir)
-        if self.fsync:
-            os.fsync(self.dir)
-        os.close(self.dir)
+        """Rename it clean (a link at the clean name is replaced, never followed), synced.
+        Its directory is closed whatever fails; a dirty file that could not be renamed goes."""
+        try:
+            try:
+                os.replace(self.tmp, self.name, src_dir_fd=self.dir, dst_dir_fd=self.dir)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.tmp, dir_fd=self.dir)
+                raise
+            if self.fsync:
+                os.fsync(self.dir)
+        finally:
+            self._close_dir()
 
     def remove(self) -> None:
+        """Delete the dirty file, unless it was published (or removed) already."""
+        if self.dir < 0:
+            return
         with contextlib.suppress(OSError):
             os.unlink(self.tmp, dir_fd=self.dir)
-        os.close(self.dir)
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        """Close the directory's descriptor, once: closed again later, its number may be
+        another thread's file or socket by then, which would close under its owner."""
+        if self.dir >= 0:
+            fd, self.dir = self.dir, -1
+            os.close(fd)
 
 
 class MappedFile(Reservation):
@@ -164,6 +190,8 @@ class MappedReservation(MappedFile):
             self.dirty.remove()
             raise
 
+    committed = False
+
     def commit(self) -> None:
         with self.store.errors(self.key):
             try:
@@ -174,8 +202,12 @@ class MappedReservation(MappedFile):
             finally:
                 self._release()
             self.dirty.publish()
+        self.committed = True
 
     def discard(self) -> None:
+        """Drop it unless committed: a failure after its commit leaves the object as it is."""
+        if self.committed:
+            return
         self._release()
         self.dirty.remove()
 
@@ -233,13 +265,15 @@ class LocalStorage(Storage):
             return MappedReservation(self, key, size)
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        if length is not None and length >= direct_io.DIRECT_READ_MIN and self.durable:
-            out = bytearray(length)  # the large reads of a copy down the tiers: direct when cold
-            got = self._read_into(key, offset, memoryview(out))
-            return out if got == length else out[:got]
-        with self.errors(key), self._opened(key) as fd, open(fd, "rb", closefd=False) as f:
-            f.seek(offset)
-            return f.read() if length is None else f.read(length)
+        with self.errors(key), self._opened(key) as fd:
+            length = _within(os.fstat(fd).st_size, offset, length)
+            if length >= direct_io.DIRECT_READ_MIN and self.durable:
+                out = bytearray(length)  # the large reads of a copy down the tiers: direct when cold
+                got = self._read_fd(fd, offset, memoryview(out))
+                return out if got == length else out[:got]
+            with open(fd, "rb", closefd=False) as f:
+                f.seek(offset)
+                return f.read(length)
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         out = out.cast("B")
@@ -260,15 +294,19 @@ class LocalStorage(Storage):
         """The bytes of ``key`` from ``offset`` read into ``out``: direct from a disk where the
         range is large and not in the page cache (``direct_io.read_direct``); how many (fewer
         at the end of the file)."""
-        done = 0
         with self.errors(key), self._opened(key) as fd:
-            if self.durable:
-                done = direct_io.read_direct(fd, offset, out, self.root) or 0
-            while done < len(out):
-                n = os.preadv(fd, [out[done:]], offset + done)
-                if n == 0:
-                    break
-                done += n
+            return self._read_fd(fd, offset, out)
+
+    def _read_fd(self, fd: int, offset: int, out: memoryview) -> int:
+        """``_read_into`` of the file open as ``fd``."""
+        done = 0
+        if self.durable:
+            done = direct_io.read_direct(fd, offset, out, self.root) or 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
         return done
 
     def size(self, key: str) -> int | None:

@@ -37,6 +37,10 @@ RECORDS_PER_METADATA_BYTE = 16
 RECORDS_BASE = 64 << 10
 
 REFS_LIMIT = 64 << 20  # a blocks list's bytes (35 per block of 1 MiB: a 1.8 TiB part)
+# A part as a rank announces it to its clique (its file's chunks and the blocks it names):
+# what a peer reserves for its replica before a byte arrives
+MAX_PART_CHUNKS = 1 << 22
+MAX_PART_BYTES = MAX_PART_CHUNKS * CHUNK_BYTES  # 32 TiB
 
 
 class DamagedRecord(ValueError):

@@ -58,6 +58,22 @@ def live_files(root: Path) -> dict[int, os.stat_result]:
     return found
 
 
+def fd_table() -> dict[int, tuple[str, int, int]]:
+    """This process's open descriptors: number -> (what it names, device, inode). A number
+    closed under its owner, or reused by another file, shows as a changed or missing entry;
+    one left open as an extra entry (the listing's own descriptor, closed by then, is not
+    in it)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+            out[fd] = (os.readlink(f"/proc/self/fd/{fd}"), st.st_dev, st.st_ino)
+        except OSError:
+            continue
+    return out
+
+
 @pytest.fixture
 def tiers3(tmp_path):
     """RAM-like, SSD-like and a shared 'bucket' directory, with different schedules."""

@@ -13,10 +13,11 @@ case's memory or damage never reaches the next.
 The cases are generated from the record formats of ``storage/format.py``: every field of
 the commit marker and of an index (and of their nested parts) set to a wrong type, zero,
 negative, huge, null or removed, lists made huge, keys added; the metadata unpickler fed
-calls that allocate or compute, a key missing, a tensor of an impossible size; step
-directories named out of the format; each record file made huge and sparse, a FIFO, a
-device, a directory, a link to a FIFO outside the tiers (opening it would hang: caught as a
-timeout). The test (``test_hostile_records.py``) judges the outcomes.
+calls that allocate or compute, calls an admitted constructor rejects with an error of its
+own (a KeyError, an OverflowError, a LookupError), a key missing, a tensor of an impossible
+size; step directories named out of the format; each record file made huge and sparse, a
+FIFO, a device, a directory, a link to a FIFO outside the tiers (opening it would hang:
+caught as a timeout). The test (``test_hostile_records.py``) judges the outcomes.
 """
 
 from __future__ import annotations
@@ -301,9 +302,13 @@ def _resign(root: Path, blob: bytes, tier: str = "t0") -> None:
 
 
 def _metadata(root: Path) -> Any:
-    from tiered_dcp.steps.metadata import loads
+    """Step 2's metadata as DCP's objects, without the facts ``loads`` leaves on it (which
+    name a class of ours: pickled again, the unpickler would refuse it for that alone)."""
+    from tiered_dcp.steps.metadata import CHECKED, loads
 
-    return loads((root / "t0" / STEP / "metadata").read_bytes())
+    md = loads((root / "t0" / STEP / "metadata").read_bytes())
+    delattr(md, CHECKED)
+    return md
 
 
 def _md_case(change: Callable[[Any], Any]) -> Callable[[Path], None]:
@@ -350,6 +355,13 @@ def _md_bad_dtype(md: Any) -> None:
     tmd.properties.dtype = torch.float64
 
 
+def _md_tensor_field(field: str, value: Any) -> Callable[[Any], None]:
+    def change(md: Any) -> None:
+        setattr(_first_tensor(md)[1], field, value)
+
+    return change
+
+
 def _md_item_fields(field: str, value: Any) -> Callable[[Any], None]:
     def change(md: Any) -> None:
         for d in md.storage_data.values():
@@ -360,9 +372,9 @@ def _md_item_fields(field: str, value: Any) -> Callable[[Any], None]:
     return change
 
 
-def _pickled_call(fn: str, arg: Any) -> bytes:
-    """A pickle whose top object is ``builtins.<fn>(arg)``."""
-    return b"\x80\x04" + b"c" + f"builtins\n{fn}\n".encode() + pickle.dumps((arg,), protocol=4)[2:-1] + b"R."
+def _pickled_call(fn: str, *args: Any, module: str = "builtins") -> bytes:
+    """A pickle whose top object is ``<module>.<fn>(*args)``."""
+    return b"\x80\x04" + b"c" + f"{module}\n{fn}\n".encode() + pickle.dumps(args, protocol=4)[2:-1] + b"R."
 
 
 def _md_blob_case(blob: Callable[[Path], bytes]) -> Callable[[Path], None]:
@@ -490,6 +502,8 @@ def cases(clean: Path) -> dict[str, Callable[[Path], None]]:
         "chunk_10e12": _md_case(_md_huge_chunk),
         "chunk_out_of_bounds": _md_case(_md_chunk_out_of_bounds),
         "dtype_changed": _md_case(_md_bad_dtype),
+        "tensor_properties_int": _md_case(_md_tensor_field("properties", 5)),
+        "tensor_chunks_int": _md_case(_md_tensor_field("chunks", 5)),
         "item_shape_huge": _md_case(_md_item_fields("shape", [10**12])),
         "item_dtype_bogus": _md_case(_md_item_fields("dtype", "torch.bogus")),
         "item_chunks_huge": _md_case(_md_item_fields("chunks", [[10**12, 1]])),
@@ -500,6 +514,12 @@ def cases(clean: Path) -> dict[str, Callable[[Path], None]]:
         "list_call": _md_blob_case(lambda root: _pickled_call("list", "x" * 100)),
         "str_call": _md_blob_case(lambda root: _pickled_call("str", 10**20)),
         "not_metadata": _md_blob_case(lambda root: pickle.dumps({"a": 1})),
+        # admitted constructors called with what they reject by an error of their own
+        "layout_unknown": _md_blob_case(
+            lambda root: _pickled_call("_get_layout", "torch.bogus", module="torch.serialization")
+        ),
+        "int_of_infinity": _md_blob_case(lambda root: _pickled_call("int", float("inf"))),
+        "str_unknown_codec": _md_blob_case(lambda root: _pickled_call("str", b"x", "no-such-codec")),
         "nested": _md_blob_case(lambda root: b"\x80\x04" + b"]" * 200000 + b"."),
         "garbage": _md_blob_case(lambda root: b"\x80\x04garbage"),
     }

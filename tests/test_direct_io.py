@@ -7,6 +7,7 @@ skipped without root)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -14,6 +15,8 @@ import signal
 import subprocess
 import threading
 import time
+import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,11 +27,15 @@ from tiered_dcp.storage import PermanentStorageError
 from tiered_dcp.storage.direct_io import _REFUSED, ALIGN, BUFFER_BYTES, resident_pages, set_direct
 from tiered_dcp.storage.format import marker_key, part_key
 from tiered_dcp.storage.local import DIRTY, LocalStorage, in_memory
+from tiered_dcp.storage.records import REFS_LIMIT, read_record
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for, writer_status
 from tiered_dcp.load.device_reads import HostCopier, Ring
+from tiered_dcp.steps.catalog import TierView
+from tiered_dcp.steps.retention import apply_retention
 
 MiB = 1 << 20
+FIXED = 1 * MiB  # what a read may allocate beyond the bytes it returns
 
 
 @pytest.fixture
@@ -261,3 +268,45 @@ def test_a_cold_chunk_for_a_device_is_read_by_the_disk_into_the_ring_slot(disk):
     part = Path(cfg.tiers[0].root(0, 0)) / part_key("ring", 1, 0)
     assert _cached(part)[0] <= 2, "the load pulled the step through the page cache"
     shutdown()
+
+
+@contextlib.contextmanager
+def _peak_allocated() -> Iterator[list[int]]:
+    """The most bytes Python allocated inside the block beyond what it held at its start
+    (``tracemalloc``: every bytes and bytearray a read makes is counted)."""
+    out = [0]
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        yield out
+        out[0] = tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_small_record_read_with_a_large_limit_allocates_its_size(disk):
+    """A record is read bounded by its kind's limit (64 MiB for a blocks list): what is
+    allocated is the file's size, not the limit."""
+    store = LocalStorage(str(disk / "ssd"))
+    store.write("s/refs", [b"x" * 3000])
+    with _peak_allocated() as peak:
+        assert read_record(store, "s/refs", REFS_LIMIT) == b"x" * 3000
+    assert peak[0] < 3000 + FIXED, peak[0]
+    assert store.read("s/refs", 1000, 10 * MiB) == b"x" * 2000 and store.read("s/refs", 5000, MiB) == b""
+
+
+def test_a_retention_pass_over_four_kept_steps_allocates_their_records_sizes(disk):
+    """Retention reads each kept step's marker, index and blocks list: on a disk tier it
+    allocates about their sizes, not each one's limit."""
+    root = disk / "ssd"
+    state = {"w": torch.arange(float(MiB)), "b": torch.ones(64)}
+    for step in range(1, 6):
+        state["w"][step] = -1.0  # one block changes a step
+        keep_all = TieredConfig("run", [Tier(str(root))], dedup=True)
+        dcp.save(state, storage_writer=TieredWriter(keep_all, step=step))
+    cfg = TieredConfig("run", [Tier(str(root), keep=4)], dedup=True)
+    records = sum(p.stat().st_size for p in root.glob("run/step_*/*") if not p.name.endswith(".part"))
+    with _peak_allocated() as peak:
+        apply_retention(TierView(cfg, 0, 0, 0), 5)
+    assert sorted(p.name for p in root.glob("run/step_*")) == [f"step_00000000000{s}" for s in (2, 3, 4, 5)]
+    assert peak[0] < records + FIXED, (peak[0], records)

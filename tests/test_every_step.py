@@ -22,6 +22,7 @@ from tiered_dcp.storage.blocks import hashing
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum
 from tiered_dcp.storage.format import ItemInfo, Record, part_key
 from tiered_dcp.storage.local import LocalStorage
+from tiered_dcp.storage.records import MAX_PART_BYTES, MAX_PART_CHUNKS, STORED_CHUNK_BYTES
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, status
@@ -189,3 +190,36 @@ def test_a_layout_that_cannot_be_read_names_the_rank_and_the_fix():
     for blob in (older, b'{"sizes": [-1], "blocks": "[]"}', b"not json"):
         with pytest.raises(TieredCheckpointError, match="rank 3's part layout .* same tiered-dcp version"):
             _announced(blob, 3)
+
+
+TOO_MANY = [0] * (MAX_PART_CHUNKS + 1)
+TOO_LARGE = [STORED_CHUNK_BYTES] * (MAX_PART_BYTES // STORED_CHUNK_BYTES + 1)
+
+
+@pytest.mark.parametrize(
+    "sizes, why",
+    [
+        ([CHUNK, True], "not True"),
+        ([False], "not False"),
+        ([CHUNK, -1], "not -1"),
+        ([1.0], "not 1.0"),
+        (["8"], "not '8'"),
+        ([STORED_CHUNK_BYTES + 1], f"not {STORED_CHUNK_BYTES + 1}"),
+        ({"0": 1}, "must be a list"),
+        (TOO_MANY, f"at most {MAX_PART_CHUNKS} entries"),
+        (TOO_LARGE, f"more than a part holds ({MAX_PART_CHUNKS} chunks, {MAX_PART_BYTES} bytes)"),
+    ],
+    ids=["bool", "false", "negative", "float", "text", "chunk_too_large", "object", "too_many", "too_large"],
+)
+def test_a_layout_out_of_a_parts_bounds_is_refused_in_one_line_naming_the_rank(sizes, why):
+    """What a peer announces sizes what this rank reserves for its replica: bounded as
+    what a tier holds is, before anything is reserved."""
+    blob = json.dumps({"sizes": sizes, "blocks": records_to_json({}).decode()}).encode()
+    with pytest.raises(TieredCheckpointError, match="^rank 3's part layout for the replica exchange") as e:
+        _announced(blob, 3)
+    assert why in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_layout_at_a_parts_bounds_is_read():
+    largest = [STORED_CHUNK_BYTES] * (MAX_PART_BYTES // STORED_CHUNK_BYTES)
+    assert _announced(json.dumps({"sizes": largest, "blocks": "[]"}).encode(), 3)[0] == largest

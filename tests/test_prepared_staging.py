@@ -482,3 +482,42 @@ def test_a_first_copy_that_cannot_reach_its_part_file_fails_its_save_alone(shm):
     step_dir.parent.unlink()
     dcp.async_save(_state(2, 2), storage_writer=TieredWriter(cfg, step=2)).result()
     assert _exact(cfg, 2, 2)
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass over ordinary storage: staged as an alias of its arena view."""
+
+
+def _mapping_of(address: int) -> str:
+    """What this process maps at ``address`` (/proc/self/maps): a file's path, or "" for
+    private (anonymous) memory."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"nothing mapped at {address:#x}")
+
+
+def test_a_first_copys_tensor_subclass_leaf_moves_into_the_part_file_too(shm):
+    """A tensor-subclass leaf is staged as an alias of its arena view (``as_subclass``):
+    the upload that moves a first copy into its part file moves it as well, so no staged
+    leaf holds the private copy after it (which would hold one copy of the state beyond
+    the keep + 1 in the tier for as long as the slot lives)."""
+    mib = 8
+    cfg = TieredConfig("first-sub", [Tier(str(shm), keep=2)])
+    state = _state(1, mib)
+    state["w"] = state["w"].as_subclass(Tagged)
+    dcp.async_save(state, storage_writer=TieredWriter(cfg, step=1)).result()
+    _wait_prepared()
+    gc.collect()
+    (first,) = _part_files(cfg)
+    (slot,) = [s for s in POOL._slots if s.fd is not None and os.fstat(s.fd).st_ino == first.stat().st_ino]
+    leaves = [v for v in slot.staged if isinstance(v, torch.Tensor)]
+    assert {type(v) for v in leaves} == {Tagged, torch.Tensor}
+    for leaf in leaves:
+        assert _mapping_of(leaf.data_ptr()).startswith(str(shm)), type(leaf)
+    target = _zeros(mib)
+    dcp.load(target, storage_reader=TieredReader(cfg, step=1))
+    assert torch.equal(target["w"], _state(1, mib)["w"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import settle
+from conftest import fd_table, settle
 from dist_utils import run_ranks
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.device_mesh import init_device_mesh
@@ -456,3 +456,35 @@ def test_damaged_answer_moves_to_the_next_holder_over_groups_of_two(tmp_path):
     assert any("from rank 1 arrived damaged" in line for line in lines), lines
     for _, groups, _ in results:
         assert all(len(g) == 2 for g in groups), groups
+
+
+def _save_with_a_replica_that_cannot_commit(rank, world, root):
+    """Save step 1 on a disk tier (replicas land in the store's own reservations), then
+    step 2 with a directory where rank 0's root puts rank 2's replica: its second replica's
+    commit fails after the first committed. What the save raised, and the fd table around it."""
+    cfg = TieredConfig(
+        "job", [Tier(f"{root}/disk/{{node}}", keep=2)], replication_factor=3, replication_jump=1
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    dcp.save(state(1, mesh), storage_writer=TieredWriter(cfg, step=1))  # threads, pools: warm
+    if rank == 0:
+        Path(root, "disk/0/job/step_000000000002/rank_00002.part").mkdir(parents=True)
+    before = fd_table()
+    try:
+        dcp.save(state(2, mesh), storage_writer=TieredWriter(cfg, step=2))
+        failure = ""
+    except BaseException as e:  # noqa: BLE001 - judged by the test
+        failure = repr(e)
+    return failure, before, fd_table()
+
+
+def test_a_swap_failing_after_a_replica_committed_closes_no_descriptor_twice(tmp_path):
+    # rank 0 commits rank 1's replica, then rank 2's fails: the committed one is not
+    # discarded again (its directory's descriptor closed a second time would raise EBADF,
+    # or close whatever file took its number meanwhile), and nothing is left open
+    nodes = {"LOCAL_WORLD_SIZE": 1}
+    results = run_ranks(_save_with_a_replica_that_cannot_commit, 3, str(tmp_path), env=nodes)
+    failure, before, after = results[0]
+    assert "Is a directory" in failure and "Bad file descriptor" not in failure, failure
+    assert after == before
+    assert Path(tmp_path, "disk/0/job/step_000000000002/rank_00001.part").is_file()

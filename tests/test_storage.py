@@ -1,6 +1,7 @@
 import os
 
 import pytest
+from conftest import fd_table
 from tiered_dcp.storage import FsspecStorage, LocalStorage
 from tiered_dcp.storage.codec import (
     ChecksumMismatch,
@@ -127,3 +128,41 @@ def test_reserve_lands_whole_or_not_at_all(store, outcome):
     else:
         assert store.size("d/obj") is None
     assert store.list("d") in ([], ["obj"])  # no dirty leftovers
+
+
+def test_a_committed_reservation_discarded_later_closes_nothing_again(tmp_path):
+    """A discard after its commit (a later replica of the same swap failed) closes none of
+    the committed file's descriptors again: their numbers may be another file's by then."""
+    store = LocalStorage(str(tmp_path))  # a disk: the store's own mapped reservation
+    res = store.reserve("d/obj", 100)
+    res.view[:] = bytes(100)
+    res.commit()
+    r, w = os.pipe()  # the lowest free numbers: the committed file's directory's among them
+    try:
+        before = fd_table()
+        res.discard()
+        assert fd_table() == before
+    finally:
+        os.close(r)
+        os.close(w)
+    assert store.read("d/obj") == bytes(100)
+
+
+@pytest.mark.parametrize("how", ["write", "reserve"])
+def test_a_rename_that_fails_leaves_no_descriptor_open(tmp_path, how):
+    """A directory where the file goes: the rename that publishes it fails, and neither the
+    dirty file nor its directory's descriptor is left behind."""
+    store = LocalStorage(str(tmp_path))
+    (tmp_path / "d" / "obj").mkdir(parents=True)
+    before = fd_table()
+    with pytest.raises(IsADirectoryError):
+        if how == "write":
+            store.write("d/obj", [b"x" * 100])
+        else:
+            res = store.reserve("d/obj", 100)
+            try:
+                res.commit()
+            finally:
+                res.discard()
+    assert fd_table() == before
+    assert os.listdir(tmp_path / "d") == ["obj"]

@@ -23,6 +23,19 @@ from tiered_dcp.storage.blocks import hashing, pool
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum, verify_stored
 from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Record
 from tiered_dcp.storage.format import write_index as write_part_index
+from tiered_dcp.storage.records import (
+    MAX_BYTES,
+    MAX_PART_BYTES,
+    MAX_PART_CHUNKS,
+    STORED_CHUNK_BYTES,
+    DamagedRecord,
+    json_object,
+    parse_json,
+    short_list,
+    short_text,
+    shown,
+    whole_numbers,
+)
 
 from ..errors import TieredCheckpointError
 from ..ranks import transport
@@ -231,15 +244,19 @@ class Swap:
                         except ChecksumMismatch as e:
                             raise self._damaged(land.rank, e) from e
             self._write_blocks()
-            ns = self.view.config.namespace
-            for land in self.landed:
-                land.hashed()
-                land.part.commit()
-                records = dedup.as_held(ns, land.records, self.here)
-                write_index(self.view, self.step, land.rank, records, sum(map(len, land.blocks.values())))
-            self.landed.clear()
+            while self.landed:
+                self._commit(self.landed[0])
         finally:
             self.abort()
+
+    def _commit(self, land: Landing) -> None:
+        """Rename a verified replica clean, then write its index. It leaves ``landed`` as it
+        commits: a failure after that (its index, the next replica) discards only the rest."""
+        land.hashed()
+        land.part.commit()
+        self.landed.remove(land)
+        records = dedup.as_held(self.view.config.namespace, land.records, self.here)
+        write_index(self.view, self.step, land.rank, records, sum(map(len, land.blocks.values())))
 
     def _receive(self) -> None:
         """Wait for every transfer, hashing each chunk of a replica's part file as it lands
@@ -283,18 +300,36 @@ class Swap:
 
 
 def _announced(blob: bytes, rank: int) -> tuple[list[int], Records]:
-    """Rank's ``Swap.layout``: its part file's chunk sizes and its block records."""
+    """Rank's ``Swap.layout``: its part file's chunk sizes and its block records, bounded
+    as what a tier holds is (``records``): this rank reserves what a peer announces."""
     try:
-        doc = json.loads(blob)
-        sizes, blocks = doc["sizes"], records_from_json(doc["blocks"].encode())
-        if not all(isinstance(n, int) and n >= 0 for n in sizes):
-            raise ValueError(f"chunk sizes {str(sizes)[:80]}")
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        doc = json_object(parse_json(blob, "the layout"), "the layout", {"sizes", "blocks"})
+        blocks = records_from_json(short_text(doc["blocks"], "its block records", MAX_BYTES).encode())
+        sizes = _part_sizes(doc["sizes"], blocks)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
         raise TieredCheckpointError(
-            f"rank {rank}'s part layout for the replica exchange could not be read ({e!r:.120}): "
-            "run the same tiered-dcp version on every rank of the job"
+            f"rank {rank}'s part layout for the replica exchange could not be read "
+            f"({type(e).__name__}: {str(e)[:200]}): run the same tiered-dcp version on every rank of the job"
         ) from e
     return sizes, blocks
+
+
+def _part_sizes(sizes: Any, blocks: Records) -> list[int]:
+    """The announced chunk sizes, if they are a part's: each a whole number no larger than
+    a stored chunk, and with the blocks it names no more chunks or bytes than a part holds
+    (``MAX_PART_CHUNKS``, ``MAX_PART_BYTES``). DamagedRecord otherwise."""
+    sizes = short_list(sizes, "the chunk sizes", MAX_PART_CHUNKS)
+    if not whole_numbers(sizes) or max(sizes, default=0) > STORED_CHUNK_BYTES:
+        bad = next(n for n in sizes if type(n) is not int or not 0 <= n <= STORED_CHUNK_BYTES)
+        raise DamagedRecord(f"a chunk size must be a whole number to {STORED_CHUNK_BYTES}, not {shown(bad)}")
+    held = [stored for stored, _, _ in dedup.block_chunks(blocks).values()]
+    count, total = len(sizes) + len(held), sum(sizes) + sum(held)
+    if count > MAX_PART_CHUNKS or total > MAX_PART_BYTES:
+        raise DamagedRecord(
+            f"{count} chunks of {total} bytes, more than a part holds "
+            f"({MAX_PART_CHUNKS} chunks, {MAX_PART_BYTES} bytes)"
+        )
+    return sizes
 
 
 def _verify(land: Landing, rec: Record) -> None:

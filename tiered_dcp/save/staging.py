@@ -53,7 +53,7 @@ from tiered_dcp.storage.forks import ThreadPool, renew_in_child
 from ..errors import SnapshotError
 from ..steps import part_file
 from ..steps.part_file import TierFile
-from .snapshot import KINDS, PLAIN, Kind, plain_layout, refused
+from .snapshot import KINDS, PLAIN, SUBCLASS, Kind, plain_layout, refused
 from .snapshot import examine as examine_leaf
 
 log = logging.getLogger("tiered_dcp")
@@ -392,6 +392,19 @@ def _slot_over(ex: Examined, arena: torch.Tensor, device: int | None, fd: int | 
     return slot
 
 
+def _move_onto(slot: _Slot, storage: torch.UntypedStorage) -> None:
+    """Set the slot's views onto ``storage`` at their spans, and each leaf that aliases one
+    (a tensor subclass: ``as_subclass`` makes a tensor of its own over the same storage)
+    onto its view: nothing staged keeps the storage they were in (a first copy's)."""
+    for view, (off, n, _, shape) in zip(slot.flat_targets, slot.spans, strict=True):
+        view.set_(storage[off : off + n], 0, shape, _strides(shape))
+    first = 0
+    for kind, leaf, n in zip(slot.kinds, slot.staged, slot.counts, strict=True):
+        if kind is SUBCLASS and leaf is not slot.flat_targets[first]:
+            leaf.set_(slot.flat_targets[first])
+        first += n
+
+
 def _recipes(slot: _Slot, values: list[Any]) -> list[tuple]:
     """Per leaf: its kind's name, its recipe and the range of its pieces (``_received``)."""
     out, first = [], 0
@@ -507,8 +520,7 @@ class StagingPool:
             storage = torch.UntypedStorage._new_shared_fd_cpu(fd, slot.nbytes)
             arena = torch.empty(0, dtype=torch.uint8).set_(storage)
             arena.copy_(slot.arena[: slot.nbytes])
-            for view, (off, n, _, shape) in zip(slot.flat_targets, slot.spans, strict=True):
-                view.set_(storage[off : off + n], 0, shape, _strides(shape))
+            _move_onto(slot, storage)
             with self._cond:  # the private copy goes with the last tensor over it
                 slot.arena, slot.fd, slot.first_copy = arena, fd, False
             staged._ship = (arena, *staged._ship[1:4], target.dirty)

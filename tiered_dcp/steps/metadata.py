@@ -84,8 +84,8 @@ def loads(blob: bytes, world: int | None = None, stock: bool = False) -> Metadat
     unpickler = _StockMetadataUnpickler if stock else _MetadataUnpickler
     try:
         md = unpickler(io.BytesIO(blob)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, RecursionError) as e:
-        raise ChecksumMismatch(f"metadata refused: {str(e)[:300]}") from None
+    except Exception as e:  # noqa: BLE001 - any error while the blob becomes objects is damage
+        raise _refused(e) from None
     if not isinstance(md, Metadata):
         raise ChecksumMismatch(f"metadata holds a {type(md).__name__}, not DCP's Metadata")
     if not stock:
@@ -94,12 +94,21 @@ def loads(blob: bytes, world: int | None = None, stock: bool = False) -> Metadat
         try:
             if checked is None:
                 checked = check(md, world)
-        except DamagedRecord as e:
-            raise ChecksumMismatch(f"metadata refused: {e}") from None
+        except Exception as e:  # noqa: BLE001 - objects of the wrong kind fail the checks their own way
+            raise _refused(e) from None
         setattr(md, CHECKED, checked)  # ``item_info`` reads them, rather than parse each again
         _CHECKED.clear()
         _CHECKED[key] = checked
     return md
+
+
+def _refused(e: Exception) -> ChecksumMismatch:
+    """Damage, whatever the error: an admitted constructor rejects what a blob calls it with
+    by an error of its own (``_get_layout``: KeyError; ``int``: OverflowError; ``str``:
+    LookupError), and a field of the wrong kind fails ``check`` by AttributeError or
+    TypeError. Readers pass damage over to the next copy; any other error would escape them."""
+    why = str(e) if isinstance(e, pickle.UnpicklingError | DamagedRecord) else f"{type(e).__name__}: {e}"
+    return ChecksumMismatch(f"metadata refused: {why[:300]}")
 
 
 # The item facts of the metadata blob checked last, by (its BLAKE2b digest, world): a load
