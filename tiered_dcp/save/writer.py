@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ConcurrentFuture
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -349,6 +352,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.sent_bytes = 0
         self._waited = False
         self._handoff_later = False  # ``stage`` left the writer's start and checks to write_data
+        self.shipped = False  # ``stage``: DCP's PROCESS mode sends the staged copy to its process
         self.staged_file: TierFile | None = None  # the RAM tier's part file ``stage`` filled
         self._next_files: ConcurrentFuture[int] | None = None  # the next saves' files (``_prepare_next``)
         self.rank = 0
@@ -394,6 +398,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         started = time.perf_counter()
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
         examined.mark_written()  # on CUDA: the copies wait for this thread's stream, wherever they run
+        self.shipped = _shipped_to_a_process()
         staged_now = POOL.info()["bytes"]
         self.staged_file = part_file.target(self.config, first.index, first.own, self.step, rank)
         # in the tier's part file the newest in-flight save is the tier's step; the others are more
@@ -418,7 +423,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                 if len(self.config.tiers) > 1
                 else contextlib.nullcontext
             )
-            staged = POOL.stage(examined, reserved, self.staged_file, self.staging_slots, quiet)
+            staged = POOL.stage(examined, reserved, self.staged_file, self.staging_slots, quiet, self.shipped)
             self.slot_wait = staged.slot_wait
             return staged
         finally:
@@ -773,6 +778,22 @@ def _abandon(
         bounded(undo, first.config.tier_timeout)
     except Exception as e:  # noqa: BLE001 - the save's own error is what the user needs
         log.warning("step %d: could not clean up after the failed save on %s: %s", step, first.tier.path, e)
+
+
+_ASYNC_SAVE = inspect.unwrap(state_dict_saver.async_save).__code__
+
+
+def _shipped_to_a_process() -> bool:
+    """Whether the ``dcp.async_save`` staging now uploads in DCP's PROCESS mode, whose
+    background process receives the staged copy (``staging.StagedStateDict``). DCP does not
+    tell its stager, so the argument is read off that call's frame; False without one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _ASYNC_SAVE:
+            mode = frame.f_locals.get("async_checkpointer_type")
+            return mode == state_dict_saver.AsyncCheckpointerType.PROCESS
+        frame = frame.f_back
+    return False
 
 
 def _current_rank() -> int:
