@@ -27,7 +27,10 @@ one (``part_file.adopt``) when no spare of its own is there to take. ``prepare``
 same before the first save (``TieredWriter.prepare``). A save of a CPU state that finds no
 file ready (the first, without ``prepare``) copies into private memory instead, which
 faults cheaper than a tmpfs file's claimed pages; its upload moves the copy into the part
-file (``settle``), which is then the slot's as if it had been staged into.
+file (``settle``), which is then the slot's as if it had been staged into. Not when the
+staged copy is shipped to another process (DCP's PROCESS mode): torch's pickling would move
+the private copy into a shared segment of its own, which that process holds while its
+upload copies it once more into the part file; such a save stages into its file.
 """
 
 from __future__ import annotations
@@ -468,15 +471,17 @@ class StagingPool:
         target: TierFile | None = None,
         slots: int = SLOTS,
         quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+        shipped: bool = False,
     ) -> StagedStateDict:
         """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early);
         with ``target``, in that part file of the RAM tier (``part_file``). ``slots``: the
         staged copies this save lets the process hold (it waits for an upload beyond).
         ``quiet()`` is entered around the copy alone (the writer's pause: never around a
-        wait for a slot)."""
+        wait for a slot). ``shipped``: the copy goes to another process to be written (DCP's
+        PROCESS mode), so it is never a first copy in private memory (``_first_copy``)."""
         try:
             examined = state if isinstance(state, Examined) else examine(state)
-            slot, waited = self._acquire(examined, target if examined.nbytes else None, slots)
+            slot, waited = self._acquire(examined, target if examined.nbytes else None, slots, shipped)
         finally:
             if reserved is not None:
                 reserved.release()
@@ -657,9 +662,11 @@ class StagingPool:
             idle = sum(s.fd is not None and not s.busy and s.signature == ex.signature for s in self._slots)
             return idle + self._preparing
 
-    def _acquire(self, ex: Examined, target: TierFile | None, slots: int) -> tuple[_Slot, float]:
+    def _acquire(
+        self, ex: Examined, target: TierFile | None, slots: int, shipped: bool
+    ) -> tuple[_Slot, float]:
         """A slot for ``ex``, and the seconds spent waiting for one (for a busy slot to be
-        released or a prepared file to be made)."""
+        released or a prepared file to be made); ``shipped``: none in private memory."""
         signature = ex.signature
         started = time.monotonic()
         waited = 0.0
@@ -681,7 +688,7 @@ class StagingPool:
                     counted.remove(idle[0])
                 if len(counted) < slots:
                     on_cpu = all(p.device.type == "cpu" for p in ex.flat_pieces)
-                    if target is not None and on_cpu and slots > 1:  # room for it beside the file
+                    if target is not None and on_cpu and slots > 1 and not shipped:  # room beside the file
                         slot = _first_copy(ex, target)
                     else:
                         slot = _allocate(ex, target)

@@ -53,7 +53,7 @@ from ..tensors import as_cpu_contiguous, byte_view, finite_screen
 from ..writer_process.client import MAX_PENDING, writer_handle
 from ..writer_process.run_dir import Job
 from ..writer_process.timings import Kind, record
-from . import dcp_group, host_memory, preemption
+from . import dcp_call, host_memory, preemption
 from .handoff import Handoff
 from .replicate import SavedPart, Swap, write_index
 from .staging import POOL, Examined, Reservation, examine, staged_file
@@ -343,6 +343,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.sent_bytes = 0
         self._waited = False
         self._handoff_later = False  # ``stage`` left the writer's start and checks to write_data
+        self.shipped = False  # ``stage``: DCP's PROCESS mode sends the staged copy to its process
         self.staged_file: TierFile | None = None  # the RAM tier's part file ``stage`` filled
         self._next_files: ConcurrentFuture[int] | None = None  # the next saves' files (``_prepare_next``)
         self.rank = 0
@@ -380,7 +381,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.generation = worlds.generation()
         self.handoff_wait = 0.0  # this save's: DCP's reset(checkpoint_id) comes after stage
         self._stager = threading.get_ident()
-        dcp_group.prepare()
+        dcp_call.prepare()
         if self.handle_sigterm:
             preemption.install()
         rank = _current_rank()
@@ -392,6 +393,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         started = time.perf_counter()
         examined = examine(state_dict)  # a value of a kind that cannot be copied fails here, at once
         examined.mark_written()  # on CUDA: the copies wait for this thread's stream, wherever they run
+        self.shipped = dcp_call.ships_to_a_process()
         staged_now = POOL.info()["bytes"]
         self.staged_file = part_file.target(self.config, first.index, first.own, self.step, rank)
         # in the tier's part file the newest in-flight save is the tier's step; the others are more
@@ -416,7 +418,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                 if len(self.config.tiers) > 1
                 else contextlib.nullcontext
             )
-            staged = POOL.stage(examined, reserved, self.staged_file, self.staging_slots, quiet)
+            staged = POOL.stage(examined, reserved, self.staged_file, self.staging_slots, quiet, self.shipped)
             self.slot_wait = staged.slot_wait
             return staged
         finally:
@@ -502,7 +504,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.node = node_of(self.rank)
         self.is_coordinator = is_coordinator
         if self.owner_pid == os.getpid() and threading.get_ident() != self._stager:
-            dcp_group.move()  # an async save's own thread: its collectives off the training's group
+            dcp_call.move()  # an async save's own thread: its collectives off the training's group
         self._op = None
         if worlds.dist_up():
             self._op = worlds.Op(self.config.namespace, "save", self.step, self.config.peer_timeout)
