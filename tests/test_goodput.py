@@ -20,18 +20,15 @@ from tiered_dcp.metrics.goodput import (
     goodput,
     lost_per_failure,
     measure_job,
-    young_interval,
 )
 
 
-def test_young_and_daly_by_hand():
-    assert young_interval(0.5, 3600) == pytest.approx(60.0)
+def test_daly_by_hand():
     # Daly: sqrt(2CM) (1 + sqrt(C/2M)/3 + (C/2M)/9) - C
     x = 0.5 / 7200
     assert daly_interval(0.5, 3600) == pytest.approx(60 * (1 + math.sqrt(x) / 3 + x / 9) - 0.5)
     assert daly_interval(0.5, 3600) == pytest.approx(59.6676, abs=1e-3)
     # where it matters: a 10-minute save against an hour's MTBF
-    assert young_interval(600, 3600) == pytest.approx(2078.46, abs=0.01)
     assert daly_interval(600, 3600) == pytest.approx(1697.71, abs=0.01)
     assert daly_interval(8000, 3600) == 3600  # C >= 2M: save once per MTBF
     assert daly_interval(0, 3600) == 0

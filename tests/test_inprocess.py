@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tiered_dcp.cli.fakegcs import free_port
+from tiered_dcp.cli.local_servers import free_port
 
 WORKER = str(Path(__file__).with_name("inprocess_worker.py"))
 

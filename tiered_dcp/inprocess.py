@@ -25,7 +25,7 @@ from typing import Any
 
 from .ranks import worlds
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 ABORT_WAIT = 1.0  # seconds ``abort`` gives the uploads at work to finish (after a fault most cannot)
 POLL = 0.05  # seconds ``result`` waits at a time: an interruption gets in between

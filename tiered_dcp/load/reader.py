@@ -42,9 +42,9 @@ from ..steps.checkpoint_id import new_id, step_id, step_of
 from ..writer_process.timings import Kind, record
 from .open_step import OpenStep
 from .spread import RankFacts, SpreadPlan, plan_spread
-from .step_reads import Failure, StepReads
+from .step_reads import StepReads
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 def _dist_rank() -> tuple[int, bool]:
@@ -159,11 +159,6 @@ class TieredReader(StorageReader):
         self.open()
         assert self._step_reads is not None
         return self._step_reads
-
-    @property
-    def _failures(self) -> dict[int, list[Failure]]:
-        """The last load's items read from a second source (or not at all): what failed where."""
-        return self._reads.failures
 
     @property
     def checkpoint_id(self) -> str:

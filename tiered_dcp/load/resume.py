@@ -32,7 +32,7 @@ from ..steps.choice import describe_skipped
 from .discovery import all_agree, all_gather_bytes
 from .reader import TieredReader
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 TOLD_CHARS = 2000  # of a rank's error told to the others: every rank receives every rank's

@@ -46,7 +46,7 @@ from .open_step import OpenStep
 from .peer_exchange import ChunkReader, PeerExchange, PeerRequest, check_raw, chunk_reader, scratch
 from .spread import KeepRaw, SpreadPlan, Transfer, exchange
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 class Failed(Enum):

@@ -32,11 +32,6 @@ from ..config import TieredConfig
 T = TypeVar("T")
 
 
-def young_interval(cost: float, mtbf: float) -> float:
-    """Young's first-order optimum: sqrt(2 C M) seconds of work between saves."""
-    return math.sqrt(2 * cost * mtbf)
-
-
 def daly_interval(cost: float, mtbf: float) -> float:
     """Daly's optimum (2006): Young's with the higher-order terms; ``M`` once ``C >= 2M``."""
     if cost <= 0:

@@ -24,7 +24,7 @@ from ..config import TieredConfig, node_of
 from . import transport, worlds
 from .cliques import Layout, by_domain, check_cliques, uneven_domains
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 class Layouts:
@@ -72,12 +72,6 @@ def layout_unless_gathered(config: TieredConfig, world: int) -> Layout | None:
         return None
     check_cliques(world, factor, jump)
     return Layout(world, factor, jump)
-
-
-def layout_for(config: TieredConfig, world: int, rank: int) -> Layout:
-    """The cliques a save of ``config`` by ``world`` ranks uses: the jump rule, or, with a
-    failure domain, the domains gathered from every rank once."""
-    return layout_unless_gathered(config, world) or LAYOUTS.get(config, world, rank)
 
 
 def source(config: TieredConfig) -> str:

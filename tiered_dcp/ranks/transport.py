@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..errors import PeerLostError, TieredCheckpointError
 from . import worlds
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 OPENED: deque[list[int]] = deque(maxlen=1000)  # members of the last groups this process opened (tests)
 CHECK_IN = 5.0  # seconds the survivors of a broken collective wait for each other to say so
 

@@ -51,7 +51,7 @@ from ..ranks import worlds
 from ..writer_process.client import handles
 from .staging import POOL
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 WAIT_SECONDS = float(os.environ.get("TIERED_DCP_SIGTERM_WAIT", "300"))
 GRACE = 2.0  # seconds a save may wait on ranks not all told to stop before the world is judged broken

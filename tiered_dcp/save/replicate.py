@@ -47,7 +47,7 @@ from ..steps.catalog import TierView
 from ..steps.metadata import Records, part_index, records_from_json, records_to_json
 from .staging import POOL
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 @dataclass

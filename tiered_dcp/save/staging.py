@@ -59,7 +59,7 @@ from ..steps.part_file import TierFile
 from .snapshot import KINDS, PLAIN, SUBCLASS, Kind, plain_layout, refused
 from .snapshot import examine as examine_leaf
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 SLOTS = 2  # a save's bound on staged copies when it names none (``TieredWriter(staging_slots=)``)
 MAPPED_FILES = 8  # idle part-file slots kept mapped (their files kept steps), the newest first

@@ -58,7 +58,7 @@ from .handoff import Handoff
 from .replicate import SavedPart, Swap, write_index
 from .staging import POOL, Examined, Reservation, examine, staged_file
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from ..ranks.cliques import Layout
 from .leases import owner_alive
 from .placement import Placement, nodes_of, placement_for
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

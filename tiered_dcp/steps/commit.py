@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ..ranks.worlds import Op
     from .metadata import Records
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 def commit_root(view: TierView, step: int, blob: bytes, marker: Marker) -> None:

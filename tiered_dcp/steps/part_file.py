@@ -39,7 +39,7 @@ from tiered_dcp.storage.local import DIRTY, LocalStorage, MappedFile, in_memory
 
 from ..config import TieredConfig
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from ..config import TieredConfig
 from .private_dir import open_private
 from .run_dir import POLL, Job, OutcomeState, RunDir, TierState
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 MAX_PENDING = 2  # steps per slower tier a rank's writer may have queued before a save waits
 WAIT_WARNING = 0.1  # seconds a save waits for its writer before that is logged (then once a minute)

@@ -50,7 +50,7 @@ from ..config import StrEnum, TieredConfig, node_of
 from .private_dir import mkdir_private
 from .run_dir import is_int, is_number, is_str, job_dir, one_of, optional, valid_record
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 ROTATE_BYTES = 1 << 20
 _warned = False
