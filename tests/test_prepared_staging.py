@@ -44,6 +44,7 @@ from tiered_dcp import (
     wait_for,
     writer_status,
 )
+from tiered_dcp.save import staging
 from tiered_dcp.save.staging import POOL
 
 MiB = 1 << 20
@@ -77,8 +78,7 @@ def _wait_prepared(timeout: float = 30) -> None:
     """Every preparation queued so far done: the pool's one preparing thread runs them in
     turn, so a no-op queued behind them runs once they have returned (polling its counters
     missed one between two files it made, its count of files in the making back at 0)."""
-    if POOL._preparer is not None:
-        POOL._preparer.submit(lambda: None).result(timeout=timeout)
+    staging._preparer().submit(lambda: None).result(timeout=timeout)
 
 
 def _part_files(cfg: TieredConfig) -> list[Path]:

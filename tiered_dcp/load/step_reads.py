@@ -73,11 +73,11 @@ class Failure:
 @dataclass
 class _Attempt:
     """One item's read from one source: ``finish`` completes and commits it (raising what
-    failed), ``settle`` waits for its work in flight without committing; ``nbytes`` is
+    failed), ``drain`` waits for its work in flight without committing; ``nbytes`` is
     what it moves ahead of its ``finish`` (a device read's)."""
 
     finish: Callable[[], None]
-    settle: Callable[[], None] = lambda: None
+    drain: Callable[[], None] = lambda: None
     nbytes: int = 0
     src: ReadSource | None = field(default=None, init=False)
     rec: Record | None = field(default=None, init=False)
@@ -198,7 +198,7 @@ class StepReads:
             read.finish()
             planner.commit_tensor(req, target)
 
-        return _Attempt(finish, read.settle, read.nbytes)
+        return _Attempt(finish, read.drain, read.nbytes)
 
     def _read_bytes(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
         raw = bytearray(rec.info.raw_length)
@@ -329,7 +329,7 @@ class StepReads:
         finally:
             for _, _, attempt in started:  # a load failing on its way: nothing lands after it
                 if attempt is not None:
-                    attempt.settle()
+                    attempt.drain()
         order = {id(r): i for i, r in enumerate(reqs)}
         return sorted(left, key=lambda r: order[id(r)])
 

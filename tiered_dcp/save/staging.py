@@ -27,7 +27,7 @@ one (``part_file.adopt``) when no spare of its own is there to take. ``prepare``
 same before the first save (``TieredWriter.prepare``). A save of a CPU state that finds no
 file ready (the first, without ``prepare``) copies into private memory instead, which
 faults cheaper than a tmpfs file's claimed pages; its upload moves the copy into the part
-file (``settle``), which is then the slot's as if it had been staged into. Not when the
+file (``move_first_copy``), which is then the slot's as if it had been staged into. Not when the
 staged copy is shipped to another process (DCP's PROCESS mode): torch's pickling would move
 the private copy into a shared segment of its own, which that process holds while its
 upload copies it once more into the part file; such a save stages into its file.
@@ -302,7 +302,7 @@ class _Slot:
     busy: bool = False
     copier: int | None = None  # the thread taking it and copying into it, until its copy is done
     prepared: bool = False  # a part file made ahead, with no name yet (``part_file.prepare``)
-    first_copy: bool = False  # private memory until its upload moves it into ``file`` (``settle``)
+    first_copy: bool = False  # private memory until its upload moves it into ``file`` (``move_first_copy``)
     spares: str | None = None  # a prepared file's: the spare directory of the namespace it is for
     generation: int = 0
     limit: int = SLOTS  # the bound of the save that took it last (``StagingPool.stage``'s ``slots``)
@@ -374,7 +374,7 @@ def _first_copy(ex: Examined, target: TierFile) -> _Slot:
     layout's first save, with no ``prepare`` before it): nothing is claimed or touched
     before the copy, which faults its pages as stock DCP's first copy does (a tmpfs file's
     pages cost ~1.6x as much: claimed, then faulted). Its upload moves it into ``target``
-    (``StagingPool.settle``), off the training thread, and frees it."""
+    (``StagingPool.move_first_copy``), off the training thread, and frees it."""
     slot = _slot_over(ex, torch.empty(max(ex.nbytes, 1), dtype=torch.uint8), None, None)
     slot.file, slot.first_copy = target, True
     return slot
@@ -425,7 +425,7 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class Reservation:
+class InFlight:
     """A save counted in flight before its background staging takes a slot (the SIGTERM
     handler waits for it); released once, by the staging or by whatever failed before it."""
 
@@ -453,21 +453,21 @@ class StagingPool:
         self._reserved = 0  # saves counted in flight whose background staging has no slot yet
         self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
         # first copies (``_first_copy``) not yet in their part files, by its dirty path: the
-        # slot and its staged dict (``settle`` moves both)
+        # slot and its staged dict (``move_first_copy`` moves both)
         self._first_copies: dict[str, tuple[_Slot, weakref.ref]] = {}
         self._streams: dict[torch.device, Any] = {}  # device -> the side stream its copies run on
         self._inherited: list[_Slot] = []  # a forked child's: its parent's slots (``_renew_pool``)
 
-    def reserve(self) -> Reservation:
+    def reserve(self) -> InFlight:
         """Count a save as in flight before its background staging has taken a slot."""
         with self._cond:
             self._reserved += 1
-        return Reservation(self)
+        return InFlight(self)
 
     def stage(
         self,
         state: Mapping[str, Any] | Examined,
-        reserved: Reservation | None = None,
+        reserved: InFlight | None = None,
         target: TierFile | None = None,
         slots: int = SLOTS,
         quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext,
@@ -507,7 +507,7 @@ class StagingPool:
         weakref.finalize(staged, self._release, slot, slot.generation)
         return staged
 
-    def settle(self, target: TierFile) -> torch.Tensor | None:
+    def move_first_copy(self, target: TierFile) -> torch.Tensor | None:
         """The part file ``target`` with the first copy staged for it (``_first_copy``)
         moved in: made, mapped, copied into, the staged dict's tensors set onto it and the
         private copy freed. Called by that save's upload, off the training thread; the part
@@ -540,10 +540,10 @@ class StagingPool:
                 part_file.discard(target)
             return None
         finally:
-            self.forgo(target)
+            self.give_up_first_copy(target)
 
-    def forgo(self, target: TierFile) -> None:
-        """No ``settle`` for ``target`` in this process: the next saves' files are made
+    def give_up_first_copy(self, target: TierFile) -> None:
+        """No ``move_first_copy`` for ``target`` in this process: the next saves' files are made
         beside its copy now (``prepare`` waits for it otherwise)."""
         with self._cond:
             self._first_copies.pop(target.dirty, None)
@@ -594,7 +594,7 @@ class StagingPool:
         registered on CUDA) here. Returns the bytes made.
 
         Beside a first copy still in private memory (``_first_copy``, counted as the file it
-        becomes) one file is made, the rest once it is in its file (``settle``): host memory
+        becomes) one file is made, the rest once it is in its file (``move_first_copy``): host memory
         stays at ``files`` copies of the state."""
         made = 0
         while True:

@@ -55,8 +55,8 @@ from ..writer_process.run_dir import Job
 from ..writer_process.timings import Kind, record
 from . import dcp_call, host_memory, preemption
 from .handoff import Handoff
-from .replicate import SavedPart, Swap, write_index
-from .staging import POOL, Examined, Reservation, examine, staged_file
+from .replicate import SavedPart, Swap, write_records_index
+from .staging import POOL, Examined, InFlight, examine, staged_file
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +153,13 @@ class InFile:
 
     file: TierFile
     arena: torch.Tensor  # uint8, over the whole file
-    end: int = 0  # where its items end once ``settle``d (the byte items follow)
+    end: int = 0  # where its items end once ``place_in_file`` ran (the byte items follow)
 
 
 @dataclass
 class Resolved:
     """A save's items on their way into the part: ``hashed`` once ``fingerprint`` is done;
-    ``in_file``: the positions of those staged into the part file ``staged`` (``settle``),
+    ``in_file``: the positions of those staged into the part file ``staged`` (``place_in_file``),
     each at its offset there."""
 
     items: list[RawItem]
@@ -168,9 +168,9 @@ class Resolved:
     in_file: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-def settle(staged: InFile, items: list[RawItem]) -> dict[int, int]:
+def place_in_file(staged: InFile, items: list[RawItem]) -> dict[int, int]:
     """The items (by position) whose bytes were staged into the part file, each at its
-    offset there once the gaps between them are closed (``part_file.settle``). Their chunks
+    offset there once the gaps between them are closed (``part_file.close_gaps``). Their chunks
     are re-pointed at the moved bytes; any other item whose bytes lie in the file (one
     overlapping another) is copied out first, since closing the gaps moves bytes."""
     base, size = staged.arena.data_ptr(), staged.arena.numel()
@@ -189,7 +189,7 @@ def settle(staged: InFile, items: list[RawItem]) -> dict[int, int]:
         else:
             placed.append((off, n, i))
             end = off + n
-    offsets = part_file.settle(base, [(off, n) for off, n, _ in placed])
+    offsets = part_file.close_gaps(base, [(off, n) for off, n, _ in placed])
     whole = byte_view(staged.arena)
     out = {}
     for (_, n, i), new in zip(placed, offsets, strict=True):
@@ -208,7 +208,7 @@ def encode_part(
     replicated: bool = False,
 ) -> SavedPart:
     """This rank's part for one tier, in memory: its stored chunks in file order, and its
-    records once the items are ``hashed`` (``SavedPart.sealed``: the part's bytes can be
+    records once the items are ``hashed`` (``SavedPart.seal``: the part's bytes can be
     written while their checksums are computed).
 
     Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
@@ -271,13 +271,13 @@ def encode_part(
 
 def write_part(view: TierView, step: int, part: SavedPart) -> None:
     """The part, then its index next to it (a part staged into its file: only the tail).
-    The index waits for the records (``SavedPart.sealed``), the part's bytes do not."""
+    The index waits for the records (``SavedPart.seal``), the part's bytes do not."""
     if part.in_file is not None:
         with view.own.errors(part_key(view.config.namespace, step, part.rank)):
             part_file.finish(part.in_file.file, part.in_file.end, part.tail)
     else:
         view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
-    write_index(view, step, part.rank, part.sealed(), part.written_blocks)
+    write_records_index(view, step, part.rank, part.seal(), part.written_blocks)
 
 
 class TieredWriter(StorageWriter, AsyncStager):
@@ -409,7 +409,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.stage_seconds = time.perf_counter() - started
         return future
 
-    def _stage(self, examined: Examined, reserved: Reservation | None = None) -> STATE_DICT_TYPE:
+    def _stage(self, examined: Examined, reserved: InFlight | None = None) -> STATE_DICT_TYPE:
         """The copy into the staging slot, this rank's writer process paused during the copy
         alone (``run_dir.StagingLock``: it does not share the cores and memory bandwidth then)."""
         try:
@@ -425,7 +425,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             if reserved is not None:  # whatever failed before the pool took it
                 reserved.release()
 
-    def _stage_then_prepare(self, examined: Examined, reserved: Reservation) -> STATE_DICT_TYPE:
+    def _stage_then_prepare(self, examined: Examined, reserved: InFlight) -> STATE_DICT_TYPE:
         """Background staging: the copy, then the next saves' files (``_prepare_next``)."""
         staged = self._stage(examined, reserved)
         self._prepare_next(examined)
@@ -556,7 +556,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         staged = self._in_file(first)
         policy = self.config.on_nonfinite
         items = resolve_items(plan, planner, self.config.dedup, check_finite=policy != "ignore")
-        in_file = settle(staged, items) if staged is not None else {}  # first: it moves bytes
+        in_file = place_in_file(staged, items) if staged is not None else {}  # first: it moves bytes
         resolved = Resolved(items, fingerprint(items), staged, in_file)  # hashed while written
         refused = None
         if policy == "raise":  # nothing of a refused step is written
@@ -620,7 +620,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             t0 = time.perf_counter()
             write_part(first, self.step, part)
             self._write_seconds = time.perf_counter() - t0
-            records = part.sealed()
+            records = part.seal()
             if swap is not None:
                 swap.finish()
                 self.sent_bytes = swap.sent
@@ -658,7 +658,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     def _in_file(self, first: TierView) -> InFile | None:
         """The part file ``stage`` filled, when this save writes that very file (the step and
         rank it was staged for, mapped in this process), or, for a first copy staged in
-        private memory, that file with the copy moved in now (``StagingPool.settle``); a
+        private memory, that file with the copy moved in now (``StagingPool.move_first_copy``); a
         staged file it cannot use goes."""
         tf = self.staged_file
         if tf is None:
@@ -669,8 +669,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         )
         arena = staged_file(tf.dirty)
         if arena is None and ours:
-            arena = POOL.settle(tf)
-        POOL.forgo(tf)
+            arena = POOL.move_first_copy(tf)
+        POOL.give_up_first_copy(tf)
         if arena is None or not ours:
             part_file.discard(tf)
             return None
