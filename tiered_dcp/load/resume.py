@@ -44,8 +44,27 @@ def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwa
 
     Steps that are quarantined or non-finite, and steps that fail to load here (no good copy
     of an item on any tier or peer), are passed over; one warning names each, and why.
-    ``dcp_load_kwargs`` go to ``dcp.load`` (``planner``, ``process_group``...); an error that
-    is not about the step's data (a state_dict that does not match, say) is raised as is.
+
+    It loads in place into the tensors of ``state_dict``, as ``dcp.load`` does: a dict of a
+    model's own tensors (``model.state_dict()``) is the model's state once it returns. A dict
+    made by ``get_state_dict(model, optimizer)`` still needs ``set_state_dict`` afterwards,
+    as with ``dcp.load``: the optimizer's step counters and param groups are values, not
+    the optimizer's own tensors.
+
+    Args:
+        state_dict: the state to load into, laid out (shapes, sharding) as this job holds
+            it now; another world size or sharding than the save's is resharded.
+        config: the job's configuration.
+        **dcp_load_kwargs: passed to ``dcp.load`` (``planner``, ``process_group``...).
+
+    Returns:
+        The step loaded, the same on every rank.
+
+    Raises:
+        NoCheckpointError: no step loads (the message names every tier searched and why
+            each step there was passed over).
+        CheckpointException: DCP's, for an error that is not about the step's data (a
+            ``state_dict`` that does not match the checkpoint, say): raised as is.
     """
     step, _ = resume(config, lambda reader: load_planned_alone(state_dict, reader, **dcp_load_kwargs))
     return step

@@ -63,14 +63,15 @@ class Layouts:
 LAYOUTS = Layouts()
 
 
-def layout_unless_gathered(config: TieredConfig, world: int) -> Layout | None:
+def layout_unless_gathered(config: TieredConfig, world: int, rank: int = 0) -> Layout | None:
     """The jump rule's cliques (warned about here when a clique lies on one node), or None
     when the layout comes from failure domains, which only every rank together can gather.
     A world the rule does not fit is laid out by node at the save (``writer._layout``)."""
     factor, jump = config.replication_factor, config.replication_jump
     if config.failure_domain is not None and factor > 1:
         return None
-    check_cliques(world, factor, jump)
+    if rank == 0:  # every rank lays out the same cliques: the job's log says it once
+        check_cliques(world, factor, jump)
     return Layout(world, factor, jump)
 
 

@@ -107,6 +107,16 @@ def preemption_requested(group: Any = None) -> bool:
     save), instead of ending the process. With a process group
     every rank must call this at the same points (e.g. once per step): the answer is agreed
     over ``group`` (default: the default group), so all ranks save the same step.
+
+    Args:
+        group: the process group to agree over (a collective); None: the default group.
+
+    Returns:
+        Whether any rank was told to stop.
+
+    Raises:
+        RuntimeError: the first call is not made from the main thread (where Python runs
+            signal handlers).
     """
     mine = _local_request(deferred=True)
     if not (dist.is_available() and dist.is_initialized()):
@@ -125,6 +135,12 @@ def on_preemption(callback: Callable[[], None]) -> None:
     It runs in the main thread, inside the signal handler, between two bytecodes of the
     loop: keep it short (set a flag, log). Registering one installs the handler in
     deferring mode, as ``preemption_requested`` does: the process is not ended.
+
+    Args:
+        callback: called with no arguments.
+
+    Raises:
+        RuntimeError: the first such call is not made from the main thread.
     """
     _local_request(deferred=True)
     _callbacks.append(callback)

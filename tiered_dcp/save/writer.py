@@ -326,7 +326,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         # the jump rule's cliques now (local); a layout of failure domains, which every rank
         # gathers together (a collective), in the save's set-up, before any byte is written
         # (``set_up_storage_writer``; once per process group: ``domains.LAYOUTS``)
-        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size())
+        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size(), _current_rank())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -644,7 +644,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                 return dataclasses.replace(layout, world=len(world))
             placed = by_node(layout.factor, world, layout.jump)
             said = (tuple(world), layout.factor, layout.jump)
-            if said not in _UNEVEN_SAID:
+            if said not in _UNEVEN_SAID and self.rank == 0:  # every rank lays it out alike: said once
                 _UNEVEN_SAID.add(said)
                 log.warning("%s", uneven_world(placed, world, layout.jump))
             return placed
