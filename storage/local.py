@@ -62,6 +62,16 @@ def in_memory(path: str) -> bool:
     return mount_of(path)[1] in MEMORY_FS
 
 
+def missing_root(path: str) -> str | None:
+    """Where a tier's root ``path`` that does not exist yet would be made, in words (its
+    nearest existing directory's file system), or None when it exists: a mount that is
+    missing (``/mnt/nvme`` on a host without the disk) would otherwise fill the disk below."""
+    if os.path.isdir(path):
+        return None
+    mount, fstype = mount_of(path)
+    return f"{path} does not exist; the first save makes it on {mount or '?'} ({fstype or 'unknown'})"
+
+
 def needs_fsync(path: str) -> bool:
     """False for memory-backed file systems (fsync there is meaningless and only costs time),
     True for everything else (and when unknown)."""

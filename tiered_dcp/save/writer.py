@@ -35,7 +35,7 @@ from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.forks import ThreadPool
 from tiered_dcp.storage.format import NONFINITE_NAMES, ItemInfo, failed_key, index_key, part_key, pin_key
-from tiered_dcp.storage.local import LocalStorage
+from tiered_dcp.storage.local import LocalStorage, missing_root
 
 from ..config import TieredConfig, node_of
 from ..errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
@@ -510,6 +510,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             self._op = worlds.Op(self.config.namespace, "save", self.step, self.config.peer_timeout)
             if _world_size() > 1:  # every rank here before DCP's first collective of the save
                 self._op.arrive("the save's start")
+        _say_missing_roots(self.config, self.node, self.rank)
         if self.layout is None:  # failure domains: every rank is here, in DCP's set-up
             self.layout = domains.LAYOUTS.get(self.config, _world_size(), self.rank)
 
@@ -780,6 +781,23 @@ def _abandon(
         bounded(undo, first.config.tier_timeout)
     except Exception as e:  # noqa: BLE001 - the save's own error is what the user needs
         log.warning("step %d: could not clean up after the failed save on %s: %s", step, first.tier.path, e)
+
+
+_ROOTS_SEEN: set[str] = set()  # node-local tier roots this process looked for (``_say_missing_roots``)
+
+
+def _say_missing_roots(config: TieredConfig, node: int, rank: int) -> None:
+    """Warn, once per root, that a node-local tier's directory is made by this save, naming
+    the file system it lands on: a mount missing on this host must not pass silently."""
+    for tier in config.tiers:
+        if tier.is_shared or not tier.is_local_fs:
+            continue
+        root = os.path.abspath(tier.root(node, rank).removeprefix("file://"))
+        if root not in _ROOTS_SEEN:
+            _ROOTS_SEEN.add(root)
+            where = missing_root(root)
+            if where is not None:
+                log.warning("tier %s: %s; if that is not the disk you meant, fix the path", tier.path, where)
 
 
 def _current_rank() -> int:
