@@ -263,18 +263,24 @@ def test_waiting_for_a_save_lets_a_restart_in_at_once():
     class Restart(Exception):
         pass
 
-    stuck: concurrent.futures.Future = concurrent.futures.Future()  # a save that never ends
+    waiting = threading.Event()
+
+    class Stuck(concurrent.futures.Future):  # a save that never ends
+        def result(self, timeout=None):
+            waiting.set()
+            return super().result(timeout)
+
     main = threading.get_ident()
 
     def interrupt() -> None:
-        time.sleep(0.3)
+        waiting.wait()
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(Restart))
 
-    threading.Thread(target=interrupt).start()
+    threading.Thread(target=interrupt, daemon=True).start()
     t0 = time.monotonic()
     with pytest.raises(Restart):
-        result(stuck, timeout=10)
-    assert time.monotonic() - t0 < 2
+        result(Stuck(), timeout=20)
+    assert time.monotonic() - t0 < 10  # got in while it waited, not at the end of its 20 s
 
 
 def test_abort_waits_for_an_upload_at_work_but_not_for_a_failed_save_still_held(shm, monkeypatch):
