@@ -154,7 +154,12 @@ def test_failed_upload_leaves_no_object(gcs_bucket, fault_proxy):
     with pytest.raises(RuntimeError, match="source went away"):
         store.write("d/part", chunks())
     assert fault_proxy.counts["pass"] >= 4  # pieces were being uploaded
-    time.sleep(0.3)  # a piece the server was still storing when the write gave up lands now
+    # a piece the server was still storing when the write gave up lands before its answer
+    # passes the proxy: once every request the proxy took has ended, none lands later
+    deadline = time.monotonic() + 60
+    while fault_proxy.active or fault_proxy._open:
+        assert time.monotonic() < deadline, "requests still in flight through the proxy"
+        time.sleep(0.01)
     assert store.size("d/part") is None  # never a partial object under the key
     # the write's pieces were deleted; one the server stored after that deletion (a race no
     # client can close) lies only under the scratch prefix, which deleting the step removes
@@ -436,7 +441,8 @@ def test_cli_verify_reads_the_bucket(bucket):
 def test_fault_proxy_stops_by_itself(gcs_emulator):
     proxy = FaultProxy(gcs_emulator.url, lifetime=0.5)
     proxy.inject(("stall", 1))
-    time.sleep(1.0)
+    proxy._thread.join(timeout=30)  # its accept loop ends at its lifetime, closing the port
+    assert not proxy._thread.is_alive(), "the proxy is still serving after its lifetime"
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])), 1):
         pass
 
