@@ -290,6 +290,7 @@ def test_abort_waits_for_an_upload_at_work_but_not_for_a_failed_save_still_held(
     staging slot not yet released, the whole timeout (1 s) at every NvRx restart, as the
     failed save's traceback held its staged dict until gc. No process group here: leaving
     the world has no wait to end (that part: the test below)."""
+    import gc
     import threading
     import time
 
@@ -339,6 +340,7 @@ def test_abort_waits_for_an_upload_at_work_but_not_for_a_failed_save_still_held(
         gate.set()  # a failed check leaves no upload held for the tests after it
     uploading.result(timeout=60)
     del failed
+    gc.collect()  # the failed save's traceback holds its slot: freed here, not in a later test
 
 
 def _leave_while_waiting(rank: int, world: int) -> str:
