@@ -18,7 +18,11 @@ reasons for a SIGTERM apart (``_judge``):
   launcher's own stop timeout would kill it. A rank is gone when its process on this host
   is (the world's processes per host: ``worlds.gone_on_this_host``), or when a save of
   this process has waited ``GRACE`` seconds on other ranks while not every rank of the
-  world has been told to stop (a rank on another host, with its node).
+  world has been told to stop (a rank on another host, with its node), or when the job's
+  store has not answered for ``GRACE`` seconds while no upload of this process is at work
+  (its host is gone, rank 0 under torchrun or NvRx's ft_launcher: the saves' waits on it
+  failed, and a failed save stays counted in flight while the loop the signal interrupted
+  holds its future).
 
 Then it passes the signal on: to the handler that was there before, or, if that was the
 default, by restoring the default and raising the signal again so the process ends exactly
@@ -217,6 +221,7 @@ class _Judge:
     def __init__(self) -> None:
         self.world = worlds.current()
         self.told = 0
+        self.silent_since: float | None = None  # since when the store has not answered
         if self.world is not None:
             self._ask(lambda w: w.store.add(TOLD, 1))
 
@@ -229,10 +234,16 @@ class _Judge:
         if dead:
             return f"rank(s) {dead} of this host are gone"
         now = time.monotonic()
+        told = self._ask(lambda w: w.store.add(TOLD, 0))
+        self.silent_since = None if isinstance(told, int) else self.silent_since or now
+        if self.silent_since is not None and now - self.silent_since >= GRACE and not worlds.wait_quiet(0):
+            # no commit is agreed without the store and no upload of ours is at work: what is
+            # in flight failed already (its future, held by the interrupted loop, keeps its
+            # staged state counted) or can never commit
+            return f"the job's store has not answered for {now - self.silent_since:.1f} s (its host is gone)"
         stuck = [x for x in worlds.waits_now() if now - x.since >= GRACE]
         if not stuck or now - started < GRACE:
             return None
-        told = self._ask(lambda w: w.store.add(TOLD, 0))
         if isinstance(told, int) and told >= w.size:
             return None  # every rank was told to stop: a preemption, all alive
         ranks = sorted({r for x in stuck for r in x.ranks})
