@@ -263,6 +263,8 @@ class _Agreement:
         if op is None or len(world) == 1:
             if error is not None:
                 raise error
+            if op is not None:  # a world of one left by abort: nothing of it commits
+                op.check("the commit")
             blob, marker = build_commit(
                 save.view, save.step, self.metadata(), world, records, save.layout(world)
             )
