@@ -659,7 +659,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     def _in_file(self, first: TierView) -> InFile | None:
         """The part file ``stage`` filled, when this save writes that very file (the step and
         rank it was staged for, mapped in this process), or, for a first copy staged in
-        private memory, that file with the copy moved in now (``StagingPool.move_first_copy``); a
+        private memory, that file with the copy moved in now (``FirstCopies.move``); a
         staged file it cannot use goes."""
         tf = self.staged_file
         if tf is None:
@@ -670,8 +670,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         )
         arena = staged_file(tf.dirty)
         if arena is None and ours:
-            arena = POOL.move_first_copy(tf)
-        POOL.give_up_first_copy(tf)
+            arena = POOL.first_copies.move(tf)
+        POOL.first_copies.give_up(tf)
         if arena is None or not ours:
             part_file.discard(tf)
             return None
