@@ -18,7 +18,7 @@ from tiered_dcp.storage.format import parse_step_dir, step_dir
 from .config import Tier, TieredConfig, here, is_namespace
 from .errors import TieredCheckpointError
 from .save.host_memory import HostMemory, held
-from .steps.catalog import TierView, views
+from .steps.catalog import TierView, abandoned, views
 from .steps.choice import newest_loadable
 from .steps.retention import committed_and_bad, drop, kept_and_doomed
 from .steps.status import StepState, StepStatus, tier_states
@@ -145,7 +145,7 @@ def remove_steps(
         for step in sorted(wanted & set(v.step_dirs(store))):
             why = ""
             if step not in committed[v.index]:
-                if v.abandoned(store, step):  # a save that failed or died: its leftovers
+                if abandoned(config.namespace, store, step):  # a save that failed or died: its leftovers
                     store.delete(step_dir(config.namespace, step))
                 else:
                     why = "not committed, and its save may still be under way"
