@@ -1,6 +1,8 @@
 """The ``tiered-dcp`` command: ls, verify, export, import, rm, prune, goodput, drill, demo.
 
-``ls`` imports no torch, so it answers at once; the others import it when they run.
+``ls`` imports no torch, so it answers at once; the others import it when they run. A
+tier path or namespace that is not there is named with what is (``hints``), the same way by
+every command.
 Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
 on a usage or configuration error (``EXIT_CODES``); an expected failure is one line on
 stderr (the cause, and what to do), never a traceback. Output whose reader has gone
@@ -29,6 +31,7 @@ from ..errors import TieredCheckpointError
 from ..steps.catalog import views
 from ..steps.choice import newest_committed
 from ..steps.status import StepStatus
+from . import hints
 
 EXIT_CODES = """exit codes (every command):
   0  all is well
@@ -116,26 +119,67 @@ def _tiers(args: argparse.Namespace) -> list[Tier]:
     ]
 
 
+class Told(Exception):
+    """What went wrong is already on stderr: the command ends with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _job(args: argparse.Namespace, *, must_exist: bool = True, namespace: bool = True) -> TieredConfig:
+    """The job a command is about, with its tier paths checked (``hints``: one line per path
+    that is not a tier root) and, unless the command makes it (``namespace``), its namespace
+    found on them. ``must_exist``: a tier's directory must be there already."""
+    cfg = _config(args)
+    if len(_check_paths(args.cmd, cfg.tiers, must_exist)) == len(cfg.tiers):
+        raise Told(1)  # no tier is there: nothing to show, and the lines said why
+    missing = hints.missing_namespace(cfg.namespace, cfg.tiers) if namespace else None
+    if missing is not None:
+        print(f"tiered-dcp {args.cmd}: {missing}", file=sys.stderr)
+        raise Told(1)
+    return cfg
+
+
+def _check_paths(cmd: str, tiers: list[Tier], must_exist: bool = True) -> list[hints.PathProblem]:
+    """Each tier path that is not a tier root, one line on stderr; exit 2 when one cannot
+    be (node directories, a namespace's directory), else the command goes on without it."""
+    problems = hints.tier_path_problems(tiers, must_exist)
+    for p in problems:
+        print(f"tiered-dcp {cmd}: {p.line}", file=sys.stderr)
+    if any(p.fatal for p in problems):
+        raise Told(2)
+    return problems
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     if not args.config and not args.namespace and args.tiers:
         return _ls_namespaces(args)
-    cfg = _config(args)
+    cfg = _job(args)
     rows = status(cfg)
     if args.json:
         return _ls_json(cfg, rows)
     if not rows:
-        there = sorted({n.namespace for n in namespaces(cfg.tiers)})
-        print(
-            f"no steps of namespace {cfg.namespace!r} on any tier; "
-            + (f"namespaces there: {', '.join(there)}" if there else "these tiers hold no namespace"),
-            file=sys.stderr,
-        )
+        print(f"no steps of namespace {cfg.namespace!r} on any tier", file=sys.stderr)
         return 1
     _print_table(cfg, rows, args.wide)
     _print_cliques(cfg, rows)
-    for r in rows:  # what a state that is not a good step means, and what to do
-        if r.error and r.state in (StepStatus.DAMAGED, StepStatus.INCOMPLETE):
+    _print_row_errors(rows, (StepStatus.DAMAGED, StepStatus.INCOMPLETE))
+    _print_writers(cfg)
+    _print_memory(cfg)
+    _print_scores(cfg)
+    return 0
+
+
+def _print_row_errors(rows: list, states: tuple[StepStatus, ...]) -> None:
+    """What a state that is not a good step means, and what to do."""
+    for r in rows:
+        if r.error and r.state in states:
             print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
+
+
+def _print_writers(cfg: TieredConfig) -> None:
+    """This node's writer processes of the job: running or not, their queues, what failed."""
     writers = writer_status(cfg)
     if writers:
         print("writer processes on this node:")
@@ -150,9 +194,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"    FAILED step {s} -> tier {t}: {why}")
         for s, t, why in w.skipped:
             print(f"    SKIPPED step {s} -> tier {t}: {why}")
-    _print_memory(cfg)
-    _print_scores(cfg)
-    return 0
 
 
 def _print_table(cfg: TieredConfig, rows: list, wide: bool) -> None:
@@ -228,7 +269,10 @@ def _columns(header: list[str], table: list[list[str]]) -> list[str]:
 
 def _ls_namespaces(args: argparse.Namespace) -> int:
     """``ls TIER...`` without a namespace: the namespaces those tiers hold."""
-    found = namespaces(_tiers(args))
+    tiers = _tiers(args)
+    if len(_check_paths(args.cmd, tiers)) == len(tiers):
+        return 1
+    found = namespaces(tiers)
     if args.json:
         print(json.dumps([dataclasses.asdict(n) for n in found], indent=1))
     elif found:
@@ -303,9 +347,9 @@ def _pick_step(cfg: TieredConfig, step: int | None) -> int | None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..ops.verify import verify_step  # imports torch (to read the metadata): only here
+    from ..ops.verify import verify_step
 
-    cfg = _config(args)
+    cfg = _job(args)
     step = _pick_step(cfg, args.step)
     if step is None:
         print(f"no committed step of namespace {cfg.namespace!r} on any tier", file=sys.stderr)
@@ -363,7 +407,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from ..ops.export import format_named, run_export
 
-    cfg = _config(args)
+    cfg = _job(args)
     t0 = time.perf_counter()
 
     def progress(name: str, size: int, done: int, total: int) -> None:
@@ -388,7 +432,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = _job(args, must_exist=False, namespace=False)
     t0 = time.perf_counter()
     import_dcp(cfg, args.source, args.step, storage_options=key_values(args.from_option, "--from-option"))
     print(
@@ -399,13 +443,13 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = _job(args)
     tiers = None if args.tier is None else [args.tier]
     return _report_removals(remove_steps(cfg, args.step, tiers=tiers, force=args.force), cfg, args.step)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = _job(args)
     tiers = None if args.tier is None else [args.tier]
     return _report_removals(prune(cfg, args.keep, tiers=tiers), cfg, None)
 
@@ -423,6 +467,15 @@ def _report_removals(done: list[Removal], cfg: TieredConfig, asked: list[int] | 
     if asked is None and not done:
         print("nothing to prune: no tier holds more committed steps than that")
     return 1 if missing or any(not r.removed for r in done) else 0
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    """Without a job, the flags alone; with ``--from-job``, its tiers must be there."""
+    from ..metrics import goodput
+
+    given = args.config or args.tiers
+    cfg = _job(args, must_exist=args.from_job, namespace=False) if given else None
+    return goodput.command(args, cfg)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -551,7 +604,7 @@ def _tool_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("goodput", help="best save interval per tier, and the goodput it buys (Young/Daly)")
     _tier_args(p, json_output=True)
     goodput.add_arguments(p)
-    p.set_defaults(fn=lambda a: goodput.command(a, _config(a) if a.config or a.tiers else None))
+    p.set_defaults(fn=cmd_goodput)
     p = sub.add_parser(
         "drill", help="train under random real faults for N minutes; report losses, silent escapes, recovery"
     )
@@ -594,6 +647,8 @@ def _run(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
+    except Told as e:
+        return e.code
     except TieredCheckpointError as e:  # damage, or nothing to read
         print(f"tiered-dcp {args.cmd}: {e}", file=sys.stderr)
         return 1
