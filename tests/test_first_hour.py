@@ -101,3 +101,25 @@ def test_every_command_says_the_same_of_a_mistyped_namespace(quickstart, cmd):
         f"tiered-dcp {cmd}: no namespace 'quickstrat' on these tiers; did you mean 'quickstart'? "
         "(namespaces there: quickstart)\n"
     ), r.stderr
+
+
+# -------------------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize(
+    "args, close",
+    [
+        (["ls", "--wde"], "--wide"),
+        (["verify", "--stpe", "3"], "--step"),
+        (["export", "--formt", "dcp"], "--format"),
+        (["ls", "--jsn"], "--json"),
+        (["goodput", "--step-tme", "1"], "--step-time"),
+        (["drill", "--minuts", "1"], "--minutes"),
+        (["demo", "--kil-at", "3"], "--kill-at"),
+        (["--verison"], "--version"),
+    ],
+)
+def test_an_unknown_flag_gets_the_close_one(tmp_path, args, close):
+    r = tdcp(tmp_path, *args)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1].endswith(f"(did you mean {close}?)"), r.stderr

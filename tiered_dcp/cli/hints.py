@@ -178,3 +178,16 @@ def namespace_names(tiers: list[Tier]) -> list[str]:
             if is_namespace(name) and any(parse_step_dir(d) is not None for d in store.list(name)):
                 found.add(name)
     return sorted(found)
+
+
+# -- flags ------------------------------------------------------------------------------------
+
+
+def flag_hint(unknown: list[str], flags: Iterable[str]) -> str:
+    """`` (did you mean --step?)`` for the first unknown flag with a close known one."""
+    for arg in unknown:
+        if arg.startswith("-"):
+            close = did_you_mean(arg.split("=", 1)[0], [f for f in flags if f.startswith("--")])
+            if close:
+                return f" (did you mean {close}?)"
+    return ""

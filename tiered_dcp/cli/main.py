@@ -1,8 +1,8 @@
 """The ``tiered-dcp`` command: ls, verify, export, import, rm, prune, goodput, drill, demo.
 
 ``ls`` imports no torch, so it answers at once; the others import it when they run. A
-tier path or namespace that is not there is named with what is (``hints``), the same way by
-every command.
+tier path, namespace or flag that is not there is named with what is (``hints``), the same
+way by every command.
 Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
 on a usage or configuration error (``EXIT_CODES``); an expected failure is one line on
 stderr (the cause, and what to do), never a traceback. Output whose reader has gone
@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 from itertools import zip_longest
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__
 from ..api import Removal, host_memory, import_dcp, namespaces, prune, remove_steps, status, writer_status
@@ -512,7 +512,7 @@ def _tier_args(p: argparse.ArgumentParser, json_output: bool = False) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     """The command line: every command, with its arguments and the function that runs it."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="tiered-dcp",
         description="Inspect, check and export tiered-dcp checkpoints; run the demo and the failure drill.",
         epilog=EXIT_CODES,
@@ -617,15 +617,30 @@ def _tool_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_demo)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (every command's: subparsers are of their parent's class), whose
+    errors end with the flag meant where the command line holds one no parser knows:
+    ``unrecognized arguments: --stpe 3 (did you mean --step?)``, and as well where argparse
+    stops first at another error (``export --formt x``: ``--to`` is required)."""
+
+    unknown: list[str] = []  # the command line's flags that no parser knows (``_parse``)
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + hints.flag_hint(Parser.unknown, self._option_string_actions))
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line parsed; an argument no parser knows is reported with the usage of
     the command it follows (``tiered-dcp ls --bogus``: ``ls``'s), not the top level's."""
     parser = _parser()
+    given = sys.argv[1:] if argv is None else list(argv)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    known = {f for p in (parser, *sub.choices.values()) for f in p._option_string_actions}
+    flags = [a.split("=", 1)[0] for a in given if a.startswith("--")]
+    Parser.unknown = [f for f in flags if not any(k.startswith(f) for k in known)]  # abbreviations pass
     args, extra = parser.parse_known_args(argv)
     if extra:
-        given = sys.argv[1:] if argv is None else list(argv)
         before = given[: given.index(args.cmd)] if args.cmd in given else given
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         owner = parser if any(x in before for x in extra) else sub.choices[args.cmd]
         owner.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
