@@ -4,6 +4,7 @@ a mistyped tier path or namespace, an unknown flag, ``status``, and how long a l
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ def test_a_mistyped_tier_path_is_named_with_what_is_there(quickstart):
     )
     assert want in r.stderr, r.stderr
     assert r.stdout.startswith("step"), r.stdout  # the tier that is there is still shown
-    for cmd in (["verify"], ["export", "--to", str(quickstart / "out")], ["rm", "--step", "1"]):
+    for cmd in (["status"], ["verify"], ["export", "--to", str(quickstart / "out")], ["rm", "--step", "1"]):
         r = tdcp(quickstart, *cmd, "-n", "quickstart", RAM, "ckpt/sdd/{node}")
         assert f"tiered-dcp {cmd[0]}: {want}" in r.stderr, (cmd, r.stderr)
 
@@ -65,7 +66,7 @@ def test_a_tier_path_that_does_not_exist_is_not_an_empty_tier(quickstart):
     assert r.returncode == 1 and "ckpt/nope does not exist; ckpt holds: ram, ssd" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("cmd", ["ls", "verify", "export", "rm", "prune", "import", "goodput"])
+@pytest.mark.parametrize("cmd", ["ls", "status", "verify", "export", "rm", "prune", "import", "goodput"])
 def test_a_path_of_node_directories_asks_for_node(quickstart, cmd):
     extra = {
         "export": ["--to", str(quickstart / "x")],
@@ -92,7 +93,7 @@ def test_a_namespace_s_own_directory_as_a_tier_is_named_so(quickstart):
 # -------------------------------------------------------------------------- namespaces
 
 
-@pytest.mark.parametrize("cmd", ["ls", "verify", "export", "rm", "prune"])
+@pytest.mark.parametrize("cmd", ["ls", "status", "verify", "export", "rm", "prune"])
 def test_every_command_says_the_same_of_a_mistyped_namespace(quickstart, cmd):
     extra = {"export": ["--to", str(quickstart / "x")], "rm": ["--step", "1"], "prune": ["--keep", "1"]}
     r = tdcp(quickstart, cmd, "-n", "quickstrat", RAM, SSD, *extra.get(cmd, []))
@@ -112,7 +113,7 @@ def test_every_command_says_the_same_of_a_mistyped_namespace(quickstart, cmd):
         (["ls", "--wde"], "--wide"),
         (["verify", "--stpe", "3"], "--step"),
         (["export", "--formt", "dcp"], "--format"),
-        (["ls", "--jsn"], "--json"),
+        (["status", "--jsn"], "--json"),
         (["goodput", "--step-tme", "1"], "--step-time"),
         (["drill", "--minuts", "1"], "--minutes"),
         (["demo", "--kil-at", "3"], "--kill-at"),
@@ -123,3 +124,27 @@ def test_an_unknown_flag_gets_the_close_one(tmp_path, args, close):
     r = tdcp(tmp_path, *args)
     assert r.returncode == 2
     assert r.stderr.splitlines()[-1].endswith(f"(did you mean {close}?)"), r.stderr
+
+
+# -------------------------------------------------------------------------- status
+
+
+def test_status_shows_each_step_on_each_tier_and_the_writers(quickstart):
+    r = tdcp(quickstart, "status", "-n", "quickstart", RAM, SSD)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["step", "tier", "state", "size", "age"]
+    rows = [line.split()[:4] for line in lines[1:4]]
+    assert rows == [
+        ["5", "0", "(ckpt/ram/{node})", "committed"],
+        ["5", "1", "(ckpt/ssd/{node})", "committed"],
+        ["4", "0", "(ckpt/ram/{node})", "committed"],
+    ], r.stdout
+    doc = json.loads(tdcp(quickstart, "status", "--json", "-n", "quickstart", RAM, SSD).stdout)
+    assert [(s["step"], s["tier_index"], s["state"]) for s in doc["steps"]] == [
+        (4, 0, "committed"),
+        (5, 0, "committed"),
+        (5, 1, "committed"),
+    ]
+    assert "writers" in doc
+    assert "status" in tdcp(quickstart, "--help").stdout

@@ -1,8 +1,8 @@
-"""The ``tiered-dcp`` command: ls, verify, export, import, rm, prune, goodput, drill, demo.
+"""The ``tiered-dcp`` command: ls, status, verify, export, import, rm, prune, goodput, drill, demo.
 
-``ls`` imports no torch, so it answers at once; the others import it when they run. A
-tier path, namespace or flag that is not there is named with what is (``hints``), the same
-way by every command.
+``ls`` and ``status`` import no torch, so they answer at once; the others import it when
+they run. A tier path, namespace or flag that is not there is named with what is
+(``hints``), the same way by every command.
 Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
 on a usage or configuration error (``EXIT_CODES``); an expected failure is one line on
 stderr (the cause, and what to do), never a traceback. Output whose reader has gone
@@ -194,6 +194,34 @@ def _print_writers(cfg: TieredConfig) -> None:
             print(f"    FAILED step {s} -> tier {t}: {why}")
         for s, t, why in w.skipped:
             print(f"    SKIPPED step {s} -> tier {t}: {why}")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``status(config)`` as a table: each step on each tier (queued, writing, clean,
+    committed, ...), newest first, then the writer processes' queues."""
+    cfg = _job(args)
+    rows = status(cfg)
+    if args.json:
+        doc = {
+            "namespace": cfg.namespace,
+            "tiers": [t.path for t in cfg.tiers],
+            "steps": [dataclasses.asdict(r) for r in rows],
+            "writers": [dataclasses.asdict(w) for w in writer_status(cfg)],
+        }
+        print(json.dumps(doc, indent=1))
+        return 0 if rows else 1
+    if not rows:
+        print(f"no steps of namespace {cfg.namespace!r} on any tier", file=sys.stderr)
+    else:
+        ordered = sorted(rows, key=lambda r: (-r.step, r.tier_index))
+        table = [
+            [str(r.step), f"{r.tier_index} ({r.tier})", str(r.state), human(r.size_bytes), age(r.created)]
+            for r in ordered
+        ]
+        print("\n".join(_columns(["step", "tier", "state", "size", "age"], table)))
+        _print_row_errors(ordered, tuple(s for s in StepStatus if s is not StepStatus.COMMITTED))
+    _print_writers(cfg)
+    return 0 if rows else 1
 
 
 def _print_table(cfg: TieredConfig, rows: list, wide: bool) -> None:
@@ -539,6 +567,15 @@ def _inspect_commands(sub: argparse._SubParsersAction) -> None:
     _tier_args(p, json_output=True)
     p.add_argument("--wide", action="store_true", help="every detail, however wide the terminal")
     p.set_defaults(fn=cmd_ls)
+    p = sub.add_parser(
+        "status",
+        help="status(config): each step on each tier (queued, writing, clean, committed, failed, ...) "
+        "and the writer processes' queues",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _tier_args(p, json_output=True)
+    p.set_defaults(fn=cmd_status)
     p = sub.add_parser("verify", help="re-check every checksum of a step; exit 1 on damage")
     _tier_args(p, json_output=True)
     p.add_argument("--step", type=int, help="the step (default: the newest committed)")
