@@ -148,3 +148,80 @@ def test_status_shows_each_step_on_each_tier_and_the_writers(quickstart):
     ]
     assert "writers" in doc
     assert "status" in tdcp(quickstart, "--help").stdout
+
+
+# -------------------------------------------------------------------------- a quick look
+
+
+def test_ls_status_and_verify_import_no_torch(quickstart):
+    """torch's import is seconds of a look that takes milliseconds: the steps and storage
+    modules import none, and verify reads the metadata into torch-free stand-ins."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import tiered_dcp.steps, tiered_dcp.storage\n"
+        "for pkg in (tiered_dcp.steps, tiered_dcp.storage):  # every module of both\n"
+        "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+        "        importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+        "from tiered_dcp.cli.main import main\n"
+        "for cmd in ('ls', 'status', 'verify'):\n"
+        f"    assert main([cmd, '-n', 'quickstart', {RAM!r}, {SSD!r}]) == 0, cmd\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\n"
+        "assert not heavy, heavy[:5]\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=quickstart
+    )
+    assert r.returncode == 0, r.stderr
+    assert "step 5: good on all 2 tier(s) holding it" in r.stdout, r.stdout
+
+
+def _blob(cfg: TieredConfig, step: int) -> bytes:
+    from tiered_dcp.steps.catalog import read_metadata_blob, views
+
+    (view,) = views(cfg, 0, 0)
+    return read_metadata_blob(view.committed()[step])
+
+
+def test_the_torch_free_reading_of_metadata_gives_torch_s_facts(tmp_path):
+    from conftest import value_kinds
+
+    from tiered_dcp.steps import metadata, plain_metadata
+
+    cfg = TieredConfig("facts", [Tier(str(tmp_path / "t"))])
+    state = {
+        **value_kinds(3),
+        "c64": torch.ones(4, dtype=torch.complex64),
+        "u8": torch.ones(3, dtype=torch.uint8),
+    }
+    dcp.save(state, storage_writer=TieredWriter(cfg, step=1))
+    blob = _blob(cfg, 1)
+    plain, real = metadata.loads(blob, 1, plain=True), metadata.loads(blob, 1)
+    assert type(plain) is plain_metadata.Metadata and type(real).__module__ == metadata.DCP_METADATA
+    assert getattr(plain, metadata.CHECKED) == getattr(real, metadata.CHECKED)
+    assert [metadata.item_key(i) for i in plain.storage_data] == [
+        metadata.item_key(i) for i in real.storage_data
+    ]
+    assert list(plain.storage_data.values()) == list(real.storage_data.values())
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_the_dtype_table_is_torch_s():
+    """Each dtype the torch-free reader takes: the name torch pickles it by, its element size."""
+    from tiered_dcp.steps.plain_metadata import DTYPE_SIZES
+
+    for name, size in DTYPE_SIZES.items():
+        dtype = getattr(torch, name)
+        assert dtype.__reduce__() == name and torch.empty(0, dtype=dtype).element_size() == size, name
+
+
+def test_what_the_torch_free_reader_does_not_take_torch_s_reads(tmp_path):
+    """A dtype outside the table: the blob is read by torch's reader, and verify is as good."""
+    from tiered_dcp.ops.verify import verify_step
+    from tiered_dcp.steps import metadata
+
+    cfg = TieredConfig("rare", [Tier(str(tmp_path / "t"))])
+    dcp.save({"w": torch.zeros(8, dtype=torch.float8_e8m0fnu)}, storage_writer=TieredWriter(cfg, step=1))
+    md = metadata.loads(_blob(cfg, 1), 1, plain=True)
+    assert type(md).__module__ == metadata.DCP_METADATA
+    (check,) = verify_step(cfg, 1)
+    assert check.ok and check.items == 1, check.problems

@@ -1,7 +1,7 @@
 """The ``tiered-dcp`` command: ls, status, verify, export, import, rm, prune, goodput, drill, demo.
 
-``ls`` and ``status`` import no torch, so they answer at once; the others import it when
-they run. A tier path, namespace or flag that is not there is named with what is
+``ls``, ``status`` and ``verify`` import no torch, so they answer at once; the others
+import it when they run. A tier path, namespace or flag that is not there is named with what is
 (``hints``), the same way by every command.
 Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
 on a usage or configuration error (``EXIT_CODES``); an expected failure is one line on
