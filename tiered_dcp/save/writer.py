@@ -52,7 +52,7 @@ from ..steps.part_file import TierFile
 from ..tensors import as_cpu_contiguous, byte_view, finite_screen
 from ..writer_process.client import MAX_PENDING, writer_handle
 from ..writer_process.run_dir import Job
-from ..writer_process.timings import Kind, record
+from ..writer_process.timings import SaveCall, record_save
 from . import dcp_call, host_memory, preemption
 from .handoff import Handoff
 from .replicate import SavedPart, Swap, write_records_index
@@ -299,7 +299,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     step (``checkpoint_id``). Cheap to pickle, so DCP's PROCESS async mode can ship it.
     """
 
-    _synchronize_after_execute = False
+    _synchronize_after_execute = True  # DCP's last call on the loop's thread: the end of ``call``
 
     def __init__(
         self,
@@ -335,6 +335,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.generation = 0  # the trainer's world when it staged (``worlds.generation``)
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
+        self.call: SaveCall | None = None  # the async_save call as the loop sees it (None: a sync save)
         self.slot_wait: float | None = None  # of the staging, the wait for a slot earlier saves held
         self.staging_bytes: int | None = None  # the trainer's staging buffers once it staged
         self._write_seconds = 0.0  # this rank's part written to the first tier (``records``)
@@ -377,6 +378,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     # -- AsyncStager: the copy the training loop waits for --------------------------------
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | ConcurrentFuture[STATE_DICT_TYPE]:
+        self.call = SaveCall()
         self.owner_pid = os.getpid()
         self.generation = worlds.generation()
         self.handoff_wait = 0.0  # this save's: DCP's reset(checkpoint_id) comes after stage
@@ -404,9 +406,11 @@ class TieredWriter(StorageWriter, AsyncStager):
             self.stage_seconds = time.perf_counter() - started
             self.staging_bytes = POOL.info()["bytes"]
             self._prepare_next(examined)
+            self.call.staged(self.handoff_wait, hooked=dcp_call.calls_back(self.shipped))
             return staged
         future = _staging_thread().submit(self._stage_then_prepare, examined, POOL.reserve())
         self.stage_seconds = time.perf_counter() - started
+        self.call.staged(self.handoff_wait, hooked=False)
         return future
 
     def _stage(self, examined: Examined, reserved: InFlight | None = None) -> STATE_DICT_TYPE:
@@ -463,7 +467,10 @@ class TieredWriter(StorageWriter, AsyncStager):
             writer_handle(self.config, rank).ensure(os.getpid())
 
     def synchronize_staging(self) -> None:
-        """Nothing to do: ``stage`` returns a finished copy or a future for it."""
+        """Nothing to wait for: ``stage`` returns a finished copy or a future for it. DCP
+        calls it last, on the loop's thread, once its upload has the copy: the call's end."""
+        if self.call is not None:
+            self.call.end()
 
     def close(self) -> None:
         """Free this process's staging buffers (busy ones once their uploads end)."""
@@ -548,6 +555,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             self._wait_for_writer(self.rank)
         elif not self._waited:  # a sync save: nothing was staged
             self.handoff_wait = 0.0
+            self.call = None
             host_memory.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
             self._wait_for_writer(self.rank)
         self._waited = False  # the hand-off is this save's: the next one waits afresh
@@ -695,7 +703,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         staging = POOL.info()["bytes"] + POOL.prepared_bytes() if here else self.staging_bytes
         if staging is not None:  # not known in DCP's background process after background staging
             fields["staged"] = staging
-        record(self.config, Kind.SAVE, self.rank, self.step, **fields)
+        record_save(self.config, self.rank, self.step, fields, self.call)
         scores.watch_soon(self.config, self.rank)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
