@@ -455,7 +455,7 @@ class StepReads:
         asks: dict[ItemKey, list[ReadItem]] = {}
         for req in plan.items:
             asks.setdefault(md_blob.item_key(req.storage_index), []).append(req)
-        keep = KeepRaw(planner, asks, self._item_info, self._place)
+        keep = KeepRaw(planner, asks, self._item_info, _place)
         wholes = [keep.whole(key) for key in sorted(reading, key=lambda k: (k.fqn, k.offset or ()))]
         for whole in wholes:
             sources[id(whole)] = sources[id(asks[md_blob.item_key(whole.storage_index)][0])]
