@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tiered_dcp.storage import open_storage
 from tiered_dcp.storage.format import parse_step_dir
 
-from ..config import Tier, _placeholders, here, is_namespace
+from ..config import Tier, TieredConfig, _placeholders, here, is_namespace
 
 SHOWN_ENTRIES = 8  # a directory's entries named in one line; the rest are counted
 
@@ -191,3 +191,19 @@ def flag_hint(unknown: list[str], flags: Iterable[str]) -> str:
             if close:
                 return f" (did you mean {close}?)"
     return ""
+
+
+def no_records(config: TieredConfig) -> str:
+    """Why ``goodput --from-job`` has nothing: no job of this namespace, or one with other tiers."""
+    from ..writer_process.run_dir import runtime_root
+    from ..writer_process.timings import records_dir
+
+    try:
+        jobs = [p.name.rsplit("-", 1)[0] for p in runtime_root().iterdir() if (p / "records").is_dir()]
+    except OSError:
+        jobs = []
+    ns = config.namespace
+    line = f"no records of namespace {ns!r} with these tiers on this node ({records_dir(config)})"
+    if ns in jobs:
+        return f"{line}; a job of {ns!r} with other tiers has some: give its tiers as it configured them"
+    return f"{line}; " + (namespace_hint(ns, jobs) if jobs else "no job here has any")

@@ -503,7 +503,11 @@ def cmd_goodput(args: argparse.Namespace) -> int:
 
     given = args.config or args.tiers
     cfg = _job(args, must_exist=args.from_job, namespace=False) if given else None
-    return goodput.command(args, cfg)
+    measured = goodput.measure_job(cfg) if args.from_job and cfg is not None else None
+    if measured is not None and not measured.saves and not measured.loads:
+        print(f"tiered-dcp goodput: {hints.no_records(cfg)}", file=sys.stderr)  # type: ignore[arg-type]
+        return 1
+    return goodput.command(args, cfg, measured)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

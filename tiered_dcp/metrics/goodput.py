@@ -422,15 +422,12 @@ def add_arguments(p) -> None:  # an argparse parser, after the config arguments
     p.add_argument("--plot", metavar="PNG", help="draw goodput against interval per tier (needs matplotlib)")
 
 
-def command(args, config: TieredConfig | None) -> int:
-    """``tiered-dcp goodput``: the flags, else the config and its job's records."""
+def command(args, config: TieredConfig | None, measured: Measured | None = None) -> int:
+    """``tiered-dcp goodput``: the flags, else the config and what its job measured
+    (``measured``: ``measure_job``'s, with ``--from-job``)."""
     n = len(config.tiers) if config is not None else 1
     if args.from_job and config is None:
         raise ValueError("--from-job needs the job: --config tiers.toml (or -n NAMESPACE TIER...)")
-    measured = measure_job(config) if args.from_job and config is not None else None
-    if measured is not None and not measured.saves and not measured.loads:
-        print(f"tiered-dcp goodput: {_no_records(config)}", file=sys.stderr)  # type: ignore[arg-type]
-        return 1
     names = [t.path for t in config.tiers] if config is not None else ["tier"]
     given = {
         what: _per_tier(_floats(getattr(args, what), what), n, what)
@@ -503,23 +500,6 @@ def _schedule(config: TieredConfig, given: bool) -> Schedule | None:
             file=sys.stderr,
         )
     return found
-
-
-def _no_records(config: TieredConfig) -> str:
-    """Why --from-job has nothing: no job of this namespace, or one with other tiers."""
-    from ..cli.hints import namespace_hint
-    from ..writer_process.run_dir import runtime_root
-    from ..writer_process.timings import records_dir
-
-    try:
-        jobs = [p.name.rsplit("-", 1)[0] for p in runtime_root().iterdir() if (p / "records").is_dir()]
-    except OSError:
-        jobs = []
-    ns = config.namespace
-    line = f"no records of namespace {ns!r} with these tiers on this node ({records_dir(config)})"
-    if ns in jobs:
-        return f"{line}; a job of {ns!r} with other tiers has some: give its tiers as it configured them"
-    return f"{line}; " + (namespace_hint(ns, jobs) if jobs else "no job here has any")
 
 
 def _print_report(report: GoodputReport, measured: Measured | None) -> None:
