@@ -26,6 +26,7 @@ from .errors import (
     NoCheckpointError,
     NonFiniteStateError,
     PeerLostError,
+    ReplicaMismatchError,
     SnapshotError,
     TieredCheckpointError,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "NoCheckpointError",
     "NonFiniteStateError",
     "PeerLostError",
+    "ReplicaMismatchError",
     "SnapshotError",
     "StepState",
     "Tier",
