@@ -136,6 +136,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:  # what a state that is not a good step means, and what to do
         if r.error and r.state in (StepStatus.DAMAGED, StepStatus.INCOMPLETE):
             print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
+        elif r.passed_over:
+            print(f"  step {r.step} on tier {r.tier_index}: passed over by loads: {r.passed_over}")
     writers = writer_status(cfg)
     if writers:
         print("writer processes on this node:")
@@ -264,8 +266,14 @@ def _print_memory(cfg: TieredConfig) -> None:
 
 
 def _print_scores(cfg: TieredConfig) -> None:
-    from ..metrics.scores import FLOOR_SECONDS, THRESHOLD, job_scores
+    from ..metrics.scores import FLOOR_SECONDS, THRESHOLD, job_scores, job_suspects
 
+    for s in job_suspects(cfg):
+        print(
+            f"SUSPECT rank {s.rank} (node {s.node}): its copies of replicated items disagreed with "
+            f"its replicas at steps {', '.join(map(str, s.steps))} ({', '.join(s.items[:4])}): "
+            f"check node {s.node}"
+        )
     scores = job_scores(cfg)
     if not scores:
         return
@@ -282,7 +290,7 @@ def _print_scores(cfg: TieredConfig) -> None:
 
 
 def _ls_json(cfg: TieredConfig, rows: list) -> int:
-    from ..metrics.scores import job_scores
+    from ..metrics.scores import job_scores, job_suspects
 
     out = {
         "namespace": cfg.namespace,
@@ -291,6 +299,7 @@ def _ls_json(cfg: TieredConfig, rows: list) -> int:
         "writers": [dataclasses.asdict(w) for w in writer_status(cfg)],
         "host_memory": dataclasses.asdict(host_memory(cfg)),
         "scores": [dataclasses.asdict(s) for s in job_scores(cfg)],
+        "suspects": [dataclasses.asdict(s) for s in job_suspects(cfg)],
     }
     print(json.dumps(out, indent=1))
     return 0
@@ -330,6 +339,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         for p in c.tier_problems:
             print(f"    {p}")
+        if c.passed_over:
+            print(f"  its bytes are as saved, but loads pass it over: {c.passed_over}")
         if len(c.roots) < 2 and c.ok:
             continue  # one root, all good: the tier's line says it all
         for r in c.roots:
@@ -356,7 +367,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "(load_latest, export); the next save writes a fresh step. Nothing to repair by hand."
         )
     else:
-        print(f"step {step}: good on all {len(checks)} tier(s) holding it")
+        marked = " (marked: loads pass it over)" if any(c.passed_over for c in checks) else ""
+        print(f"step {step}: good on all {len(checks)} tier(s) holding it{marked}")
     return 1 if bad else 0
 
 

@@ -24,7 +24,11 @@ Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
   ``open_s`` (of which choosing the step: with a process group, the ranks' agreement),
   ``read_own`` / ``read_peer`` / ``read_shared`` (the stored bytes of the items this rank
   read from its own roots, received from other ranks, read from shared tiers: a bucket's
-  bytes over the job are the sum of ``read_shared``).
+  bytes over the job are the sum of ``read_shared``);
+- ``replicas``: one line per item whose data-parallel replicas disagreed at a save, written
+  by the save's coordinator (``rank``, ``node`` are its): ``item`` (its fqn), ``holders``
+  (the ranks holding a copy), ``odd`` (the ranks whose copy was the odd one out; with two
+  copies, both) and ``odd_nodes`` (their nodes). ``scores.suspects`` reads them.
 
 Lines are read back as ``TimingRecord`` (``read_records``), the one reader of their JSON:
 ``scores`` and ``goodput`` use its attributes. A line that is not a well-formed record (cut
@@ -62,6 +66,11 @@ class Kind(StrEnum):
     SAVE = "save"  # the trainer's save of a step to its fastest tier
     PERSIST = "persist"  # the writer process's copy of it to a slower tier
     LOAD = "load"
+    REPLICAS = "replicas"  # an item whose replicas disagreed at a save (the coordinator's line)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(is_int(x) for x in v)
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,10 @@ class TimingRecord:
     read_own: int | None = None  # load: bytes from this rank's own roots
     read_peer: int | None = None  # load: bytes from other ranks (peer exchange, spread)
     read_shared: int | None = None  # load: bytes from shared tiers
+    item: str | None = None  # replicas: the item whose copies differed
+    holders: tuple[int, ...] | None = None  # replicas: the ranks holding a copy
+    odd: tuple[int, ...] | None = None  # replicas: the ranks whose copy was odd (two copies: both)
+    odd_nodes: tuple[int, ...] | None = None  # replicas: their nodes
 
     _CHECKS = {
         "kind": one_of(Kind),
@@ -108,12 +121,16 @@ class TimingRecord:
         "staged": optional(is_int),
         "latency_s": optional(is_number),
         "state": optional(is_str),
-        "tiers": optional(lambda v: isinstance(v, list) and all(is_int(t) for t in v)),
+        "tiers": optional(_ints),
         "seconds": optional(is_number),
         "open_s": optional(is_number),
         "read_own": optional(is_int),
         "read_peer": optional(is_int),
         "read_shared": optional(is_int),
+        "item": optional(is_str),
+        "holders": optional(_ints),
+        "odd": optional(_ints),
+        "odd_nodes": optional(_ints),
     }
 
     @classmethod
@@ -123,8 +140,9 @@ class TimingRecord:
             return None
         known = {k: d[k] for k in cls._CHECKS if k in d}
         known["kind"] = Kind(d["kind"])
-        if known.get("tiers") is not None:
-            known["tiers"] = tuple(known["tiers"])
+        for name in ("tiers", "holders", "odd", "odd_nodes"):
+            if known.get(name) is not None:
+                known[name] = tuple(known[name])
         return cls(**known)
 
 
