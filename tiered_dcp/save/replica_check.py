@@ -113,14 +113,22 @@ class ReplicaCheck:
     _items: dict[int, list[str]] | None = None
 
     def before_moving(self, start: int, length: int) -> None:
-        """Wait for the hashes of the copies whose bytes lie in ``[start, start + length)``:
-        the writer is about to move bytes there (``writer.settle``)."""
+        """Wait for the hashes of the copies whose bytes meet ``[start, start + length)``:
+        the writer is about to move other bytes there (``writer.settle``)."""
         for copies in self.groups.values():
             for c in copies:
                 address, n = c.span
-                if c.hashes and n and start <= address < start + length:
+                if c.hashes and n and address < start + length and start < address + n:
                     for f in c.hashes:
                         f.result()
+
+    def written(self, hashed: Future[None], arena: torch.Tensor | None) -> None:
+        """The writer's ``fingerprint`` (the checksums of the copies it writes, reused), and
+        the part file the state was staged into (None: none), which the writer cuts short
+        next: every copy that lay in it is hashed before this returns."""
+        self.hashed = hashed
+        if arena is not None:
+            self.before_moving(arena.data_ptr(), arena.numel())
 
     def _item_digests(self) -> dict[int, list[str]]:
         if self._items is None:
@@ -175,17 +183,16 @@ def start(
     rank: int,
     plan: SavePlan,
     planner: SavePlanner,
-    local: SavePlan | None,
     written: list[Any],
+    local: SavePlan | None,
     stage_seconds: float | None,
-    in_file: Any,
 ) -> ReplicaCheck | None:
     """This rank's check of the save's global ``plan`` (None: nothing is compared), its
-    hashing begun: ``local`` is this rank's local plan as grouped (else the planner's own,
-    DCP's plan cache having sent none), ``written`` the writer's items (``RawItem``) whose
-    checksums are reused, ``stage_seconds`` set for an async save (every copy was staged
-    in host memory). ``in_file``: the part file the state was staged into (``writer.InFile``),
-    whose bytes the writer moves next: the copies there are hashed before this returns."""
+    hashing begun: ``written`` are the writer's items (``RawItem``) whose checksums are
+    reused, ``local`` this rank's local plan as grouped (else the planner's own: DCP's plan
+    cache sent none), ``stage_seconds`` set for an async save (every copy was staged in
+    host memory). Before the writer moves or cuts bytes where copies lie, it calls
+    ``before_moving`` and ``written``."""
     groups = groups_of(plan)
     if config.on_replica_mismatch == "ignore" or groups is None or not groups.world:
         return None
@@ -198,10 +205,7 @@ def start(
         g: [_copy(it, planner, mine.get(it.index), staged, config.dedup) for it in items]
         for g, items in members.items()
     }
-    check = ReplicaCheck(config, step, rank, out)
-    if in_file is not None:
-        check.before_moving(in_file.arena.data_ptr(), in_file.arena.numel())
-    return check
+    return ReplicaCheck(config, step, rank, out)
 
 
 def _copy(item: WriteItem, planner: SavePlanner, written: Any, staged: bool, as_blocks: bool) -> _Copy:

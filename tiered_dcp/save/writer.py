@@ -170,11 +170,14 @@ class Resolved:
     in_file: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-def settle(staged: InFile, items: list[RawItem]) -> dict[int, int]:
+def settle(
+    staged: InFile, items: list[RawItem], before: Callable[[int, int], None] | None = None
+) -> dict[int, int]:
     """The items (by position) whose bytes were staged into the part file, each at its
     offset there once the gaps between them are closed (``part_file.settle``). Their chunks
     are re-pointed at the moved bytes; any other item whose bytes lie in the file (one
-    overlapping another) is copied out first, since closing the gaps moves bytes."""
+    overlapping another) is copied out first, since closing the gaps moves bytes.
+    ``before``: told the bytes each move overwrites (``ReplicaCheck.before_moving``)."""
     base, size = staged.arena.data_ptr(), staged.arena.numel()
     inside: list[tuple[int, int, int]] = []
     for i, it in enumerate(items):
@@ -191,7 +194,7 @@ def settle(staged: InFile, items: list[RawItem]) -> dict[int, int]:
         else:
             placed.append((off, n, i))
             end = off + n
-    offsets = part_file.settle(base, [(off, n) for off, n, _ in placed])
+    offsets = part_file.settle(base, [(off, n) for off, n, _ in placed], before)
     whole = byte_view(staged.arena)
     out = {}
     for (_, n, i), new in zip(placed, offsets, strict=True):
@@ -565,20 +568,13 @@ class TieredWriter(StorageWriter, AsyncStager):
         policy = self.config.on_nonfinite
         items = resolve_items(plan, planner, self.config.dedup, check_finite=policy != "ignore")
         check = self._replicas = replica_check.start(  # hashing while the part is written
-            self.config,
-            self.step,
-            self.rank,
-            plan,
-            planner,
-            self._local_plan,
-            items,
-            self.stage_seconds,
-            staged,
+            self.config, self.step, self.rank, plan, planner, items, self._local_plan, self.stage_seconds
         )
-        in_file = settle(staged, items) if staged is not None else {}  # first: it moves bytes
+        moving = check.before_moving if check is not None else None  # a copy there: hashed first
+        in_file = settle(staged, items, moving) if staged is not None else {}  # first: it moves bytes
         resolved = Resolved(items, fingerprint(items), staged, in_file)  # hashed while written
         if check is not None:
-            check.hashed = resolved.hashed  # the checksums of the copies it writes, reused
+            check.written(resolved.hashed, staged.arena if staged is not None else None)
         refused = None
         if policy == "raise":  # nothing of a refused step is written
             resolved.hashed.result()
