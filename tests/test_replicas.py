@@ -265,3 +265,29 @@ def test_a_thousand_saves_of_a_healthy_job_report_nothing(tmp_path):
     cfg = ram_config(str(tmp_path), "healthy")
     assert read_records(cfg, Kind.REPLICAS) == [] and latest_step(cfg) == HEALTHY_SAVES
     assert marker(str(tmp_path), "healthy", HEALTHY_SAVES).replicas_agree
+
+
+# -- a sync save of device state: digests computed where the copies lie ----------------------
+
+
+def _device_digest_job(rank, world, root):
+    from tiered_dcp.save import replica_check
+
+    replica_check.HOST.clear()  # CPU tensors digested as a GPU's would be, on their "device"
+    cfg = ram_config(root, "device")
+    for step in (1, 2, 3):
+        state = {"w": torch.arange(64.0).to(torch.bfloat16), f"own{rank}": torch.full((8,), float(rank))}
+        if step == 2 and rank == 1:
+            flip_bit(state["w"], byte=9, bit=2)
+        _save(state, cfg, step, "sync")
+    dist.barrier()
+    shutdown()
+    return latest_step(cfg)
+
+
+def test_a_sync_save_digests_device_copies_where_they_lie(tmp_path):
+    assert run_ranks(_device_digest_job, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}) == [3, 3]
+    m1, m2, m3 = (marker(str(tmp_path), "device", s) for s in (1, 2, 3))
+    assert (
+        m1.replicas_agree and m3.replicas_agree and (m2.replica_mismatch, m2.replica_ranks) == (["w"], [0, 1])
+    )

@@ -47,6 +47,7 @@ log = logging.getLogger("tiered_dcp")
 
 SLAB = 1 << 23  # 32-bit words a device digest reduces at once (64 MiB of 64-bit scratch on the device)
 RECORDED = 64  # disagreements of one step written to the records (every one is counted)
+HOST = {"cpu"}  # device types whose tensors are hashed on the host; any other: ``device_digest``
 
 
 def device_digest(t: torch.Tensor) -> int:
@@ -216,7 +217,7 @@ def _copy(item: WriteItem, planner: SavePlanner, written: Any, staged: bool, as_
     data = planner.resolve_data(item)
     if not isinstance(data, torch.Tensor):
         return _Copy(item.index, digest="-")  # not a tensor after all: compared by nothing
-    if data.device.type not in ("cpu", "meta"):
+    if data.device.type not in HOST:
         return _Copy(item.index, digest=f"d{device_digest(data):016x}")
     if written is not None:
         return _Copy(item.index, written=written)
