@@ -21,6 +21,7 @@ rank named in disagreements at two steps or more a suspect node (``metrics.score
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from array import array
 from collections.abc import Collection
@@ -136,7 +137,19 @@ class ReplicaCheck:
             if self.hashed is not None:
                 self.hashed.result()
             self._items = {g: [_digest_of(c) for c in copies] for g, copies in self.groups.items()}
+            for copies in self.groups.values():  # the digests are all it needs now: no staged bytes kept
+                for c in copies:
+                    c.hashes, c.owner, c.written = None, None, None
         return self._items
+
+    def drain(self) -> None:
+        """Wait for every hash in flight (their errors aside): a failed save's staged bytes
+        may be reused or cut once it is given up."""
+        for copies in self.groups.values():
+            for c in copies:
+                for f in c.hashes or []:
+                    with contextlib.suppress(Exception):
+                        f.result()
 
     def digests(self) -> dict[str, str]:
         return {

@@ -594,6 +594,8 @@ class TieredWriter(StorageWriter, AsyncStager):
                 _metadata_of(planner, self.storage_meta()),
             )
         except BaseException as e:
+            if check is not None:
+                check.drain()  # no hashing thread reads staged bytes once the save is given up
             _abandon(first, self.step, self.rank, slower, e, self.staged_file)
             if isinstance(e, PeerLostError):  # DCP's next collective raises torch's error instead
                 log.error("%s", e)
