@@ -356,7 +356,7 @@ class TieredSaves:
         self.parts: dict[str, list[float]] = {"stage_s": [], "acquire_s": [], "copy_s": []}
         # the pool's two steps timed on this process's pool (a diagnosis: no figure depends on it)
         POOL._acquire = self._clock("acquire_s", POOL._acquire)
-        POOL._copy_into = self._clock("copy_s", POOL._copy_into)
+        POOL.copier.copy_into = self._clock("copy_s", POOL.copier.copy_into)
 
     def _clock(self, key: str, fn):
         def timed(*args, **kwargs):
@@ -393,8 +393,8 @@ class TieredSaves:
     def close(self) -> None:
         """Let the writer process finish (the next loop starts from a fresh process state:
         its first save is a first save again), then free the tiers' bytes."""
-        for name in ("_acquire", "_copy_into"):  # the class's own again
-            vars(POOL).pop(name, None)
+        vars(POOL).pop("_acquire", None)  # the class's own again
+        vars(POOL.copier).pop("copy_into", None)
         shutdown(wait=True, timeout=120)
         for root in self.roots:
             shutil.rmtree(root, ignore_errors=True)

@@ -13,6 +13,11 @@ every step (``inprocess_train.py`` is the loop); rank 1 fails after step 6's sav
 - ``torchrun``: the same loop and tiers, restarted by torchrun (``--max-restarts=1``, two
   agents as two nodes, c10d rendezvous, the settings the user guide gives);
 - ``stock``: torchrun, stock DCP's ``async_save``/``load`` to a local directory;
+- ``ft-``: NvRx 0.7.0's ``ft_launcher`` (``.venv/nvrx/bin/ft_launcher``), three launchers as
+  three nodes (``--nnodes=2:3``: two active, a hot spare; the launch line of the user guide),
+  with tiered-dcp or (``ft-stock-``) stock DCP; ``ft-node``: rank 2 takes its whole node
+  down after step 6's save (its launcher and every process under it SIGKILLed, its RAM tier
+  deleted): the spare takes its place and its ranks read their parts from their peers;
 - ``-plain``: the loop waits for each save with a plain ``future.result()`` (DCP's examples)
   instead of the user guide's ``tiered_dcp.inprocess.result``, and the training group's
   timeout is 10 min (the survivors' saves cannot wait it out);
@@ -28,7 +33,8 @@ the worker started), ``group`` (its process group built), ``loaded`` (the reload
 tiered-dcp recorded it: inside the restart vs in a fresh process) and ``choose`` (of it, the
 ranks' agreement on the step); the MiB the reloads read from the ranks' own tiers,
 from peers and from shared tiers (tiered-dcp's load records; the stock case has none);
-the step loaded and the steps redone. Medians of ``--rounds``. Never fails on timing.
+the step loaded and the steps redone; the workers a launcher SIGKILLed at its stop timeout
+(torchrun and ft_launcher). Medians of ``--rounds``. Never fails on timing.
 """
 
 import argparse
@@ -43,8 +49,10 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "inprocess_train.py")
+NVRX = os.path.join(os.path.dirname(HERE), ".venv", "nvrx")  # setup.sh --test puts NvRx there
 PHASES = ("aborting", "aborted", "enter", "group", "loaded", "committed")
 FAULT_AT, STEPS = 6, 9
+KILLED = "forcefully exiting via 9"  # torch's line when a launcher's stop timeout ends in SIGKILL
 
 
 def free_port() -> int:
@@ -57,13 +65,22 @@ def events(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("EVENT ")]
 
 
+def outcome(launchers: list[subprocess.Popen]) -> list[dict]:
+    """The ranks' events of every launcher, and a ``sigkilled`` event per worker a launcher
+    SIGKILLed at its stop timeout (its log says so)."""
+    got = []
+    for p in launchers:
+        out, err = p.communicate(timeout=240)
+        got += events(out) + [{"event": "sigkilled", "t": 0.0}] * err.count(KILLED)
+    return got
+
+
 def run_nvrx(fault: str, root: str, mib: int, extra: dict[str, str]) -> list[dict]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
     env.update(extra)
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    nvrx = os.path.join(os.path.dirname(HERE), ".venv", "nvrx")  # setup.sh --test puts NvRx there
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), nvrx) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), NVRX) if p)
     args = [sys.executable, TRAIN, "nvrx", fault, root, str(mib), str(STEPS), str(FAULT_AT)]
     procs = [
         subprocess.Popen(
@@ -105,12 +122,48 @@ def run_torchrun(mode: str, fault: str, root: str, mib: int, extra: dict[str, st
             ],
             env=env,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             text=True,
         )
         for n in range(2)
     ]
-    return [e for p in agents for e in events(p.communicate(timeout=240)[0])]
+    return outcome(agents)
+
+
+def run_ft(mode: str, fault: str, root: str, mib: int, extra: dict[str, str]) -> list[dict]:
+    """Three ft_launchers as three nodes: two active, a hot spare. Launcher 0 hosts the
+    rendezvous and is always group rank 0 (``GROUP_RANK``: each one's place in NvRx's
+    barrier order); the first round closes once two have joined, leaving 1 or 2 the spare."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env.update(extra, NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE="1", TMPDIR=root)  # the launchers' sockets
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), NVRX) if p)
+    args = [TRAIN, mode, fault, root, str(mib), str(STEPS), str(FAULT_AT)]
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(NVRX, "bin", "ft_launcher"),
+                "--nnodes=2:3",
+                "--nproc-per-node=2",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=bench",
+                f"--rdzv-conf=is_host={int(n == 0)}",
+                "--max-restarts=1",
+                "--monitor-interval=0.1",
+                f"--log-dir={root}/logs",
+                *args,
+            ],
+            env={**env, "GROUP_RANK": str(n)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a node of its own
+        )
+        for n in range(3)
+    ]
+    return outcome(launchers)
 
 
 # case -> (launcher, fault, the environment beside it): the loop waits for each save as the
@@ -125,7 +178,19 @@ CASES = {
     "torchrun-kill-in-save-wait1": ("torchrun", "kill-in-save", {"TIERED_DCP_SIGTERM_WAIT": "1"}),
     "stock": ("stock", "raise", {}),
     "stock-kill-in-save": ("stock", "kill-in-save", {}),
+    "ft-kill-in-save": ("ft", "kill-in-save", {}),
+    "ft-kill-in-save-wait1": ("ft", "kill-in-save", {"TIERED_DCP_SIGTERM_WAIT": "1"}),
+    "ft-stock-kill-in-save": ("ft-stock", "kill-in-save", {}),
+    "ft-node": ("ft", "node", {}),
 }
+
+RATIOS = (  # (case, baseline): the fault to the first commit after it, case / baseline
+    ("nvrx-raise", "torchrun"),
+    ("nvrx-raise", "stock"),
+    ("nvrx-kill", "torchrun"),
+    ("nvrx-kill", "stock"),
+    ("ft-kill-in-save", "ft-stock-kill-in-save"),
+)
 
 
 def measure(case: str, mib: int) -> dict:
@@ -134,6 +199,8 @@ def measure(case: str, mib: int) -> dict:
     try:
         if launcher == "nvrx":
             got = run_nvrx(fault, root, mib, extra)
+        elif launcher.startswith("ft"):
+            got = run_ft("stock" if launcher == "ft-stock" else "torchrun", fault, root, mib, extra)
         else:
             got = run_torchrun(launcher, fault, root, mib, extra)
     finally:
@@ -155,6 +222,7 @@ def measure(case: str, mib: int) -> dict:
     out["exact"] = all(e["exact"] for e in loaded)
     out["steps_redone"] = FAULT_AT - out["loaded_step"] if loaded else None
     out["ranks_done"] = sum(e["event"] == "done" for e in got)
+    out["sigkilled"] = None if launcher == "nvrx" else sum(e["event"] == "sigkilled" for e in got)
     return out
 
 
@@ -188,9 +256,10 @@ def main() -> None:
         f"step {FAULT_AT}, "
         f"{args.rounds} round(s)"
     )
+    width = max(12, *(len(c) + 1 for c in rows))
     print(
-        f"{'case':<12}{'abort':>8}{'aborted':>8}{'enter':>8}{'group':>8}{'loaded':>8}{'committed':>11}"
-        f"{'choose':>8}{'load':>8}  MiB own/peer/shared; loaded step, redone, exact, ranks done"
+        f"{'case':<{width}}{'abort':>8}{'aborted':>8}{'enter':>8}{'group':>8}{'loaded':>8}{'committed':>11}"
+        f"{'choose':>8}{'load':>8}  MiB own/peer/shared; loaded step, redone, exact, ranks done, SIGKILLed"
     )
     for c, rs in rows.items():
         r = rs[-1]
@@ -203,17 +272,16 @@ def main() -> None:
         mib = "/".join(
             "-" if r[f"{k}_mib"] is None else f"{r[f'{k}_mib']:.0f}" for k in ("own", "peer", "shared")
         )
-        print(
-            f"{c:<12}{cells}  {mib}; {r['loaded_step']}, {r['steps_redone']}, {r['exact']}, {r['ranks_done']}"
-        )
-    ratios = {}
-    if "nvrx-raise" in med and "torchrun" in med and "stock" in med:
-        for fault in ("nvrx-raise", "nvrx-kill"):
-            if fault in med and "committed" in med[fault]:
-                ratios[f"{fault}_vs_torchrun"] = med[fault]["committed"] / med["torchrun"]["committed"]
-                ratios[f"{fault}_vs_stock"] = med[fault]["committed"] / med["stock"]["committed"]
-        for k, v in ratios.items():
-            print(f"{k:<28}{v:6.2f}x")
+        killed = "-" if r["sigkilled"] is None else r["sigkilled"]
+        tail = f"{r['loaded_step']}, {r['steps_redone']}, {r['exact']}, {r['ranks_done']}, {killed}"
+        print(f"{c:<{width}}{cells}  {mib}; {tail}")
+    ratios = {
+        f"{case}_vs_{base}": med[case]["committed"] / med[base]["committed"]
+        for case, base in RATIOS
+        if "committed" in med.get(case, {}) and "committed" in med.get(base, {})
+    }
+    for k, v in ratios.items():
+        print(f"{k:<28}{v:6.2f}x")
     print(json.dumps({"bench": "inprocess", "mib": args.mib, "rows": rows, "medians": med, "ratios": ratios}))
 
 

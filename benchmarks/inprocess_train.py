@@ -10,13 +10,16 @@ MIB MiB of its own (on ``BENCH_DEVICE``, default cpu) and saves asynchronously e
 once after step FAULT_AT's save (FAULT ``raise`` or ``kill``), or is SIGKILLed as soon as
 that save began (``kill-in-save``: every other rank's save then waits on it), or (``three``) ranks 1, 2
 and 3 raise in turn after steps FAULT_AT, 2*FAULT_AT and 3*FAULT_AT, node 0's RAM tier
-wiped at the third. Prints ``EVENT`` JSON lines with wall-clock times.
+wiped at the third, or (``node``) rank 2 takes its whole node down after step FAULT_AT's
+save: its launcher and every process under it SIGKILLed, its RAM tier deleted (under NvRx's
+ft_launcher a hot spare takes its place). Prints ``EVENT`` JSON lines with wall-clock times.
 """
 
 import time
 
 STARTED = time.time()  # before the imports: a restarted worker pays them
 
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -48,6 +51,8 @@ CFG = TieredConfig(
 FAULTS = (
     {FAULT_AT: (1, "raise", False), 2 * FAULT_AT: (2, "raise", False), 3 * FAULT_AT: (3, "raise", True)}
     if FAULT == "three"
+    else {FAULT_AT: (2, "node", False)}  # node 1: node 0 hosts the job's store and the rendezvous
+    if FAULT == "node"
     else {FAULT_AT: (1, FAULT, False)}
 )
 
@@ -80,6 +85,23 @@ def first_attempt(step: int) -> bool:
         return False
     open(mark, "w").close()
     return True
+
+
+def kill_node() -> None:
+    """This rank's node lost at once, as a machine is: its launcher (this process's parent) and
+    every process under it (the ranks, their writer processes, the launcher's monitors)
+    SIGKILLed, each by its pid (their process groups may hold others: a test's), then its
+    RAM tier gone, then this process."""
+    import psutil  # NvRx's own dependency: present wherever its launcher runs
+
+    launcher = psutil.Process(os.getppid())
+    node = [launcher, *launcher.children(recursive=True)]  # listed first: orphans are not found
+    for proc in node:
+        if proc.pid != os.getpid():
+            with contextlib.suppress(psutil.NoSuchProcess):  # one that just ended
+                proc.kill()
+    shutil.rmtree(f"{ROOT}/ram/{os.environ['GROUP_RANK']}", ignore_errors=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def read_from(rank: int, step: int) -> dict:
@@ -150,6 +172,8 @@ def train(store: dist.Store, world: int, rank: int) -> None:
             if fault[2]:  # node 0's RAM tier is lost too: its ranks reload from their peers
                 shutil.rmtree(f"{ROOT}/ram/0", ignore_errors=True)
             event("fault", step=s)
+            if fault[1] == "node":
+                kill_node()
             if fault[1] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected fault after step {s}")

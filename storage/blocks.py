@@ -56,7 +56,7 @@ from .format import (
 )
 from .records import NOTE_LIMIT, REFS_LIMIT, DamagedRecord, parse_json, read_record
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 BLOCK_BYTES = 1 << 20  # raw bytes per block: small enough that a partly changed tensor dedups
 MIN_BLOCKED = 64 << 10  # smaller items stay in the part file (a block file each would cost more)

@@ -57,7 +57,7 @@ from .records import (
     whole_number,
 )
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
 NONFINITE_NAMES = 16  # non-finite items a marker names (it counts them all)
@@ -218,11 +218,6 @@ def stray_name(record: Record, namespace: str) -> str | None:
 def refs_key(namespace: str, step: int, rank: int) -> str:
     """The blocks rank's part uses in this root (JSON list), written before any is relied on."""
     return f"{step_dir(namespace, step)}/rank_{rank:05d}.blocks"
-
-
-def gc_lease_key(namespace: str) -> str:
-    """Present while a GC sweeps the root's blocks: savers wait before relying on a block."""
-    return f"{blocks_dir(namespace)}/{GC_LEASE}"
 
 
 def block_header(codec: str) -> bytes:

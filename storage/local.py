@@ -62,10 +62,36 @@ def in_memory(path: str) -> bool:
     return mount_of(path)[1] in MEMORY_FS
 
 
+def missing_root(path: str) -> str | None:
+    """Where a tier's root ``path`` that does not exist yet would be made, in words (its
+    nearest existing directory's file system), or None when it exists: a mount that is
+    missing (``/mnt/nvme`` on a host without the disk) would otherwise fill the disk below."""
+    if os.path.isdir(path):
+        return None
+    mount, fstype = mount_of(path)
+    return f"{path} does not exist; the first save makes it on {mount or '?'} ({fstype or 'unknown'})"
+
+
 def needs_fsync(path: str) -> bool:
     """False for memory-backed file systems (fsync there is meaningless and only costs time),
     True for everything else (and when unknown)."""
     return not in_memory(path)
+
+
+def _fill(fd: int, chunks: Iterable[Buffer], root: str) -> int:
+    """Write the stream to the new file ``fd`` on a disk directly (``direct_io``), so that it
+    goes at the device's pace and leaves no page of it in the cache."""
+    return direct_io.DirectWrites(fd, root).write(chunks)
+
+
+def _write_stream(fd: int, chunks: Iterable[Buffer]) -> int:
+    """Write the stream to the new file ``fd`` the ordinary way: on a memory file system the
+    cache is the tier."""
+    total = 0
+    for chunk in chunks:
+        _write_all(fd, chunk)
+        total += memoryview(chunk).nbytes
+    return total
 
 
 def _write_all(fd: int, buf: Buffer) -> None:
@@ -109,7 +135,7 @@ class _Dirty:
 
     def __init__(self, store: LocalStorage, key: str, mode: int) -> None:
         parent, _, self.name = key.rpartition("/")
-        store.check_name(self.name)
+        store.names_of(self.name)
         self.store, self.fsync = store, store.durable
         self.dir = store.make_dir(parent)
         self.tmp = f"{self.name}{DIRTY}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -237,7 +263,9 @@ class LocalStorage(Storage):
         dirty = _Dirty(self, key, os.O_WRONLY)
         try:
             try:
-                total = self._fill(dirty.fd, chunks)
+                total = (
+                    _fill(dirty.fd, chunks, self.root) if self.durable else _write_stream(dirty.fd, chunks)
+                )
                 if dirty.fsync:
                     os.fsync(dirty.fd)
             finally:
@@ -246,18 +274,6 @@ class LocalStorage(Storage):
             dirty.remove()
             raise
         dirty.publish()
-        return total
-
-    def _fill(self, fd: int, chunks: Iterable[Buffer]) -> int:
-        """Write the stream to the new file ``fd``: direct on a disk (``direct_io``), so that
-        it goes at the device's pace and leaves no page of it in the cache; on a memory file
-        system the ordinary way (there the cache is the tier)."""
-        if self.durable:
-            return direct_io.DirectWrites(fd, self.root).write(chunks)
-        total = 0
-        for chunk in chunks:
-            _write_all(fd, chunk)
-            total += memoryview(chunk).nbytes
         return total
 
     def reserve(self, key: str, size: int) -> Reservation:
@@ -366,7 +382,7 @@ class LocalStorage(Storage):
         ``NotAnObject`` where the way has a link, a file or a name leaving the root."""
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)  # the root is the config's: links allowed
         try:
-            for name in self._names(key) if key else []:
+            for name in self.names_of(key) if key else []:
                 below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 os.close(fd)
                 fd = below
@@ -384,7 +400,7 @@ class LocalStorage(Storage):
         os.makedirs(self.root, exist_ok=True)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            for name in self._names(key) if key else []:
+            for name in self.names_of(key) if key else []:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o755, dir_fd=fd)
                 below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
@@ -401,14 +417,10 @@ class LocalStorage(Storage):
             raise
         return fd
 
-    def check_name(self, name: str) -> None:
-        """``NotAnObject`` for a name no key of this tier has (``_names``)."""
-        self._names(name)
-
     def _lstat(self, key: str) -> os.stat_result:
         """``key``'s own status (a link's, not its target's), reached as ``open_dir`` does."""
         parent, _, name = key.rpartition("/")
-        self._names(name)
+        self.names_of(name)
         fd = self.open_dir(parent)
         try:
             return os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -420,7 +432,7 @@ class LocalStorage(Storage):
         """``key`` open for reading, when it is a regular file reached with no link followed;
         ``NotAnObject`` otherwise (non-blocking open: a FIFO left there cannot hang a reader)."""
         parent, _, name = key.rpartition("/")
-        self._names(name)
+        self.names_of(name)
         dfd = self.open_dir(parent)
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
@@ -437,7 +449,7 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def _names(self, key: str) -> list[str]:
+    def names_of(self, key: str) -> list[str]:
         """The names on ``key``'s path; ``NotAnObject`` for one that would leave the root or is
         no name ("", ".", "..", a NUL): no key of the layout has one."""
         names = key.split("/")

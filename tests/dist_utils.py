@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from tiered_dcp.cli.fakegcs import free_port
+from tiered_dcp.cli.local_servers import free_port
 
 PRELOAD = ["torch", "torch.distributed.checkpoint", "tiered_dcp"]
 _CONTEXT: Any = None

@@ -1,7 +1,7 @@
-"""The tests' name for ``tiered_dcp.cli.fakegcs`` (fake-gcs-server and the fault proxy), which
+"""The tests' name for ``tiered_dcp.cli.local_servers`` (fake-gcs-server and the fault proxy), which
 moved into the package so that ``tiered-dcp drill`` can use them."""
 
-from tiered_dcp.cli.fakegcs import (  # noqa: F401
+from tiered_dcp.cli.local_servers import (  # noqa: F401
     DROP,
     PASS,
     PROJECT,

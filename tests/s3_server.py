@@ -4,7 +4,7 @@ moto.server``), started as a subprocess on a free loopback port, reached through
 It keeps every bucket in memory for the life of the process and answers the S3 REST API
 over HTTP, so s3fs (aiobotocore) talks to it exactly as to AWS or MinIO with an
 ``endpoint_url``. ``s3_request_kind`` sorts S3 requests into the kinds a FaultProxy counts
-(``tiered_dcp.cli.fakegcs.FaultProxy(kind=s3_request_kind)``), the same kinds as GCS's.
+(``tiered_dcp.cli.local_servers.FaultProxy(kind=s3_request_kind)``), the same kinds as GCS's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import urllib.request
 from typing import Any
 
-from tiered_dcp.cli.fakegcs import LocalServer
+from tiered_dcp.cli.local_servers import LocalServer
 
 # Credentials of no account: moto accepts any, and given, s3fs looks for no real ones. Flat
 # options (no client_kwargs): the CLI's --option KEY=VALUE can pass every one of them.

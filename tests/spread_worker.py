@@ -111,7 +111,9 @@ def main() -> None:
         out = {"exact": exact(target, want), "error": None}
     except BaseException as e:  # noqa: BLE001 - reported, the test judges it
         out = {"exact": False, "error": describe(e)}
-    out["failures"] = [] if reader is None else [f.kind.name for fs in reader._failures.values() for f in fs]
+    out["failures"] = (
+        [] if reader is None else [f.kind.name for fs in reader._reads.failures.values() for f in fs]
+    )
     out["read"] = {} if reader is None or out["error"] else reader._reads.read_from
     if a.get("ring") and reader is not None:
         tensors = sum(t.numel() * t.element_size() for t in target.values() if isinstance(t, torch.Tensor))

@@ -66,11 +66,15 @@ def test_cli_ls_verify_export(tiers3, tmp_path):
 def test_cli_errors_are_readable(tmp_path):
     """One exit code convention: 0 ok, 1 damage or nothing found, 2 usage or configuration."""
     r = cli("ls", "-n", "nothing", str(tmp_path / "t"), check=False)
-    assert r.returncode == 1 and "no steps of namespace 'nothing'" in r.stderr
+    assert r.returncode == 1 and f"{tmp_path / 't'} does not exist; {tmp_path} is empty" in r.stderr
+    (tmp_path / "t").mkdir()
+    nothing = "no namespace 'nothing' on these tiers; these tiers hold no namespace"
+    r = cli("ls", "-n", "nothing", str(tmp_path / "t"), check=False)
+    assert r.returncode == 1 and nothing in r.stderr
     r = cli("verify", "-n", "nothing", str(tmp_path / "t"), check=False)
-    assert r.returncode == 1 and "no committed step" in r.stderr
+    assert r.returncode == 1 and nothing in r.stderr
     r = cli("export", "-n", "nothing", str(tmp_path / "t"), "--to", str(tmp_path / "x"), check=False)
-    assert r.returncode == 1 and "no complete checkpoint" in r.stderr
+    assert r.returncode == 1 and nothing in r.stderr
     r = cli("ls", "-n", "bad/name", str(tmp_path / "t"), check=False)
     assert r.returncode == 2 and "not a safe path component" in r.stderr
     r = cli("ls", "-n", "x", check=False)
@@ -93,6 +97,7 @@ def test_ls_names_the_namespaces_a_tier_holds(tiers3, tmp_path):
     assert row[2:4] == ["2", "2"]  # two committed steps there, the newest is 2
     r = cli("ls", "-n", "typo", root, check=False)
     assert r.returncode == 1 and "namespaces there: run" in r.stderr
+    (tmp_path / "empty").mkdir()
     r = cli("ls", str(tmp_path / "empty"), check=False)
     assert r.returncode == 1 and "no namespace on" in r.stderr
 

@@ -11,7 +11,7 @@ from tiered_dcp.storage.format import Marker, PartInfo
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter
 from tiered_dcp.ranks.cliques import Layout, by_domain, by_node, check_cliques
-from tiered_dcp.ranks.domains import layout_for, own_domain
+from tiered_dcp.ranks.domains import layout_unless_gathered, own_domain
 
 
 def test_clique_members():
@@ -150,7 +150,7 @@ def test_a_node_in_two_domains_is_refused():
 
 def test_without_a_domain_the_layout_is_the_jump_rule_and_the_marker_unchanged():
     cfg = TieredConfig("c", [Tier("/x/{node}")], replication_factor=2, replication_jump=2)
-    layout = layout_for(cfg, 8, 0)
+    layout = layout_unless_gathered(cfg, 8)
     assert layout == Layout(8, 2, 2) and layout.cliques() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert layout.marker_fields() == {"replication": [2, 2]}  # no new marker key
 

@@ -228,7 +228,7 @@ def test_a_flipped_byte_falls_back_to_the_next_tier_and_commits_nothing_damaged(
         reader = load_through_ring(cfg, got, ring)
     assert_same(got, want)
     assert bad in caplog.text and "trying another copy" in caplog.text
-    assert [f.kind.name for fs in reader._failures.values() for f in fs] == ["DAMAGED"]
+    assert [f.kind.name for fs in reader._reads.failures.values() for f in fs] == ["DAMAGED"]
     assert ring.held == 0
 
 

@@ -154,7 +154,7 @@ def test_a_replica_hashed_as_it_landed_is_checked_against_the_senders_records(tm
     land, rec, other = _landed(tmp_path, None)
     _verify(land, rec)  # each chunk's checksum taken as it landed
     _verify(land, other)  # a record that cuts the bytes otherwise: hashed again where it cuts
-    land.hashed()
+    land.wait_hashed()
     land.part.discard()
 
 
@@ -165,13 +165,13 @@ def test_a_byte_changed_in_transit_fails_the_replica(tmp_path, flipped):
         _verify(land, rec)
     with pytest.raises(ChecksumMismatch, match=f"^chunk {0 if flipped < CHUNK // 2 else 1} "):
         _verify(land, other)
-    land.hashed()
+    land.wait_hashed()
     land.part.discard()
 
 
 def test_records_that_do_not_describe_what_was_announced_are_refused(tmp_path):
     land, rec, _ = _landed(tmp_path, None)
-    land.hashed()
+    land.wait_hashed()
     land.part.discard()
     block = Record("", 0, "raw", (CHUNK,), ItemInfo(1, "tensor", ((CHUNK, 7),)), blocks=("ab" * 16,))
     land.records = {MetadataIndex("emb"): block}  # the block it named before it sent

@@ -120,16 +120,28 @@ def test_large_object_is_uploaded_in_parallel_pieces_and_composed(gcs_bucket, fa
     assert out == big[1000 : 1000 + 8 * MiB] and fault_proxy.peak >= 2
 
 
-def test_failed_ranged_read_leaves_no_range_writing(gcs_bucket, fault_proxy):
+def test_failed_ranged_read_leaves_no_range_writing(gcs_bucket, fault_proxy, monkeypatch):
+    """A ranged GET is refused while the read's other ranges are in flight (the proxy never
+    answers them): ``read_into`` raises only once each of them has stopped, so none goes on
+    writing into the buffer its caller has given up on."""
     store = store_on(gcs_bucket, fault_proxy.url, max_concurrency=8)
     store.write("big", [os.urandom(8 * MiB)])
-    out = bytearray(8 * MiB)
-    fault_proxy.inject(("403", 2))  # one of the 8 ranged GETs is refused, the others pass
-    with pytest.raises(PermanentStorageError):
-        store.read_into("big", 0, memoryview(out))
-    seen = bytes(out)
-    time.sleep(0.5)
-    assert bytes(out) == seen  # the other ranges were stopped before read_into raised
+    running: set[int] = set()  # the ranges (by offset) whose GET has not ended
+    get_range = GCSStorage._get_range
+
+    async def tracked(self, name: str, offset: int, view: memoryview) -> int:
+        running.add(offset)
+        try:
+            return await get_range(self, name, offset, view)
+        finally:
+            running.discard(offset)
+
+    monkeypatch.setattr(GCSStorage, "_get_range", tracked)
+    fault_proxy.inject(("403", 2), ("stall", 1))  # of the 8 ranged GETs, the 2nd, 4th... refused
+    with pytest.raises(PermanentStorageError, match="HTTP 403"):
+        store.read_into("big", 0, memoryview(bytearray(8 * MiB)))
+    assert fault_proxy.counts["stall"] >= 1  # the 1st was in flight, unanswered, at the refusal
+    assert not running, f"ranges still running after read_into raised: {sorted(running)}"
 
 
 def test_failed_upload_leaves_no_object(gcs_bucket, fault_proxy):
@@ -142,7 +154,12 @@ def test_failed_upload_leaves_no_object(gcs_bucket, fault_proxy):
     with pytest.raises(RuntimeError, match="source went away"):
         store.write("d/part", chunks())
     assert fault_proxy.counts["pass"] >= 4  # pieces were being uploaded
-    time.sleep(0.3)  # a piece the server was still storing when the write gave up lands now
+    # a piece the server was still storing when the write gave up lands before its answer
+    # passes the proxy: once every request the proxy took has ended, none lands later
+    deadline = time.monotonic() + 60
+    while fault_proxy.active or fault_proxy._open:
+        assert time.monotonic() < deadline, "requests still in flight through the proxy"
+        time.sleep(0.01)
     assert store.size("d/part") is None  # never a partial object under the key
     # the write's pieces were deleted; one the server stored after that deletion (a race no
     # client can close) lies only under the scratch prefix, which deleting the step removes
@@ -424,7 +441,8 @@ def test_cli_verify_reads_the_bucket(bucket):
 def test_fault_proxy_stops_by_itself(gcs_emulator):
     proxy = FaultProxy(gcs_emulator.url, lifetime=0.5)
     proxy.inject(("stall", 1))
-    time.sleep(1.0)
+    proxy._thread.join(timeout=30)  # its accept loop ends at its lifetime, closing the port
+    assert not proxy._thread.is_alive(), "the proxy is still serving after its lifetime"
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])), 1):
         pass
 

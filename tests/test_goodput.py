@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 import time
 
 import pytest
@@ -20,18 +21,15 @@ from tiered_dcp.metrics.goodput import (
     goodput,
     lost_per_failure,
     measure_job,
-    young_interval,
 )
 
 
-def test_young_and_daly_by_hand():
-    assert young_interval(0.5, 3600) == pytest.approx(60.0)
+def test_daly_by_hand():
     # Daly: sqrt(2CM) (1 + sqrt(C/2M)/3 + (C/2M)/9) - C
     x = 0.5 / 7200
     assert daly_interval(0.5, 3600) == pytest.approx(60 * (1 + math.sqrt(x) / 3 + x / 9) - 0.5)
     assert daly_interval(0.5, 3600) == pytest.approx(59.6676, abs=1e-3)
     # where it matters: a 10-minute save against an hour's MTBF
-    assert young_interval(600, 3600) == pytest.approx(2078.46, abs=0.01)
     assert daly_interval(600, 3600) == pytest.approx(1697.71, abs=0.01)
     assert daly_interval(8000, 3600) == 3600  # C >= 2M: save once per MTBF
     assert daly_interval(0, 3600) == 0
@@ -205,3 +203,75 @@ def test_the_plot_is_readable(tmp_path):
     args += ["--restore", "5,30,300", "--mtbf", "3600,36000,360000", "--latency", "0.3,3,60"]
     cli(*args, "--every", "1,10,100", "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _quickstart_loop(tmp_path, namespace: str) -> list[float]:
+    """The README's loop, 20 async saves to a RAM tier (every step) and an SSD tier (every
+    fifth), each ``dcp.async_save`` call timed as the loop sees it."""
+    from tiered_dcp import Tier, TieredConfig
+
+    cfg = TieredConfig(
+        namespace,
+        [
+            Tier(str(tmp_path / "ram/{node}"), every=1, keep=2),
+            Tier(str(tmp_path / "ssd/{node}"), every=5, keep=3),
+        ],
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    calls, saving = [], None
+    for step in range(1, 21):
+        if saving is not None:
+            saving.result()
+        state = {"model": model.state_dict()}
+        t0 = time.perf_counter()
+        saving = dcp.async_save(state, storage_writer=TieredWriter(cfg, step=step))
+        calls.append(time.perf_counter() - t0)
+    saving.result()
+    wait_for(cfg, 20, timeout=60)
+    return calls
+
+
+def test_from_job_s_stall_is_the_async_save_call_the_loop_saw(tmp_path):
+    """Each save's ``call_s`` lies inside the loop's own timer around ``dcp.async_save`` and
+    covers most of it (the copy alone, ``stage_s``, was a tenth of it); the schedule of a
+    job given by its tiers' paths alone is the job's (every=5 for the SSD tier), not every=1."""
+    from tiered_dcp import Tier, TieredConfig
+    from tiered_dcp.writer_process.timings import Kind, read_records
+
+    outside = _quickstart_loop(tmp_path, "timed")
+    cfg = TieredConfig("timed", [Tier(str(tmp_path / "ram/{node}")), Tier(str(tmp_path / "ssd/{node}"))])
+    recs = sorted(read_records(cfg, Kind.SAVE), key=lambda r: r.step)
+    assert [r.step for r in recs] == list(range(1, 21))
+    for r, t in zip(recs, outside, strict=True):
+        assert r.stage_s <= r.call_s <= t + 1e-4, (r.step, r.stage_s, r.call_s, t)
+        assert (r.every, r.keep) == ((1, 5), (2, 3))
+    calls = [r.call_s for r in recs]
+    assert sorted(calls)[10] >= 0.5 * sorted(outside)[10], (calls, outside)
+    measured = measure_job(cfg)
+    assert measured.stall[0] == pytest.approx(statistics.median(r.call_s - r.call_wait_s for r in recs))
+    args = ["-n", "timed", str(tmp_path / "ram/{node}"), str(tmp_path / "ssd/{node}")]
+    r = cli("goodput", *args, "--from-job", "--mtbf", "3600,86400", "--restore", "1,2")
+    assert "schedule from the job's records: every 1 keep 2, every 5 keep 3" in r.stdout, r.stdout
+    assert "now:  every 5 steps" in r.stdout and "now:  every 1 steps" in r.stdout, r.stdout
+    assert "stall per save, the async_save call as the loop saw it" in r.stdout, r.stdout
+
+
+def test_goodput_says_when_it_cannot_know_the_schedule(tmp_path):
+    r = cli(
+        "goodput",
+        "-n",
+        "never-ran",
+        str(tmp_path),
+        "--step-time",
+        "1",
+        "--stall",
+        "0.1",
+        "--mtbf",
+        "3600",
+        "--restore",
+        "1",
+    )
+    assert r.stderr.count("\n") == 1 and "the tiers' schedule (every=) is not known" in r.stderr, r.stderr
+    assert "give --every N[,N...] or --config" in r.stderr and "now:" not in r.stdout, r.stdout
+    r = cli("goodput", "-n", "never-ran", str(tmp_path), "--from-job", "--mtbf", "3600", check=False)
+    assert r.returncode == 1 and "no records of namespace 'never-ran' with these tiers" in r.stderr, r.stderr

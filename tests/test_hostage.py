@@ -81,7 +81,7 @@ def test_a_child_forked_while_a_save_stages_holds_nothing(shm, tmp_path, monkeyp
     cfg = two_tiers(f"fork{int(background)}", shm, tmp_path)
     TieredWriter(cfg, step=1).prepare(state(1))  # the writer process, started
     children: list[int] = []
-    copy = POOL._copy_into
+    copy = POOL.copier.copy_into
 
     def forking(slot, ex):  # a DataLoader worker started while the save copies
         pid = os.fork()
@@ -91,7 +91,7 @@ def test_a_child_forked_while_a_save_stages_holds_nothing(shm, tmp_path, monkeyp
         children.append(pid)
         return copy(slot, ex)
 
-    monkeypatch.setattr(POOL, "_copy_into", forking)
+    monkeypatch.setattr(POOL.copier, "copy_into", forking)
     try:
         for step in (1, 2):
             t0 = time.monotonic()
@@ -159,7 +159,7 @@ def test_the_lock_is_held_around_the_copy_alone(shm, tmp_path, monkeypatch):
     TieredWriter(cfg, step=1).prepare(state(1))  # the writer process and its run directory
     lock = writer_handle(cfg, 0).rd.writer.staging.path
     seen = {"acquire": [], "copy": []}
-    acquire, copy = POOL._acquire, POOL._copy_into
+    acquire, copy = POOL._acquire, POOL.copier.copy_into
 
     def acquiring(*a, **k):
         seen["acquire"].append(held_by_another(lock))
@@ -170,7 +170,7 @@ def test_the_lock_is_held_around_the_copy_alone(shm, tmp_path, monkeypatch):
         return copy(slot, ex)
 
     monkeypatch.setattr(POOL, "_acquire", acquiring)
-    monkeypatch.setattr(POOL, "_copy_into", copying)
+    monkeypatch.setattr(POOL.copier, "copy_into", copying)
     for step in (1, 2):
         dcp.async_save(state(step), storage_writer=TieredWriter(cfg, step=step)).result()
     assert seen == {"acquire": [False, False], "copy": [True, True]}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tiered_dcp.cli.fakegcs import free_port
+from tiered_dcp.cli.local_servers import free_port
 
 NVRX = Path(__file__).resolve().parent.parent / ".venv" / "nvrx"  # setup.sh --test puts NvRx there
 if not (NVRX / "nvidia_resiliency_ext" / "inprocess").is_dir():  # never on this process's path:

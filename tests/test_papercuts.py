@@ -1,11 +1,12 @@
-"""A fresh clone's first hour (issue 45, items 7, 10 and 11): the command as this python
-runs it, a closed pipe, an unknown flag, torch's single-process note, the snippets in the
-README and the user guide, and replication on a node-local path that names no node."""
+"""A fresh clone's first hour: the command as this python runs it, a closed pipe, an unknown
+flag, torch's single-process note, the snippets in the README and the user guide,
+replication on a node-local path that names no node, a tier directory that is missing."""
 
 from __future__ import annotations
 
 import ast
 import builtins
+import logging
 import os
 import re
 import subprocess
@@ -15,8 +16,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from tiered_dcp import Tier, TieredConfig, latest_step
+from tiered_dcp import Tier, TieredConfig, TieredWriter, latest_step
 from tiered_dcp.cli.main import EXIT_STDOUT_CLOSED, _print_cliques
 from tiered_dcp.config import ReplicaPathWarning
 
@@ -259,3 +262,15 @@ def test_ls_says_when_a_tier_s_cliques_may_be_one_copy(tmp_path, capsys):
         "each part is held there once, not 2 times",
         "cliques on tier 1 (steps 1, 2): [0, 2]; [1, 3]",
     ], out
+
+
+def test_a_tier_whose_directory_is_missing_is_said_once_naming_its_file_system(tmp_path, caplog):
+    """``Tier("/mnt/nvme/...")`` on a host without that disk must not fill the disk below in
+    silence: the first save says where the missing directory is made; the next says nothing."""
+    cfg = TieredConfig("missing", [Tier(str(tmp_path / "nvme" / "tdcp" / "{node}"), keep=2)])
+    with caplog.at_level(logging.WARNING, logger="tiered_dcp"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=TieredWriter(cfg, step=1))
+        dcp.save({"w": torch.ones(3)}, storage_writer=TieredWriter(cfg, step=2))
+    said = [r.getMessage() for r in caplog.records if "does not exist" in r.getMessage()]
+    assert len(said) == 1, said
+    assert str(tmp_path / "nvme" / "tdcp" / "0") in said[0] and "the first save makes it on /" in said[0]

@@ -44,6 +44,7 @@ from tiered_dcp import (
     wait_for,
     writer_status,
 )
+from tiered_dcp.save import staging
 from tiered_dcp.save.staging import POOL
 
 MiB = 1 << 20
@@ -77,8 +78,7 @@ def _wait_prepared(timeout: float = 30) -> None:
     """Every preparation queued so far done: the pool's one preparing thread runs them in
     turn, so a no-op queued behind them runs once they have returned (polling its counters
     missed one between two files it made, its count of files in the making back at 0)."""
-    if POOL._preparer is not None:
-        POOL._preparer.submit(lambda: None).result(timeout=timeout)
+    staging._preparer().submit(lambda: None).result(timeout=timeout)
 
 
 def _part_files(cfg: TieredConfig) -> list[Path]:
@@ -420,7 +420,7 @@ def test_a_first_save_copies_into_private_memory_and_its_upload_moves_it_into_it
     _wait_prepared()
     (first,) = _part_files(cfg)
     ino = first.stat().st_ino
-    assert _mapped(ino) and POOL.info()["bytes"] == 0 and not POOL._first_copies
+    assert _mapped(ino) and POOL.info()["bytes"] == 0 and not POOL.first_copies
     assert _exact(cfg, 1, mib)
     inodes = {ino}
     for step in range(2, 7):
@@ -478,7 +478,7 @@ def test_a_first_copy_that_cannot_reach_its_part_file_fails_its_save_alone(shm):
     del failed, fut  # its traceback holds the staged dict, and so the copy, as for any failed save
     gc.collect()
     _wait_prepared()
-    assert list(victim.iterdir()) == [] and not POOL._first_copies
+    assert list(victim.iterdir()) == [] and not POOL.first_copies
     assert POOL.info()["bytes"] == 0 and all(r.state != "committed" for r in status(cfg))
     step_dir.parent.unlink()
     dcp.async_save(_state(2, 2), storage_writer=TieredWriter(cfg, step=2)).result()

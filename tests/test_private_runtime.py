@@ -10,7 +10,6 @@ import os
 import pickle
 import stat
 import tempfile
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from conftest import settle
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown
+from tiered_dcp.writer_process import client
 from tiered_dcp.writer_process.private_dir import UnsafeDirectoryError, ensure_private
 from tiered_dcp.writer_process.run_dir import Job, RunDir, config_json, runtime_root
 
@@ -219,7 +219,9 @@ def test_a_runtime_dir_another_user_created_is_refused_and_nothing_planted_runs(
     msg = "\n".join(map(str, causes(e.value)))
     assert any(isinstance(x, UnsafeDirectoryError) for x in causes(e.value)), msg
     assert runtime_dir in msg and "uid 65534" in msg
-    time.sleep(0.5)  # a writer process, had one started, would have read its config by now
+    # what reads the planted files is a writer process, and none was started for them; what
+    # this process read of them, it read before the save raised
+    assert not [rd.path for rd in client._LAUNCHED if str(rd.path).startswith(runtime_dir)]
     assert not marker.exists()
     assert not (tmp_path / "evil").exists()
     assert not (tmp_path / "ram").exists()  # refused before a byte was written

@@ -93,7 +93,7 @@ def _load(cfg: TieredConfig, mesh) -> tuple[int, list[int], int, torch.Tensor]:
     reader = TieredReader(cfg)
     dcp.load(target, storage_reader=reader)
     assert target["step"] == reader.step
-    return reader.step, reader.tiers, len(reader._failures), target["w"].full_tensor()
+    return reader.step, reader.tiers, len(reader._reads.failures), target["w"].full_tensor()
 
 
 def _flip_a_byte(store, key: str) -> None:

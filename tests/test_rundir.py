@@ -216,8 +216,10 @@ def test_timing_records_read_back_as_written_and_bad_lines_are_skipped(tmp_path)
     assert list(first) == ["kind", "rank", "node", "step", "time", "tier", "bytes", "write_s", "commit_s"] + [
         "handoff_s",
         "sent",
+        "every",
+        "keep",
     ]
-    assert first["kind"] == "save"
+    assert first["kind"] == "save" and (first["every"], first["keep"]) == ([1], [None])  # the schedule
     with open(path, "a") as f:
         f.write('{"kind": "save", "rank": 0, "node": 0, "step": 2}\n')  # no time: not a record
         f.write('{"kind": "backup", "rank": 0, "node": 0, "step": 2, "time": 1.0}\n')  # unknown kind

@@ -193,5 +193,6 @@ def test_a_rank_slow_over_its_recent_saves_is_flagged_once(tmp_path, caplog):
     (msg,) = warnings_of(caplog)
     assert msg.startswith("rank 2 on node 0 writes to tier 1") and "check its disk or network" in msg, msg
     assert watch(cfg, 0) == [slow] and len(warnings_of(caplog)) == 1  # once, until it recovers
+    (tmp_path / "ram" / "0" / cfg.namespace).mkdir(parents=True)  # the job's tier, no step in it yet
     doc = json.loads(cli("ls", "-n", cfg.namespace, *(t.path for t in cfg.tiers), "--json").stdout)
     assert [(x["rank"], x["tier"]) for x in doc["scores"] if x["slow"]] == [(2, 1)], doc["scores"]

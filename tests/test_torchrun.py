@@ -12,7 +12,7 @@ import torchrun_worker as worker
 from conftest import assert_state_equal
 
 from tiered_dcp import TieredConfig, latest_step, wait_for
-from tiered_dcp.cli.fakegcs import free_port
+from tiered_dcp.cli.local_servers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, DIE_AT = 8, 5

@@ -118,15 +118,15 @@ def test_writer_killed_between_saves_is_replaced(tmp_path, caplog, monkeypatch):
     settle(cfg)
     (w,) = writer_status(cfg)
     os.kill(w.pid, signal.SIGKILL)
-    # the next writer starts throttled, so it is killed in the middle of copying step 2
-    monkeypatch.setenv("TIERED_DCP_WRITER_MBPS", "2")
+    # the next writer starts throttled (4 MiB take it 8 s), so it is killed in the middle of
+    # copying step 2: its step directory there is made when the copy begins
+    monkeypatch.setenv("TIERED_DCP_WRITER_MBPS", "0.5")
     while writer_status(cfg)[0].running:
         time.sleep(0.05)
     dcp.save(small_state(2), storage_writer=TieredWriter(cfg, step=2))
     assert any("died" in r.getMessage() for r in caplog.records)
     while not (tmp_path / "ssd/wk/step_000000000002").exists():
         time.sleep(0.05)
-    time.sleep(0.3)
     (w,) = writer_status(cfg)
     assert w.queue == [(2, 1)]
     os.kill(w.pid, signal.SIGKILL)  # mid-copy, step 2 still queued

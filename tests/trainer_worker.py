@@ -46,7 +46,7 @@ if __name__ == "__main__":
         if background:
             TieredWriter(cfg, step=1).prepare(state(1, 16))  # the writer process, started
         dcp.save(state(1, 16), storage_writer=TieredWriter(cfg, step=1))  # its writer copies it down
-        copy = POOL._copy_into
+        copy = POOL.copier.copy_into
 
         def signalled(slot, ex):
             os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread
@@ -55,7 +55,7 @@ if __name__ == "__main__":
                 time.sleep(10)  # a long copy, the staging lock held
             return copy(slot, ex)
 
-        POOL._copy_into = signalled
+        POOL.copier.copy_into = signalled
         dcp.async_save(state(2), storage_writer=TieredWriter(cfg, step=2, background_staging=background))
         time.sleep(60)
         print("not reached", flush=True)

@@ -12,11 +12,7 @@ torch-free parts (the writer process, ``tiered_dcp.storage``) never imports torc
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import sys
 import warnings
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .config import Tier, TieredConfig
@@ -117,45 +113,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-# Module paths the docs named before the library was grouped into sub-packages: each still
-# imports, as the very module at its new path (one module object: its classes stay the same).
-MOVED = {
-    "tiered_dcp.goodput": "tiered_dcp.metrics.goodput",
-    "tiered_dcp.hostmem": "tiered_dcp.save.host_memory",
-    "tiered_dcp.private_dir": "tiered_dcp.writer_process.private_dir",
-    "tiered_dcp.scores": "tiered_dcp.metrics.scores",
-    "tiered_dcp.tools": "tiered_dcp.cli",
-    "tiered_dcp.tools.drill": "tiered_dcp.cli.drill",
-    "tiered_dcp.verify": "tiered_dcp.ops.verify",
-}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves an old path in ``MOVED`` (or below one) to the module at its new one."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        old = next((o for o in MOVED if fullname == o or fullname.startswith(o + ".")), None)
-        if old is None:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, loader_state=MOVED[old] + fullname[len(old) :])
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = importlib.import_module(spec.loader_state)
-        spec.loader_state = module.__spec__  # the import system sets __spec__ to ours next
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = module.__spec__.loader_state  # its own again: relative imports work
-        # nothing to run: the module ran under its own name
-
-
-if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModules())  # before the path finders: one module object
-
-
 def __getattr__(name: str) -> Any:
-    if f"{__name__}.{name}" in MOVED:  # tiered_dcp.verify.verify_step after a bare import
-        return importlib.import_module(MOVED[f"{__name__}.{name}"])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ from tiered_dcp.storage.format import parse_step_dir, step_dir
 from .config import Tier, TieredConfig, here, is_namespace
 from .errors import TieredCheckpointError
 from .save.host_memory import HostMemory, held
-from .steps.catalog import TierView, views
+from .steps.catalog import TierView, abandoned, views
 from .steps.choice import newest_loadable
 from .steps.retention import committed_and_bad, drop, kept_and_doomed
 from .steps.status import StepState, StepStatus, tier_states
@@ -28,7 +28,14 @@ from .writer_process.run_dir import OutcomeState, RunDir, TierState
 
 def latest_step(config: TieredConfig) -> int | None:
     """The newest good step complete on some tier, as seen from this process (no collectives):
-    quarantined and non-finite steps are passed over, as ``TieredReader(config)`` does."""
+    quarantined and non-finite steps are passed over, as ``TieredReader(config)`` does.
+
+    Args:
+        config: the job's configuration; node-local tiers are read as this process's node.
+
+    Returns:
+        The step, or None when no tier holds a good complete step of ``config.namespace``.
+    """
     return newest_loadable(views(config, *here()))
 
 
@@ -47,7 +54,14 @@ class WriterInfo:
 
 
 def writer_status(config: TieredConfig) -> list[WriterInfo]:
-    """The writer processes of this job's ranks on this node, with their queues and failures."""
+    """The writer processes of this job's ranks on this node, with their queues and failures.
+
+    Args:
+        config: the job's configuration (its namespace and tiers name the run directories).
+
+    Returns:
+        One ``WriterInfo`` per rank that ran a writer on this node, by rank.
+    """
     out = []
     for rd in RunDir.all_of(config):
         outcomes = rd.results.all().values()
@@ -131,7 +145,7 @@ def remove_steps(
         for step in sorted(wanted & set(v.step_dirs(store))):
             why = ""
             if step not in committed[v.index]:
-                if v.abandoned(store, step):  # a save that failed or died: its leftovers
+                if abandoned(config.namespace, store, step):  # a save that failed or died: its leftovers
                     store.delete(step_dir(config.namespace, step))
                 else:
                     why = "not committed, and its save may still be under way"
@@ -166,7 +180,14 @@ def prune(config: TieredConfig, keep: int, *, tiers: Iterable[int] | None = None
 def host_memory(config: TieredConfig) -> HostMemory:
     """The host memory ``config``'s namespace holds on this node: its files on each tier in
     memory (steps, and spare part files kept for the next saves to stage into), and each
-    rank's staging buffers as its newest save left them."""
+    rank's staging buffers as its newest save left them.
+
+    Args:
+        config: the job's configuration.
+
+    Returns:
+        A ``HostMemory`` (bytes per tier and per rank, and the host's total).
+    """
     return held(config)
 
 
@@ -176,6 +197,12 @@ def status(config: TieredConfig) -> list[StepState]:
     ``queued``, ``failed`` and ``skipped`` (a newer step took its place in the queue of a tier
     that was down) come from the writer processes of this node's ranks. A shared tier that
     does not answer within ``tier_timeout`` shows no rows (a warning says so).
+
+    Args:
+        config: the job's configuration; node-local tiers are read as this process's node.
+
+    Returns:
+        One ``StepState`` per (tier, step), by tier then step. ``tiered-dcp status`` prints them.
     """
     node, rank = here()
     rows = {(r.tier_index, r.step): r for v in views(config, node, rank) for r in tier_states(v)}
@@ -218,9 +245,19 @@ def wait_for(
 ) -> None:
     """Wait until ``step`` is committed (and complete) on ``tier`` (default: every tier taking it).
 
-    Raises ``TimeoutError`` after ``timeout`` seconds, and ``TieredCheckpointError`` as soon
-    as a writer process reports that it could not write the step to one of those tiers.
-    ``emergency=True``: the step was an emergency save, which every tier takes.
+    Args:
+        config: the job's configuration.
+        step: the step saved.
+        tier: a tier's index or path; None: every tier whose ``every`` takes ``step``.
+        timeout: seconds to wait at most; None: until it is there or fails.
+        emergency: the step was an emergency save, which every tier takes.
+
+    Raises:
+        ValueError: ``tier`` is unknown, or never takes ``step`` (its ``every`` does not
+            divide it): such a step would never come, so it is not waited for.
+        TimeoutError: ``timeout`` passed first.
+        TieredCheckpointError: a writer process reported it could not write the step to
+            one of those tiers (at once, naming the rank and its log).
     """
     if tier is not None:
         targets = [_tier_index(config, tier)]
@@ -253,9 +290,18 @@ def wait_for(
 def shutdown(wait: bool = True, timeout: float | None = None) -> bool:
     """Free this process's staging buffers and let its writer processes exit.
 
-    With ``wait``, block until they have written everything queued (False on timeout), then
-    remove their runtime directories unless a failure is recorded there. Without it, they
-    still finish their queues in the background, then exit.
+    Not required: a writer process finishes what it was handed and exits by itself when its
+    trainer is gone. Call it at the end of training to free the staging memory at once and,
+    with ``wait``, to know the slower tiers are filled before the job reports success.
+
+    Args:
+        wait: block until the writers have written everything queued, then remove their
+            runtime directories unless a failure is recorded there. Without it they finish
+            their queues in the background, then exit.
+        timeout: seconds to wait at most (None: no bound).
+
+    Returns:
+        False when ``timeout`` passed with work still queued, else True.
     """
     staging = sys.modules.get("tiered_dcp.save.staging")  # not imported: this process staged nothing
     if staging is not None:
@@ -283,8 +329,24 @@ def export(
     tensor whole (consolidated from every rank's shards), in files of at most
     ``max_shard_size`` bytes (default 5 GB), one file's tensors in memory at a time.
     ``only="model"``: just the items named ``model.*``, named without that prefix
-    (``model.l.weight`` -> ``l.weight``). A step with no good copy of some item raises
-    ``CheckpointCorruptError``; ``dest`` is left as it was on any failure. See ``ops.export``.
+    (``model.l.weight`` -> ``l.weight``). ``dest`` is left as it was on any failure. See
+    ``ops.export``.
+
+    Args:
+        config: the job's configuration.
+        step: the step to export; None: the newest that loads.
+        dest: the local directory to write (made; an existing non-empty one is refused).
+        format: ``"dcp"`` or ``"safetensors"``.
+        only: a top-level key whose items alone are exported (``"model"``), or None: all.
+        max_shard_size: safetensors only: bytes per file at most (default 5 GB).
+
+    Returns:
+        ``dest``, as a string.
+
+    Raises:
+        NoCheckpointError: no such step (the message names every tier searched).
+        CheckpointCorruptError: some item has no good copy left.
+        ValueError: an unknown format, or an option the format does not take.
     """
     from .ops.export import format_named, run_export
 
@@ -315,6 +377,20 @@ def import_dcp(
     process). One process has no clique peers: with ``replication_factor`` > 1 the step is
     stored unreplicated (one copy in this node's roots, plus the slower tiers'), which a
     replicated job loads like any step whose replicas are gone.
+
+    Args:
+        config: the job's configuration: the tiers the step is stored on.
+        source: the DCP checkpoint directory (a path or fsspec URL).
+        step: the step number to store it as.
+        storage_options: fsspec options for a URL ``source``.
+
+    Returns:
+        ``step``, the step imported.
+
+    Raises:
+        ValueError: ``step`` is already committed.
+        NoCheckpointError: ``source`` holds no DCP checkpoint.
+        CheckpointCorruptError: a file of ``source`` is missing, cut short or fails its CRC.
     """
     from .ops.import_dcp import run_import
 

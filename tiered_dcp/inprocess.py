@@ -25,7 +25,7 @@ from typing import Any
 
 from .ranks import worlds
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 ABORT_WAIT = 1.0  # seconds ``abort`` gives the uploads at work to finish (after a fault most cannot)
 POLL = 0.05  # seconds ``result`` waits at a time: an interruption gets in between
@@ -40,7 +40,17 @@ def abort(timeout: float = ABORT_WAIT) -> int:
     closing its connection ends at ``peer_timeout``). Nothing is committed half: a step
     commits only once every rank agreed, and a rank that leaves marks the agreement it
     waited in, so that no rank commits it. Call it on every rank after a fault, before the
-    next world's first save or load; torchrun restarts (fresh processes) need nothing."""
+    next world's first save or load; torchrun restarts (fresh processes) need nothing.
+
+    Args:
+        timeout: seconds to wait for this process's saves to stop, after cutting them.
+
+    Returns:
+        How many saves were still at work after ``timeout``.
+
+    Raises:
+        ValueError: a negative ``timeout``.
+    """
     if timeout < 0:
         raise ValueError(f"abort: timeout={timeout!r} must be >= 0 seconds")
     worlds.leave_world("tiered_dcp.abort")
@@ -65,7 +75,19 @@ def result(save: Any, timeout: float | None = None) -> Any:
     It waits in slices of ``POLL`` seconds: a plain ``future.result()`` blocks in a lock that
     NvRx's restart (an exception raised in the training thread by its monitor) cannot enter,
     so a save stuck in a collective with a lost rank held the restart until the process
-    group's timeout."""
+    group's timeout.
+
+    Args:
+        save: the future ``dcp.async_save`` returned, or its ``AsyncSaveResponse``.
+        timeout: seconds to wait at most (None: until the save ends).
+
+    Returns:
+        What the future returns (DCP's ``Metadata`` of the step).
+
+    Raises:
+        TieredCheckpointError: the save failed (each rank's error in the message).
+        TimeoutError: ``timeout`` passed first (``concurrent.futures.TimeoutError``).
+    """
     import concurrent.futures
 
     from torch.distributed.checkpoint.api import CheckpointException
@@ -96,7 +118,11 @@ except ImportError:  # pragma: no cover - NvRx is optional
 
 class Abort(_NvRxAbort):  # type: ignore[valid-type,misc]
     """``abort`` as an NvRx ``inprocess`` abort hook: called with the Wrapper's frozen
-    state, which it returns unchanged."""
+    state, which it returns unchanged.
+
+    Args:
+        timeout: as ``abort``'s.
+    """
 
     def __init__(self, timeout: float = ABORT_WAIT) -> None:
         self.timeout = timeout

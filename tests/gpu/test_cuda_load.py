@@ -99,7 +99,7 @@ def test_a_flipped_byte_on_the_fast_tier_falls_back_to_the_disk_tier_on_the_gpu(
     reader = TieredReader(cfg)
     dcp.load(got, storage_reader=reader)
     assert_same(got, want)
-    assert [f.kind.name for fs in reader._failures.values() for f in fs] == ["DAMAGED"]
+    assert [f.kind.name for fs in reader._reads.failures.values() for f in fs] == ["DAMAGED"]
 
 
 def _save_lose_node_1_load(rank: int, world: int, root: str) -> bool:

@@ -39,7 +39,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .fakegcs import free_port
+from .local_servers import free_port
 
 WORLD = 2
 NAMES = ["RAM", "SSD", "bucket"]

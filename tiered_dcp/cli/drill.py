@@ -3,7 +3,7 @@
 ``tiered-dcp drill --minutes N`` trains the demo's FSDP2 MLP on 2 ranks, as 2 simulated
 nodes (``{node}`` paths, ``replication_factor=2``), saving every step with
 ``dcp.async_save`` to a RAM tier, every 3rd to an SSD tier and every 5th to a bucket: a
-fake-gcs-server behind a fault proxy (``fakegcs``) where it is installed, else a shared
+fake-gcs-server behind a fault proxy (``local_servers``) where it is installed, else a shared
 directory. Every restart resumes with ``load_latest``. Every few seconds of training it
 injects one fault, the kinds taken in a shuffled cycle, each kind once at least:
 
@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .fakegcs import free_port
+from .local_servers import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection
@@ -466,7 +466,7 @@ class Drill:
     def start_bucket(self) -> tuple[str, dict]:
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
         try:
-            from .fakegcs import Emulator, FaultProxy
+            from .local_servers import Emulator, FaultProxy
 
             self.emulator = Emulator(log_path=f"{self.dir}/fake-gcs-server.log").start()
             self.emulator.create_bucket("drill")

@@ -1,6 +1,8 @@
-"""The ``tiered-dcp`` command: ls, verify, export, import, rm, prune, goodput, drill, demo.
+"""The ``tiered-dcp`` command: ls, status, verify, export, import, rm, prune, goodput, drill, demo.
 
-``ls`` imports no torch, so it answers at once; the others import it when they run.
+``ls``, ``status`` and ``verify`` import no torch, so they answer at once; the others
+import it when they run. A tier path, namespace or flag that is not there is named with what is
+(``hints``), the same way by every command.
 Every command exits 0 when all is well, 1 when it found damage or nothing to show, and 2
 on a usage or configuration error (``EXIT_CODES``); an expected failure is one line on
 stderr (the cause, and what to do), never a traceback. Output whose reader has gone
@@ -20,7 +22,7 @@ import shutil
 import sys
 import time
 from itertools import zip_longest
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__
 from ..api import Removal, host_memory, import_dcp, namespaces, prune, remove_steps, status, writer_status
@@ -29,6 +31,7 @@ from ..errors import TieredCheckpointError
 from ..steps.catalog import views
 from ..steps.choice import newest_committed
 from ..steps.status import StepStatus
+from . import hints
 
 EXIT_CODES = """exit codes (every command):
   0  all is well
@@ -116,28 +119,69 @@ def _tiers(args: argparse.Namespace) -> list[Tier]:
     ]
 
 
+class Told(Exception):
+    """What went wrong is already on stderr: the command ends with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _job(args: argparse.Namespace, *, must_exist: bool = True, namespace: bool = True) -> TieredConfig:
+    """The job a command is about, with its tier paths checked (``hints``: one line per path
+    that is not a tier root) and, unless the command makes it (``namespace``), its namespace
+    found on them. ``must_exist``: a tier's directory must be there already."""
+    cfg = _config(args)
+    if len(_check_paths(args.cmd, cfg.tiers, must_exist)) == len(cfg.tiers):
+        raise Told(1)  # no tier is there: nothing to show, and the lines said why
+    missing = hints.missing_namespace(cfg.namespace, cfg.tiers) if namespace else None
+    if missing is not None:
+        print(f"tiered-dcp {args.cmd}: {missing}", file=sys.stderr)
+        raise Told(1)
+    return cfg
+
+
+def _check_paths(cmd: str, tiers: list[Tier], must_exist: bool = True) -> list[hints.PathProblem]:
+    """Each tier path that is not a tier root, one line on stderr; exit 2 when one cannot
+    be (node directories, a namespace's directory), else the command goes on without it."""
+    problems = hints.tier_path_problems(tiers, must_exist)
+    for p in problems:
+        print(f"tiered-dcp {cmd}: {p.line}", file=sys.stderr)
+    if any(p.fatal for p in problems):
+        raise Told(2)
+    return problems
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     if not args.config and not args.namespace and args.tiers:
         return _ls_namespaces(args)
-    cfg = _config(args)
+    cfg = _job(args)
     rows = status(cfg)
     if args.json:
         return _ls_json(cfg, rows)
     if not rows:
-        there = sorted({n.namespace for n in namespaces(cfg.tiers)})
-        print(
-            f"no steps of namespace {cfg.namespace!r} on any tier; "
-            + (f"namespaces there: {', '.join(there)}" if there else "these tiers hold no namespace"),
-            file=sys.stderr,
-        )
+        print(f"no steps of namespace {cfg.namespace!r} on any tier", file=sys.stderr)
         return 1
     _print_table(cfg, rows, args.wide)
     _print_cliques(cfg, rows)
-    for r in rows:  # what a state that is not a good step means, and what to do
-        if r.error and r.state in (StepStatus.DAMAGED, StepStatus.INCOMPLETE):
+    _print_row_errors(rows, (StepStatus.DAMAGED, StepStatus.INCOMPLETE))
+    _print_writers(cfg)
+    _print_memory(cfg)
+    _print_scores(cfg)
+    return 0
+
+
+def _print_row_errors(rows: list, states: tuple[StepStatus, ...]) -> None:
+    """What a state that is not a good step means, and what to do."""
+    for r in rows:
+        if r.error and r.state in states:
             print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
         elif r.passed_over:
             print(f"  step {r.step} on tier {r.tier_index}: passed over by loads: {r.passed_over}")
+
+
+def _print_writers(cfg: TieredConfig) -> None:
+    """This node's writer processes of the job: running or not, their queues, what failed."""
     writers = writer_status(cfg)
     if writers:
         print("writer processes on this node:")
@@ -152,9 +196,34 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"    FAILED step {s} -> tier {t}: {why}")
         for s, t, why in w.skipped:
             print(f"    SKIPPED step {s} -> tier {t}: {why}")
-    _print_memory(cfg)
-    _print_scores(cfg)
-    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``status(config)`` as a table: each step on each tier (queued, writing, clean,
+    committed, ...), newest first, then the writer processes' queues."""
+    cfg = _job(args)
+    rows = status(cfg)
+    if args.json:
+        doc = {
+            "namespace": cfg.namespace,
+            "tiers": [t.path for t in cfg.tiers],
+            "steps": [dataclasses.asdict(r) for r in rows],
+            "writers": [dataclasses.asdict(w) for w in writer_status(cfg)],
+        }
+        print(json.dumps(doc, indent=1))
+        return 0 if rows else 1
+    if not rows:
+        print(f"no steps of namespace {cfg.namespace!r} on any tier", file=sys.stderr)
+    else:
+        ordered = sorted(rows, key=lambda r: (-r.step, r.tier_index))
+        table = [
+            [str(r.step), f"{r.tier_index} ({r.tier})", str(r.state), human(r.size_bytes), age(r.created)]
+            for r in ordered
+        ]
+        print("\n".join(_columns(["step", "tier", "state", "size", "age"], table)))
+        _print_row_errors(ordered, tuple(s for s in StepStatus if s is not StepStatus.COMMITTED))
+    _print_writers(cfg)
+    return 0 if rows else 1
 
 
 def _print_table(cfg: TieredConfig, rows: list, wide: bool) -> None:
@@ -230,7 +299,10 @@ def _columns(header: list[str], table: list[list[str]]) -> list[str]:
 
 def _ls_namespaces(args: argparse.Namespace) -> int:
     """``ls TIER...`` without a namespace: the namespaces those tiers hold."""
-    found = namespaces(_tiers(args))
+    tiers = _tiers(args)
+    if len(_check_paths(args.cmd, tiers)) == len(tiers):
+        return 1
+    found = namespaces(tiers)
     if args.json:
         print(json.dumps([dataclasses.asdict(n) for n in found], indent=1))
     elif found:
@@ -312,9 +384,9 @@ def _pick_step(cfg: TieredConfig, step: int | None) -> int | None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..ops.verify import verify_step  # imports torch (to read the metadata): only here
+    from ..ops.verify import verify_step
 
-    cfg = _config(args)
+    cfg = _job(args)
     step = _pick_step(cfg, args.step)
     if step is None:
         print(f"no committed step of namespace {cfg.namespace!r} on any tier", file=sys.stderr)
@@ -375,7 +447,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from ..ops.export import format_named, run_export
 
-    cfg = _config(args)
+    cfg = _job(args)
     t0 = time.perf_counter()
 
     def progress(name: str, size: int, done: int, total: int) -> None:
@@ -400,7 +472,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = _job(args, must_exist=False, namespace=False)
     t0 = time.perf_counter()
     import_dcp(cfg, args.source, args.step, storage_options=key_values(args.from_option, "--from-option"))
     print(
@@ -411,13 +483,13 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = _job(args)
     tiers = None if args.tier is None else [args.tier]
     return _report_removals(remove_steps(cfg, args.step, tiers=tiers, force=args.force), cfg, args.step)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = _job(args)
     tiers = None if args.tier is None else [args.tier]
     return _report_removals(prune(cfg, args.keep, tiers=tiers), cfg, None)
 
@@ -435,6 +507,15 @@ def _report_removals(done: list[Removal], cfg: TieredConfig, asked: list[int] | 
     if asked is None and not done:
         print("nothing to prune: no tier holds more committed steps than that")
     return 1 if missing or any(not r.removed for r in done) else 0
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    """Without a job, the flags alone; with ``--from-job``, its tiers must be there."""
+    from ..metrics import goodput
+
+    given = args.config or args.tiers
+    cfg = _job(args, must_exist=args.from_job, namespace=False) if given else None
+    return goodput.command(args, cfg)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -471,7 +552,7 @@ def _tier_args(p: argparse.ArgumentParser, json_output: bool = False) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     """The command line: every command, with its arguments and the function that runs it."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="tiered-dcp",
         description="Inspect, check and export tiered-dcp checkpoints; run the demo and the failure drill.",
         epilog=EXIT_CODES,
@@ -498,6 +579,15 @@ def _inspect_commands(sub: argparse._SubParsersAction) -> None:
     _tier_args(p, json_output=True)
     p.add_argument("--wide", action="store_true", help="every detail, however wide the terminal")
     p.set_defaults(fn=cmd_ls)
+    p = sub.add_parser(
+        "status",
+        help="status(config): each step on each tier (queued, writing, clean, committed, failed, ...) "
+        "and the writer processes' queues",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _tier_args(p, json_output=True)
+    p.set_defaults(fn=cmd_status)
     p = sub.add_parser("verify", help="re-check every checksum of a step; exit 1 on damage")
     _tier_args(p, json_output=True)
     p.add_argument("--step", type=int, help="the step (default: the newest committed)")
@@ -563,7 +653,7 @@ def _tool_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("goodput", help="best save interval per tier, and the goodput it buys (Young/Daly)")
     _tier_args(p, json_output=True)
     goodput.add_arguments(p)
-    p.set_defaults(fn=lambda a: goodput.command(a, _config(a) if a.config or a.tiers else None))
+    p.set_defaults(fn=cmd_goodput)
     p = sub.add_parser(
         "drill", help="train under random real faults for N minutes; report losses, silent escapes, recovery"
     )
@@ -576,15 +666,30 @@ def _tool_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_demo)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (every command's: subparsers are of their parent's class), whose
+    errors end with the flag meant where the command line holds one no parser knows:
+    ``unrecognized arguments: --stpe 3 (did you mean --step?)``, and as well where argparse
+    stops first at another error (``export --formt x``: ``--to`` is required)."""
+
+    unknown: list[str] = []  # the command line's flags that no parser knows (``_parse``)
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + hints.flag_hint(Parser.unknown, self._option_string_actions))
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line parsed; an argument no parser knows is reported with the usage of
     the command it follows (``tiered-dcp ls --bogus``: ``ls``'s), not the top level's."""
     parser = _parser()
+    given = sys.argv[1:] if argv is None else list(argv)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    known = {f for p in (parser, *sub.choices.values()) for f in p._option_string_actions}
+    flags = [a.split("=", 1)[0] for a in given if a.startswith("--")]
+    Parser.unknown = [f for f in flags if not any(k.startswith(f) for k in known)]  # abbreviations pass
     args, extra = parser.parse_known_args(argv)
     if extra:
-        given = sys.argv[1:] if argv is None else list(argv)
         before = given[: given.index(args.cmd)] if args.cmd in given else given
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         owner = parser if any(x in before for x in extra) else sub.choices[args.cmd]
         owner.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
@@ -606,6 +711,8 @@ def _run(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
+    except Told as e:
+        return e.code
     except TieredCheckpointError as e:  # damage, or nothing to read
         print(f"tiered-dcp {args.cmd}: {e}", file=sys.stderr)
         return 1

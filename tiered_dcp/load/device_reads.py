@@ -267,7 +267,7 @@ class DeviceRead:
             ring.give(buf, token)
         return token
 
-    def settle(self) -> None:
+    def drain(self) -> None:
         """Wait for every chunk, whatever became of it (the load is failing: nothing lands
         in the target after this)."""
         for f in self._chunks:

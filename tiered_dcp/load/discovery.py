@@ -35,7 +35,7 @@ from ..ranks import worlds
 from ..steps.catalog import StepCopy, TierView
 from ..steps.choice import Found, StepMarks, newest_complete
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 READ_WAIT = 1800.0  # seconds rank 0 waits for the others' reads before it gives its lease back
 

@@ -49,7 +49,7 @@ from .peer_exchange import (
 )
 from .step_metadata import StepMetadata
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 CHOICES = 5  # times a reader chooses the newest step again when retention removed it meanwhile
 

@@ -42,9 +42,9 @@ from ..steps.checkpoint_id import new_id, step_id, step_of
 from ..writer_process.timings import Kind, record
 from .open_step import OpenStep
 from .spread import RankFacts, SpreadPlan, plan_spread
-from .step_reads import Failure, StepReads
+from .step_reads import StepReads
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 def _dist_rank() -> tuple[int, bool]:
@@ -90,6 +90,19 @@ class TieredReader(StorageReader):
         exclude: Iterable[int] | Mapping[int, str] = (),
         spread: bool = True,
     ) -> None:
+        """Args:
+            config: the job's configuration.
+            step: the step to load; None: the newest good step complete anywhere.
+            no_dist: read alone, without the ranks' agreement (one process, every path it
+                can reach), as ``dcp.load(no_dist=True)``.
+            exclude: steps not to choose (a mapping gives each one's reason, for ``skipped``).
+            spread: read a step held on a shared tier alone once for the whole job.
+
+        Raises:
+            ValueError: bad arguments (a config that is not a ``TieredConfig``, a negative step).
+            NoCheckpointError: without a process group (or with ``no_dist``), no such step
+                complete on any tier (with one, ``open`` raises it).
+        """
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredReader: config must be a TieredConfig, got {type(config).__name__}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -116,8 +129,17 @@ class TieredReader(StorageReader):
         """Choose the step, agreed by every rank with a process group (a collective over the
         default group: ``dcp.load`` (``reset``, ``read_metadata``) and ``load_latest`` call it
         on every rank; without one the constructor calls it; once a step is
-        open, later calls return at once); without one, the metadata refused on every tier
-        raises here too. Returns self."""
+        open, later calls return at once).
+
+        Returns:
+            self.
+
+        Raises:
+            NoCheckpointError: no such step complete anywhere (naming every tier searched).
+            CheckpointCorruptError: without a process group, the step's metadata is refused
+                on every tier holding it.
+            PeerLostError: a rank stopped answering while the ranks agreed.
+        """
         if self._opened is None:
             # a lost rank: PeerLostError
             with transport.watching_peers(self._asked, "opening a step to load"):
@@ -161,11 +183,6 @@ class TieredReader(StorageReader):
         return self._step_reads
 
     @property
-    def _failures(self) -> dict[int, list[Failure]]:
-        """The last load's items read from a second source (or not at all): what failed where."""
-        return self._reads.failures
-
-    @property
     def checkpoint_id(self) -> str:
         """The chosen step's id (``<namespace>/step_<12 digits>``)."""
         return step_id(self.config.namespace, self.step)
@@ -177,6 +194,13 @@ class TieredReader(StorageReader):
         rank: with a process group a collective, as ``dcp.load`` calls it on every rank;
         ``NoCheckpointError`` if it is not complete anywhere). Anything but a step
         (``checkpoint_id.step_of``) raises ValueError.
+
+        Args:
+            checkpoint_id: a step (an int, its digits, or ``checkpoint_id``'s form), or None.
+
+        Raises:
+            ValueError: ``checkpoint_id`` names no step.
+            NoCheckpointError: the step named is not complete anywhere.
         """
         self.load_id = new_id()
         if checkpoint_id is None:
@@ -235,6 +259,11 @@ class TieredReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        """DCP's set-up: raises the error ``read_metadata`` met opening the step, with its class.
+
+        Raises:
+            NoCheckpointError, CheckpointCorruptError, PeerLostError: as ``open``.
+        """
         failed, self._open_failed = self._open_failed, None
         if failed is not None:  # DCP wraps it in its CheckpointException, keeping it whole
             raise failed
@@ -285,7 +314,16 @@ class TieredReader(StorageReader):
         """Execute the load plan (``step_reads.StepReads.read_all``: each item from its route's
         sources, in order; collective with a process group) and record the load; the
         step's leases go whatever happened (a shared tier's once every rank has read, or at
-        once when a rank was lost: it will not read)."""
+        once when a rank was lost: it will not read).
+
+        Returns:
+            A done future (the reads are over when it returns).
+
+        Raises:
+            CheckpointCorruptError: an item has no good copy on any tier or peer (the step is
+                quarantined where this rank reaches it).
+            PeerLostError: a peer stopped answering.
+        """
         everyone = True
         try:
             with transport.watching_peers(self.step, "the load's reads"):

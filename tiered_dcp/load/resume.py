@@ -32,10 +32,10 @@ from ..steps.choice import describe_skipped
 from .discovery import all_agree, all_gather_bytes
 from .reader import TieredReader
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-TOLD_CHARS = 2000  # of a rank's error told to the others: every rank receives every rank's
+ERROR_CHARS = 2000  # of a rank's error told to the others: every rank receives every rank's
 
 
 def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwargs: Any) -> int:
@@ -44,8 +44,27 @@ def load_latest(state_dict: dict[str, Any], config: TieredConfig, **dcp_load_kwa
 
     Steps that are quarantined or non-finite, and steps that fail to load here (no good copy
     of an item on any tier or peer), are passed over; one warning names each, and why.
-    ``dcp_load_kwargs`` go to ``dcp.load`` (``planner``, ``process_group``...); an error that
-    is not about the step's data (a state_dict that does not match, say) is raised as is.
+
+    It loads in place into the tensors of ``state_dict``, as ``dcp.load`` does: a dict of a
+    model's own tensors (``model.state_dict()``) is the model's state once it returns. A dict
+    made by ``get_state_dict(model, optimizer)`` still needs ``set_state_dict`` afterwards,
+    as with ``dcp.load``: the optimizer's step counters and param groups are values, not
+    the optimizer's own tensors.
+
+    Args:
+        state_dict: the state to load into, laid out (shapes, sharding) as this job holds
+            it now; another world size or sharding than the save's is resharded.
+        config: the job's configuration.
+        **dcp_load_kwargs: passed to ``dcp.load`` (``planner``, ``process_group``...).
+
+    Returns:
+        The step loaded, the same on every rank.
+
+    Raises:
+        NoCheckpointError: no step loads (the message names every tier searched and why
+            each step there was passed over).
+        CheckpointException: DCP's, for an error that is not about the step's data (a
+            ``state_dict`` that does not match the checkpoint, say): raised as is.
     """
     step, _ = resume(config, lambda reader: load_planned_alone(state_dict, reader, **dcp_load_kwargs))
     return step
@@ -80,12 +99,12 @@ def load_planned_alone(state_dict: dict[str, Any], reader: TieredReader, **dcp_l
     if all_agree(error is None)[0]:
         return
     own = None if error is None else _wrapped(error)
-    mine = {} if own is None else {"type": type(own[0]).__name__, "message": str(own[0])[:TOLD_CHARS]}
-    told = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]  # JSON, no pickle
+    mine = {} if own is None else {"type": type(own[0]).__name__, "message": str(own[0])[:ERROR_CHARS]}
+    errors = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]  # JSON, no pickle
     me = dist.get_rank()
     failures = {  # DCP's shape: (exception, its traceback); this rank's its own
         rank: own if rank == me and own is not None else (_as_error(t, reader.step), tb.StackSummary())
-        for rank, t in enumerate(told)
+        for rank, t in enumerate(errors)
         if t
     }
     raise CheckpointException("load", failures)
@@ -108,14 +127,14 @@ def _wrapped(error: BaseException) -> tuple[BaseException, tb.StackSummary]:
     return error, tb.extract_tb(error.__traceback__)
 
 
-def _as_error(told: dict[str, str], step: int) -> BaseException:
-    """Another rank's error, as told: tiered-dcp's data errors keep their class (``resume``
+def _as_error(sent: dict[str, str], step: int) -> BaseException:
+    """Another rank's error, as it sent it: tiered-dcp's data errors keep their class (``resume``
     passes the step over for them); anything else is a ``TieredCheckpointError`` naming it."""
-    if told["type"] == "CheckpointCorruptError":
-        return CheckpointCorruptError(told["message"], step=step)
-    if told["type"] == "NoCheckpointError":
-        return NoCheckpointError(told["message"])
-    return TieredCheckpointError(f"{told['type']}: {told['message']}")
+    if sent["type"] == "CheckpointCorruptError":
+        return CheckpointCorruptError(sent["message"], step=step)
+    if sent["type"] == "NoCheckpointError":
+        return NoCheckpointError(sent["message"])
+    return TieredCheckpointError(f"{sent['type']}: {sent['message']}")
 
 
 def resume(

@@ -22,7 +22,7 @@ from ..steps import metadata as md_blob
 from ..steps.catalog import StepCopy, TierView
 from .peer_exchange import ClusterCopy
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 class StepMetadata:

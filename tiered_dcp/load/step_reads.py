@@ -46,7 +46,7 @@ from .open_step import OpenStep
 from .peer_exchange import ChunkReader, PeerExchange, PeerRequest, check_raw, chunk_reader, scratch
 from .spread import KeepRaw, SpreadPlan, Transfer, exchange
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 class Failed(Enum):
@@ -73,11 +73,11 @@ class Failure:
 @dataclass
 class _Attempt:
     """One item's read from one source: ``finish`` completes and commits it (raising what
-    failed), ``settle`` waits for its work in flight without committing; ``nbytes`` is
+    failed), ``drain`` waits for its work in flight without committing; ``nbytes`` is
     what it moves ahead of its ``finish`` (a device read's)."""
 
     finish: Callable[[], None]
-    settle: Callable[[], None] = lambda: None
+    drain: Callable[[], None] = lambda: None
     nbytes: int = 0
     src: ReadSource | None = field(default=None, init=False)
     rec: Record | None = field(default=None, init=False)
@@ -183,14 +183,12 @@ class StepReads:
         """Start reading ``req`` from ``rec`` in ``store``: onto a CUDA target through its
         device's ring (``device_reads``), started now; else read on ``finish``."""
         if req.type == LoadItemType.BYTE_IO:
-            return _Attempt(functools.partial(self._read_bytes, req, planner, rec, store))
+            return _Attempt(functools.partial(_read_bytes, req, planner, rec, store))
         target = planner.resolve_tensor(req).detach()
         dtype, shape = dtype_from_name(rec.info.dtype or ""), list(rec.info.shape or ())
         ring = self.ring_for(target.device)
         if ring is None:
-            return _Attempt(
-                functools.partial(self._read_host, req, planner, rec, store, target, dtype, shape)
-            )
+            return _Attempt(functools.partial(_read_host, req, planner, rec, store, target, dtype, shape))
         land = device_reads.landing(req, target, dtype, shape)
         read = device_reads.DeviceRead(ring, store, rec, land, _row_bytes(dtype, shape))
 
@@ -198,54 +196,7 @@ class StepReads:
             read.finish()
             planner.commit_tensor(req, target)
 
-        return _Attempt(finish, read.settle, read.nbytes)
-
-    def _read_bytes(self, req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
-        raw = bytearray(rec.info.raw_length)
-        read_item(store, rec, memoryview(raw))
-        planner.load_bytes(req, user_values.checked(raw))
-
-    def _read_host(
-        self,
-        req: ReadItem,
-        planner: LoadPlanner,
-        rec: Record,
-        store: Storage,
-        target: torch.Tensor,
-        dtype: torch.dtype,
-        shape: list[int],
-    ) -> None:
-        """Read ``req`` into a host (or non-CUDA) target: the stored item straight into the
-        target's bytes when the target is it; else the chunks holding the rows asked for
-        into a scratch tensor (one pass; the checksum reads it while it is warm), whose
-        piece is copied into the target (the second)."""
-        if holds_stored_bytes(req, target, dtype, shape):
-            read_item(store, rec, byte_view(target))
-            planner.commit_tensor(req, target)
-            return
-        (r0, r1), inner = device_reads.rows_asked(req, shape)
-        row = _row_bytes(dtype, shape)
-        spans = chunk_spans(rec)
-        lo, hi = r0 * row, r1 * row
-        wanted = [i for i, (at, n, _) in enumerate(spans) if at < hi and at + n > lo] or [0]
-        base = spans[wanted[0]][0]
-        end = spans[wanted[-1]][0] + spans[wanted[-1]][1]
-        scratch = torch.empty(end - base, dtype=torch.uint8)
-        read_chunks(store, rec, wanted[0], wanted[-1] + 1, byte_view(scratch))
-        rows = scratch[lo - base : hi - base].view(dtype).reshape(device_reads.rows_shape((r0, r1), shape))
-        target.copy_(device_reads.narrowed(rows, inner, target))
-        planner.commit_tensor(req, target)
-
-    def _place(self, req: ReadItem, planner: LoadPlanner, full: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy the requested piece of a whole stored item into the target and commit it."""
-        piece = narrow_to_request(full, req)
-        if piece.size() != target.size():
-            raise TieredCheckpointError(
-                f"item {req.storage_index.fqn}: stored piece {tuple(piece.size())} does not "
-                f"fit the target {tuple(target.size())}"
-            )
-        target.copy_(piece)
-        planner.commit_tensor(req, target)
+        return _Attempt(finish, read.drain, read.nbytes)
 
     def _next_attempt(
         self, req: ReadItem, planner: LoadPlanner, sources: Iterator[ReadSource]
@@ -329,7 +280,7 @@ class StepReads:
         finally:
             for _, _, attempt in started:  # a load failing on its way: nothing lands after it
                 if attempt is not None:
-                    attempt.settle()
+                    attempt.drain()
         order = {id(r): i for i, r in enumerate(reqs)}
         return sorted(left, key=lambda r: order[id(r)])
 
@@ -486,7 +437,7 @@ class StepReads:
             device_reads.from_host(ring, buf, land, _row_bytes(dtype, shape))
             planner.commit_tensor(req, target)
             return
-        self._place(req, planner, buf.view(dtype).reshape(shape), target)
+        _place(req, planner, buf.view(dtype).reshape(shape), target)
 
     def _read_spread(
         self,
@@ -504,7 +455,7 @@ class StepReads:
         asks: dict[ItemKey, list[ReadItem]] = {}
         for req in plan.items:
             asks.setdefault(md_blob.item_key(req.storage_index), []).append(req)
-        keep = KeepRaw(planner, asks, self._item_info, self._place)
+        keep = KeepRaw(planner, asks, self._item_info, _place)
         wholes = [keep.whole(key) for key in sorted(reading, key=lambda k: (k.fqn, k.offset or ()))]
         for whole in wholes:
             sources[id(whole)] = sources[id(asks[md_blob.item_key(whole.storage_index)][0])]
@@ -613,3 +564,52 @@ class StepReads:
                 raise self._opened.quarantine(why)
             # a tier or peer that did not answer is no proof of damage: nothing is quarantined
             raise CheckpointCorruptError(f"{why}; {self._opened.next_choice()}", step=self.step)
+
+
+def _read_bytes(req: ReadItem, planner: LoadPlanner, rec: Record, store: Storage) -> None:
+    raw = bytearray(rec.info.raw_length)
+    read_item(store, rec, memoryview(raw))
+    planner.load_bytes(req, user_values.checked(raw))
+
+
+def _read_host(
+    req: ReadItem,
+    planner: LoadPlanner,
+    rec: Record,
+    store: Storage,
+    target: torch.Tensor,
+    dtype: torch.dtype,
+    shape: list[int],
+) -> None:
+    """Read ``req`` into a host (or non-CUDA) target: the stored item straight into the
+    target's bytes when the target is it; else the chunks holding the rows asked for
+    into a scratch tensor (one pass; the checksum reads it while it is warm), whose
+    piece is copied into the target (the second)."""
+    if holds_stored_bytes(req, target, dtype, shape):
+        read_item(store, rec, byte_view(target))
+        planner.commit_tensor(req, target)
+        return
+    (r0, r1), inner = device_reads.rows_asked(req, shape)
+    row = _row_bytes(dtype, shape)
+    spans = chunk_spans(rec)
+    lo, hi = r0 * row, r1 * row
+    wanted = [i for i, (at, n, _) in enumerate(spans) if at < hi and at + n > lo] or [0]
+    base = spans[wanted[0]][0]
+    end = spans[wanted[-1]][0] + spans[wanted[-1]][1]
+    scratch = torch.empty(end - base, dtype=torch.uint8)
+    read_chunks(store, rec, wanted[0], wanted[-1] + 1, byte_view(scratch))
+    rows = scratch[lo - base : hi - base].view(dtype).reshape(device_reads.rows_shape((r0, r1), shape))
+    target.copy_(device_reads.narrowed(rows, inner, target))
+    planner.commit_tensor(req, target)
+
+
+def _place(req: ReadItem, planner: LoadPlanner, full: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy the requested piece of a whole stored item into the target and commit it."""
+    piece = narrow_to_request(full, req)
+    if piece.size() != target.size():
+        raise TieredCheckpointError(
+            f"item {req.storage_index.fqn}: stored piece {tuple(piece.size())} does not "
+            f"fit the target {tuple(target.size())}"
+        )
+    target.copy_(piece)
+    planner.commit_tensor(req, target)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -30,11 +31,6 @@ from typing import Any, TypeVar
 from ..config import TieredConfig
 
 T = TypeVar("T")
-
-
-def young_interval(cost: float, mtbf: float) -> float:
-    """Young's first-order optimum: sqrt(2 C M) seconds of work between saves."""
-    return math.sqrt(2 * cost * mtbf)
 
 
 def daly_interval(cost: float, mtbf: float) -> float:
@@ -193,6 +189,16 @@ class Measured:
     restore: list[float | None]
     saves: int
     loads: int
+    stall_s: dict[str, float] = field(default_factory=dict)  # the fastest tier's stalls: median, max
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Each tier's ``every``/``keep`` as the job ran, and where that was read."""
+
+    every: list[int]
+    keep: list[int | None]
+    source: str
 
 
 def _or(value: T | None, default: T) -> T:
@@ -202,6 +208,42 @@ def _or(value: T | None, default: T) -> T:
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def loop_stall(r: Any) -> float:
+    """What a save stalled the loop for its fastest tier: its ``async_save`` call as the loop
+    saw it (``timings.SaveCall``), less the waits for a writer that fell behind (the slower
+    tiers' stall); in records without the call, the copy (``stage_s``); a sync save's
+    commit (``commit_s``: the loop waits for it whole)."""
+    if r.call_s is not None:
+        return max(0.0, r.call_s - _or(r.call_wait_s, 0.0))
+    return _or(r.stage_s, _or(r.commit_s, 0.0))
+
+
+def lag_wait(r: Any) -> float:
+    """What the loop waited in a save for a writer that fell behind (``handoff_s`` of a
+    record without the call: of a sync save, in the loop)."""
+    return _or(r.call_wait_s, 0.0) if r.call_s is not None else _or(r.handoff_s, 0.0)
+
+
+def job_schedule(config: TieredConfig) -> Schedule | None:
+    """The tiers' schedule as the job ran with these tiers on this node: its newest save's
+    record, else its writer processes' config (``run_dir.write_config``); None if neither."""
+    from ..writer_process.run_dir import RunDir
+    from ..writer_process.timings import Kind, read_records
+
+    n = len(config.tiers)
+    for r in reversed(read_records(config, Kind.SAVE, tail_bytes=1 << 16)):
+        if r.every is not None and r.keep is not None and len(r.every) == len(r.keep) == n:
+            return Schedule(list(r.every), list(r.keep), "the job's records")
+    for rd in RunDir.all_of(config):
+        try:
+            tiers = rd.read_config().tiers
+        except (OSError, ValueError):
+            continue
+        if len(tiers) == n:
+            return Schedule([t.every for t in tiers], [t.keep for t in tiers], "its writer processes' config")
+    return None
 
 
 def measure_job(config: TieredConfig) -> Measured:
@@ -226,12 +268,12 @@ def measure_job(config: TieredConfig) -> Measured:
     step_stall: dict[int, float] = {}
     for step, rs in by_step.items():
         tier = _or(rs[0].tier, -1)
-        s = max(_or(r.stage_s, _or(r.commit_s, 0.0)) for r in rs)
-        step_stall[step] = s
+        s = max(loop_stall(r) for r in rs)
+        handoff[step] = max(lag_wait(r) for r in rs)
+        step_stall[step] = s + handoff[step]
         if 0 <= tier < n:
             stall[tier].append(s)
             commit[tier].append(max(_or(r.commit_s, 0.0) for r in rs))
-        handoff[step] = max(_or(r.handoff_s, 0.0) for r in rs)
     persisted: dict[tuple[int, int], float] = {}
     for r in recs:
         if r.kind is Kind.PERSIST and r.state != OutcomeState.FAILED and 0 <= _or(r.tier, -1) < n:
@@ -262,6 +304,7 @@ def measure_job(config: TieredConfig) -> Measured:
                 gap = (b.time - a.time - step_stall.get(b.step, 0.0)) / (b.step - a.step)
                 if gap > 0:
                     gaps.append(gap)
+    stalls = sorted(step_stall.values())
     return Measured(
         step_time=_median(gaps),
         stall=[_median(s) for s in stall],
@@ -269,6 +312,7 @@ def measure_job(config: TieredConfig) -> Measured:
         restore=[_median(r) for r in restore],
         saves=len(by_step),
         loads=len(loads),
+        stall_s={"median": statistics.median(stalls), "max": stalls[-1]} if stalls else {},
     )
 
 
@@ -365,11 +409,15 @@ def add_arguments(p) -> None:  # an argparse parser, after the config arguments
         "--mtbf", metavar="S[,S...]", help="mean seconds between the failures the tier protects against"
     )
     p.add_argument("--latency", metavar="S[,S...]", help="seconds from a save to its commit on the tier (0)")
-    p.add_argument("--every", metavar="N[,N...]", help="the current schedule (default: the config's every=)")
+    p.add_argument(
+        "--every",
+        metavar="N[,N...]",
+        help="the current schedule (default: the config's every=; given tier paths, the job's records')",
+    )
     p.add_argument(
         "--from-job",
         action="store_true",
-        help="take step time, stalls, latencies and restore times from the job's records (needs the config)",
+        help="take step time, stalls, latencies and restore times from the job's records (needs the job)",
     )
     p.add_argument("--plot", metavar="PNG", help="draw goodput against interval per tier (needs matplotlib)")
 
@@ -380,6 +428,9 @@ def command(args, config: TieredConfig | None) -> int:
     if args.from_job and config is None:
         raise ValueError("--from-job needs the job: --config tiers.toml (or -n NAMESPACE TIER...)")
     measured = measure_job(config) if args.from_job and config is not None else None
+    if measured is not None and not measured.saves and not measured.loads:
+        print(f"tiered-dcp goodput: {_no_records(config)}", file=sys.stderr)  # type: ignore[arg-type]
+        return 1
     names = [t.path for t in config.tiers] if config is not None else ["tier"]
     given = {
         what: _per_tier(_floats(getattr(args, what), what), n, what)
@@ -387,8 +438,10 @@ def command(args, config: TieredConfig | None) -> int:
     }
     every_text = _floats(args.every, "every")
     every = _per_tier([int(x) for x in every_text] if every_text else None, n, "every")
+    schedule = None
     if every is None and config is not None:
-        every = [t.every for t in config.tiers]
+        schedule = _schedule(config, bool(args.config))
+        every = schedule.every if schedule is not None else None
     step_time = args.step_time or (measured.step_time if measured else None)
     missing = []
     if step_time is None:
@@ -421,19 +474,62 @@ def command(args, config: TieredConfig | None) -> int:
         doc = report.to_json()
         if measured is not None:
             doc["measured"] = asdict(measured)
+        if schedule is not None:
+            doc["schedule"] = asdict(schedule)
         import json
 
         print(json.dumps(doc, indent=1))
         return 0
+    if schedule is not None and schedule.source != "the config":
+        shown = ", ".join(f"every {e} keep {k}" for e, k in zip(schedule.every, schedule.keep, strict=True))
+        print(f"schedule from {schedule.source}: {shown}")
     _print_report(report, measured)
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
 
 
+def _schedule(config: TieredConfig, given: bool) -> Schedule | None:
+    """The tiers' every/keep: the config's where it is the job's own (``--config``), else
+    as the job ran (``job_schedule``); where neither says, one line on stderr, and None."""
+    if given:
+        return Schedule([t.every for t in config.tiers], [t.keep for t in config.tiers], "the config")
+    found = job_schedule(config)
+    if found is None:
+        print(
+            f"tiered-dcp goodput: the tiers' schedule (every=) is not known: no save of namespace "
+            f"{config.namespace!r} with these tiers is recorded on this node; give --every N[,N...] "
+            "or --config (no current schedule is shown)",
+            file=sys.stderr,
+        )
+    return found
+
+
+def _no_records(config: TieredConfig) -> str:
+    """Why --from-job has nothing: no job of this namespace, or one with other tiers."""
+    from ..cli.hints import namespace_hint
+    from ..writer_process.run_dir import runtime_root
+    from ..writer_process.timings import records_dir
+
+    try:
+        jobs = [p.name.rsplit("-", 1)[0] for p in runtime_root().iterdir() if (p / "records").is_dir()]
+    except OSError:
+        jobs = []
+    ns = config.namespace
+    line = f"no records of namespace {ns!r} with these tiers on this node ({records_dir(config)})"
+    if ns in jobs:
+        return f"{line}; a job of {ns!r} with other tiers has some: give its tiers as it configured them"
+    return f"{line}; " + (namespace_hint(ns, jobs) if jobs else "no job here has any")
+
+
 def _print_report(report: GoodputReport, measured: Measured | None) -> None:
     if measured is not None:
         print(f"measured from the job's records: {measured.saves} saves, {measured.loads} loads")
+        if measured.stall_s:
+            print(
+                f"  stall per save, the async_save call as the loop saw it: median "
+                f"{measured.stall_s['median']:.3g} s, max {measured.stall_s['max']:.3g} s"
+            )
     print(f"step time {report.step_time:.3g} s")
     for t in report.tiers:
         c = t.costs

@@ -53,7 +53,7 @@ from ..config import TieredConfig
 from ..writer_process.run_dir import OutcomeState
 from ..writer_process.timings import Kind, TimingRecord, read_records, records_dir
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 THRESHOLD = 0.5  # a rank slower than this share of its peers' median speed may be slow...
 FLOOR_SECONDS = 0.05  # ...if it also takes this much longer than they would for its part

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tiered_dcp.storage.format import Marker
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 _warned: set[tuple[int, int, int]] = set()
 
 

@@ -24,7 +24,7 @@ from ..config import TieredConfig, node_of
 from . import transport, worlds
 from .cliques import Layout, by_domain, check_cliques, uneven_domains
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 class Layouts:
@@ -63,21 +63,16 @@ class Layouts:
 LAYOUTS = Layouts()
 
 
-def layout_unless_gathered(config: TieredConfig, world: int) -> Layout | None:
+def layout_unless_gathered(config: TieredConfig, world: int, rank: int = 0) -> Layout | None:
     """The jump rule's cliques (warned about here when a clique lies on one node), or None
     when the layout comes from failure domains, which only every rank together can gather.
     A world the rule does not fit is laid out by node at the save (``writer._layout``)."""
     factor, jump = config.replication_factor, config.replication_jump
     if config.failure_domain is not None and factor > 1:
         return None
-    check_cliques(world, factor, jump)
+    if rank == 0:  # every rank lays out the same cliques: the job's log says it once
+        check_cliques(world, factor, jump)
     return Layout(world, factor, jump)
-
-
-def layout_for(config: TieredConfig, world: int, rank: int) -> Layout:
-    """The cliques a save of ``config`` by ``world`` ranks uses: the jump rule, or, with a
-    failure domain, the domains gathered from every rank once."""
-    return layout_unless_gathered(config, world) or LAYOUTS.get(config, world, rank)
 
 
 def source(config: TieredConfig) -> str:

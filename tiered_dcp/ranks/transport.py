@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..errors import PeerLostError, TieredCheckpointError
 from . import worlds
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 OPENED: deque[list[int]] = deque(maxlen=1000)  # members of the last groups this process opened (tests)
 CHECK_IN = 5.0  # seconds the survivors of a broken collective wait for each other to say so
 
@@ -83,15 +83,18 @@ def silent_ranks(wait: float = CHECK_IN) -> tuple[int, ...]:
         job, rank, size = worlds.store(), dist.get_rank(), dist.get_world_size()
         now = time.time()
         job.append(ALIVE, f"{rank}@{now:.3f},".encode())
-        deadline, pause = time.monotonic() + wait, 0.05
-        while True:
-            missing = _not_in(job.get(ALIVE).decode(), size, since=now - wait)
-            if not missing or time.monotonic() >= deadline:
-                return missing
-            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-            pause *= 2
     except Exception:  # noqa: BLE001 - the store is gone too: who stopped cannot be told
         return ()
+    deadline, pause, missing = time.monotonic() + wait, 0.05, tuple(range(size))
+    while True:
+        try:
+            missing = _not_in(job.get(ALIVE).decode(), size, since=now - wait)
+        except Exception:  # noqa: BLE001 - the store went away meanwhile (its host is done): what it said last
+            return missing if len(missing) < size else ()
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause *= 2
 
 
 ALIVE = "tiered_dcp/alive"  # the survivors' check-ins: "rank@time," each, appended

@@ -64,6 +64,13 @@ def ships_to_a_process() -> bool:
     return args is not None and args["async_checkpointer_type"] == AsyncCheckpointerType.PROCESS
 
 
+def calls_back(shipped: bool) -> bool:
+    """Whether the running ``dcp.async_save`` calls its stager's ``synchronize_staging`` on
+    this thread once it has handed the copy ``stage`` returned to its upload thread: in its
+    THREAD mode (``shipped``: PROCESS mode, whose upload pickles the writer first)."""
+    return not shipped and async_save_args() is not None
+
+
 def prepare() -> None:
     """On the thread calling ``dcp.async_save``: this world's save group, made if the save
     runs DCP's collectives on the default group in its THREAD mode."""

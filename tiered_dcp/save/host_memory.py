@@ -33,7 +33,7 @@ from ..config import TieredConfig, here
 from ..steps.placement import placement_for
 from ..writer_process.timings import Kind, read_records
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 

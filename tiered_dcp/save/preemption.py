@@ -18,7 +18,11 @@ reasons for a SIGTERM apart (``_judge``):
   launcher's own stop timeout would kill it. A rank is gone when its process on this host
   is (the world's processes per host: ``worlds.gone_on_this_host``), or when a save of
   this process has waited ``GRACE`` seconds on other ranks while not every rank of the
-  world has been told to stop (a rank on another host, with its node).
+  world has been told to stop (a rank on another host, with its node), or when the job's
+  store has not answered for ``GRACE`` seconds while no upload of this process is at work
+  (its host is gone, rank 0 under torchrun or NvRx's ft_launcher: the saves' waits on it
+  failed, and a failed save stays counted in flight while the loop the signal interrupted
+  holds its future).
 
 Then it passes the signal on: to the handler that was there before, or, if that was the
 default, by restoring the default and raising the signal again so the process ends exactly
@@ -51,7 +55,7 @@ from ..ranks import worlds
 from ..writer_process.client import handles
 from .staging import POOL
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 WAIT_SECONDS = float(os.environ.get("TIERED_DCP_SIGTERM_WAIT", "300"))
 GRACE = 2.0  # seconds a save may wait on ranks not all told to stop before the world is judged broken
@@ -107,6 +111,16 @@ def preemption_requested(group: Any = None) -> bool:
     save), instead of ending the process. With a process group
     every rank must call this at the same points (e.g. once per step): the answer is agreed
     over ``group`` (default: the default group), so all ranks save the same step.
+
+    Args:
+        group: the process group to agree over (a collective); None: the default group.
+
+    Returns:
+        Whether any rank was told to stop.
+
+    Raises:
+        RuntimeError: the first call is not made from the main thread (where Python runs
+            signal handlers).
     """
     mine = _local_request(deferred=True)
     if not (dist.is_available() and dist.is_initialized()):
@@ -125,6 +139,12 @@ def on_preemption(callback: Callable[[], None]) -> None:
     It runs in the main thread, inside the signal handler, between two bytecodes of the
     loop: keep it short (set a flag, log). Registering one installs the handler in
     deferring mode, as ``preemption_requested`` does: the process is not ended.
+
+    Args:
+        callback: called with no arguments.
+
+    Raises:
+        RuntimeError: the first such call is not made from the main thread.
     """
     _local_request(deferred=True)
     _callbacks.append(callback)
@@ -201,6 +221,7 @@ class _Judge:
     def __init__(self) -> None:
         self.world = worlds.current()
         self.told = 0
+        self.silent_since: float | None = None  # since when the store has not answered
         if self.world is not None:
             self._ask(lambda w: w.store.add(TOLD, 1))
 
@@ -213,10 +234,16 @@ class _Judge:
         if dead:
             return f"rank(s) {dead} of this host are gone"
         now = time.monotonic()
+        told = self._ask(lambda w: w.store.add(TOLD, 0))
+        self.silent_since = None if isinstance(told, int) else self.silent_since or now
+        if self.silent_since is not None and now - self.silent_since >= GRACE and not worlds.wait_quiet(0):
+            # no commit is agreed without the store and no upload of ours is at work: what is
+            # in flight failed already (its future, held by the interrupted loop, keeps its
+            # staged state counted) or can never commit
+            return f"the job's store has not answered for {now - self.silent_since:.1f} s (its host is gone)"
         stuck = [x for x in worlds.waits_now() if now - x.since >= GRACE]
         if not stuck or now - started < GRACE:
             return None
-        told = self._ask(lambda w: w.store.add(TOLD, 0))
         if isinstance(told, int) and told >= w.size:
             return None  # every rank was told to stop: a preemption, all alive
         ranks = sorted({r for x in stuck for r in x.ranks})

@@ -21,8 +21,7 @@ from typing import Any
 from tiered_dcp.storage.base import Buffer, Reservation
 from tiered_dcp.storage.blocks import hashing, pool
 from tiered_dcp.storage.codec import ChecksumMismatch, checksum, verify_stored
-from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Record
-from tiered_dcp.storage.format import write_index as write_part_index
+from tiered_dcp.storage.format import BLOCK_HEADER, Chunk, Record, write_index
 from tiered_dcp.storage.records import (
     MAX_BYTES,
     MAX_PART_BYTES,
@@ -47,7 +46,7 @@ from ..steps.catalog import TierView
 from ..steps.metadata import Records, part_index, records_from_json, records_to_json
 from .staging import POOL
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,7 +62,7 @@ class SavedPart:
     tail: list[Buffer] = dataclasses.field(default_factory=list)  # what follows them there
     pending: Callable[[], Records] | None = None  # the records, once its checksums are in
 
-    def sealed(self) -> Records:
+    def seal(self) -> Records:
         """Its records: ``records`` once ``pending`` (which waits for the checksums) ran."""
         if self.pending is not None:
             self.records, self.pending = self.pending(), None
@@ -87,19 +86,21 @@ class Landing:
     receiving: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)  # (start, length, work)
     arrived: dict[tuple[int, int], Future[int]] = dataclasses.field(default_factory=dict)
 
-    def hashed(self) -> None:
+    def wait_hashed(self) -> None:
         """Wait for the hashing of its chunks (none may read the file once it is released)."""
         for fut in self.arrived.values():
             if not fut.cancel():
                 fut.exception()
 
 
-def write_index(view: TierView, step: int, rank: int, records: Records, written: int | None = None) -> None:
+def write_records_index(
+    view: TierView, step: int, rank: int, records: Records, written: int | None = None
+) -> None:
     """Rank's index next to its part (or replica) in this rank's own root."""
     index = part_index(rank, records)
     if written is not None:
         index = dataclasses.replace(index, written=index.size + written)
-    write_part_index(view.own, view.config.namespace, step, index)
+    write_index(view.own, view.config.namespace, step, index)
 
 
 def stored_chunk_sizes(records: Records) -> list[int]:
@@ -231,7 +232,7 @@ class Swap:
             assert self.group is not None
             self._receive()
             self.op.check("the replica exchange")
-            sealed = self.group.allgather(records_to_json(self.part.sealed()))
+            sealed = self.group.allgather(records_to_json(self.part.seal()))
             for land in self.landed:
                 records = records_from_json(sealed[self.members.index(land.rank)])
                 if not _describes(records, land):
@@ -252,11 +253,11 @@ class Swap:
     def _commit(self, land: Landing) -> None:
         """Rename a verified replica clean, then write its index. It leaves ``landed`` as it
         commits: a failure after that (its index, the next replica) discards only the rest."""
-        land.hashed()
+        land.wait_hashed()
         land.part.commit()
         self.landed.remove(land)
         records = dedup.as_held(self.view.config.namespace, land.records, self.here)
-        write_index(self.view, self.step, land.rank, records, sum(map(len, land.blocks.values())))
+        write_records_index(self.view, self.step, land.rank, records, sum(map(len, land.blocks.values())))
 
     def _receive(self) -> None:
         """Wait for every transfer, hashing each chunk of a replica's part file as it lands
@@ -294,7 +295,7 @@ class Swap:
             self.group = None
         self.works = []
         for land in self.landed:
-            land.hashed()
+            land.wait_hashed()
             land.part.discard()
         self.landed.clear()
 

@@ -27,7 +27,7 @@ one (``part_file.adopt``) when no spare of its own is there to take. ``prepare``
 same before the first save (``TieredWriter.prepare``). A save of a CPU state that finds no
 file ready (the first, without ``prepare``) copies into private memory instead, which
 faults cheaper than a tmpfs file's claimed pages; its upload moves the copy into the part
-file (``settle``), which is then the slot's as if it had been staged into. Not when the
+file (``move_first_copy``), which is then the slot's as if it had been staged into. Not when the
 staged copy is shipped to another process (DCP's PROCESS mode): torch's pickling would move
 the private copy into a shared segment of its own, which that process holds while its
 upload copies it once more into the part file; such a save stages into its file.
@@ -59,7 +59,7 @@ from ..steps.part_file import TierFile
 from .snapshot import KINDS, PLAIN, SUBCLASS, Kind, plain_layout, refused
 from .snapshot import examine as examine_leaf
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 SLOTS = 2  # a save's bound on staged copies when it names none (``TieredWriter(staging_slots=)``)
 MAPPED_FILES = 8  # idle part-file slots kept mapped (their files kept steps), the newest first
@@ -302,7 +302,7 @@ class _Slot:
     busy: bool = False
     copier: int | None = None  # the thread taking it and copying into it, until its copy is done
     prepared: bool = False  # a part file made ahead, with no name yet (``part_file.prepare``)
-    first_copy: bool = False  # private memory until its upload moves it into ``file`` (``settle``)
+    first_copy: bool = False  # private memory until its upload moves it into ``file`` (``move_first_copy``)
     spares: str | None = None  # a prepared file's: the spare directory of the namespace it is for
     generation: int = 0
     limit: int = SLOTS  # the bound of the save that took it last (``StagingPool.stage``'s ``slots``)
@@ -374,7 +374,7 @@ def _first_copy(ex: Examined, target: TierFile) -> _Slot:
     layout's first save, with no ``prepare`` before it): nothing is claimed or touched
     before the copy, which faults its pages as stock DCP's first copy does (a tmpfs file's
     pages cost ~1.6x as much: claimed, then faulted). Its upload moves it into ``target``
-    (``StagingPool.settle``), off the training thread, and frees it."""
+    (``StagingPool.move_first_copy``), off the training thread, and frees it."""
     slot = _slot_over(ex, torch.empty(max(ex.nbytes, 1), dtype=torch.uint8), None, None)
     slot.file, slot.first_copy = target, True
     return slot
@@ -425,7 +425,7 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class Reservation:
+class InFlight:
     """A save counted in flight before its background staging takes a slot (the SIGTERM
     handler waits for it); released once, by the staging or by whatever failed before it."""
 
@@ -443,71 +443,31 @@ class Reservation:
                 self._pool._cond.notify_all()
 
 
-class StagingPool:
-    """The process's staging slots (see the module docstring)."""
+class FirstCopies:
+    """First copies (``_first_copy``) not yet in their part files, by the file's dirty path:
+    the slot and its staged dict. A first save of a CPU state with no file ready copies into
+    private memory (cheaper to fault than a tmpfs file's claimed pages); its upload moves the
+    copy into the part file (``move``), which is then the slot's, as if it had been staged
+    into. Shares the pool's lock: ``StagingPool.prepare`` waits on it for a move."""
 
-    def __init__(self) -> None:
-        self._slots: list[_Slot] = []
-        self._cond = threading.Condition(threading.RLock())
-        self._closing = False
-        self._reserved = 0  # saves counted in flight whose background staging has no slot yet
-        self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
-        # first copies (``_first_copy``) not yet in their part files, by its dirty path: the
-        # slot and its staged dict (``settle`` moves both)
-        self._first_copies: dict[str, tuple[_Slot, weakref.ref]] = {}
-        self._streams: dict[torch.device, Any] = {}  # device -> the side stream its copies run on
-        self._inherited: list[_Slot] = []  # a forked child's: its parent's slots (``_renew_pool``)
+    def __init__(self, cond: threading.Condition) -> None:
+        self._cond = cond
+        self._held: dict[str, tuple[_Slot, weakref.ref]] = {}
 
-    def reserve(self) -> Reservation:
-        """Count a save as in flight before its background staging has taken a slot."""
+    def add(self, slot: _Slot, staged: StagedStateDict) -> None:
+        assert slot.file is not None
         with self._cond:
-            self._reserved += 1
-        return Reservation(self)
+            self._held[slot.file.dirty] = (slot, weakref.ref(staged))
 
-    def stage(
-        self,
-        state: Mapping[str, Any] | Examined,
-        reserved: Reservation | None = None,
-        target: TierFile | None = None,
-        slots: int = SLOTS,
-        quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-        shipped: bool = False,
-    ) -> StagedStateDict:
-        """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early);
-        with ``target``, in that part file of the RAM tier (``part_file``). ``slots``: the
-        staged copies this save lets the process hold (it waits for an upload beyond).
-        ``quiet()`` is entered around the copy alone (the writer's pause: never around a
-        wait for a slot). ``shipped``: the copy goes to another process to be written (DCP's
-        PROCESS mode), so it is never a first copy in private memory (``_first_copy``)."""
-        try:
-            examined = state if isinstance(state, Examined) else examine(state)
-            slot, waited = self._acquire(examined, target if examined.nbytes else None, slots, shipped)
-        finally:
-            if reserved is not None:
-                reserved.release()
-        try:
-            with quiet():
-                values = self._copy_into(slot, examined)
-        except BaseException:
-            slot.copier = None
-            if slot.fd is not None and target is not None:
-                part_file.discard(target)
-            self._release(slot, slot.generation)
-            raise
-        slot.copier = None
-        staged = StagedStateDict(_fill(examined.template, values))
-        staged.slot_wait = waited  # saves faster than their commits wait here (``slots``)
-        file = slot.file.dirty if slot.fd is not None and slot.file is not None else None
-        staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values), file)
-        if file is not None:
-            _register(staged, file, slot.arena)
-        if slot.first_copy and slot.file is not None:
-            with self._cond:
-                self._first_copies[slot.file.dirty] = (slot, weakref.ref(staged))
-        weakref.finalize(staged, self._release, slot, slot.generation)
-        return staged
+    def forget(self, slot: _Slot) -> None:
+        """``slot`` was released with its copy never moved (under the pool's lock)."""
+        if slot.file is not None and self._held.get(slot.file.dirty, (None,))[0] is slot:
+            del self._held[slot.file.dirty]
 
-    def settle(self, target: TierFile) -> torch.Tensor | None:
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def move(self, target: TierFile) -> torch.Tensor | None:
         """The part file ``target`` with the first copy staged for it (``_first_copy``)
         moved in: made, mapped, copied into, the staged dict's tensors set onto it and the
         private copy freed. Called by that save's upload, off the training thread; the part
@@ -515,7 +475,7 @@ class StagingPool:
         None where there is none (another process's save, or it failed: the upload writes
         the file from the staged tensors, as for any other tier)."""
         with self._cond:
-            slot, ref = self._first_copies.get(target.dirty, (None, None))
+            slot, ref = self._held.get(target.dirty, (None, None))
         staged = ref() if ref is not None else None
         if slot is None or staged is None:
             return None
@@ -540,17 +500,31 @@ class StagingPool:
                 part_file.discard(target)
             return None
         finally:
-            self.forgo(target)
+            self.give_up(target)
 
-    def forgo(self, target: TierFile) -> None:
-        """No ``settle`` for ``target`` in this process: the next saves' files are made
-        beside its copy now (``prepare`` waits for it otherwise)."""
+    def give_up(self, target: TierFile) -> None:
+        """No ``move`` for ``target`` in this process: the next saves' files are made beside
+        its copy now (``StagingPool.prepare`` waits for it otherwise)."""
         with self._cond:
-            self._first_copies.pop(target.dirty, None)
+            self._held.pop(target.dirty, None)
             self._cond.notify_all()
 
+    def for_namespace(self, where: TierFile) -> list[_Slot]:
+        """The first copies waiting for their part files in ``where``'s namespace (under the
+        pool's lock)."""
+        slots = [slot for slot, _ in self._held.values()]
+        return [slot for slot in slots if slot.file is not None and slot.file.spares == where.spares]
+
+
+class Copier:
+    """The copy of a state into a slot's buffers (the stall of a save): host pieces on the
+    calling thread, device pieces on a side stream per device, kept."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}  # device -> the side stream its copies run on
+
     @torch.no_grad()
-    def _copy_into(self, slot: _Slot, ex: Examined) -> list[Any]:
+    def copy_into(self, slot: _Slot, ex: Examined) -> list[Any]:
         """Copy every piece into its arena view; then the per-save part of each leaf."""
         stream = self._side_stream(ex) if slot.pinned is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -586,6 +560,68 @@ class StagingPool:
             stream.wait_event(event)
         return stream
 
+
+class StagingPool:
+    """The process's staging slots (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._slots: list[_Slot] = []
+        self._cond = threading.Condition(threading.RLock())
+        self._closing = False
+        self._reserved = 0  # saves counted in flight whose background staging has no slot yet
+        self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
+        self.first_copies = FirstCopies(self._cond)
+        self.copier = Copier()
+        self._inherited: list[_Slot] = []  # a forked child's: its parent's slots (``_renew_pool``)
+
+    def reserve(self) -> InFlight:
+        """Count a save as in flight before its background staging has taken a slot."""
+        with self._cond:
+            self._reserved += 1
+        return InFlight(self)
+
+    def stage(
+        self,
+        state: Mapping[str, Any] | Examined,
+        reserved: InFlight | None = None,
+        target: TierFile | None = None,
+        slots: int = SLOTS,
+        quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+        shipped: bool = False,
+    ) -> StagedStateDict:
+        """A snapshot of ``state`` in a slot's buffers (``examine`` it first to refuse early);
+        with ``target``, in that part file of the RAM tier (``part_file``). ``slots``: the
+        staged copies this save lets the process hold (it waits for an upload beyond).
+        ``quiet()`` is entered around the copy alone (the writer's pause: never around a
+        wait for a slot). ``shipped``: the copy goes to another process to be written (DCP's
+        PROCESS mode), so it is never a first copy in private memory (``_first_copy``)."""
+        try:
+            examined = state if isinstance(state, Examined) else examine(state)
+            slot, waited = self._acquire(examined, target if examined.nbytes else None, slots, shipped)
+        finally:
+            if reserved is not None:
+                reserved.release()
+        try:
+            with quiet():
+                values = self.copier.copy_into(slot, examined)
+        except BaseException:
+            slot.copier = None
+            if slot.fd is not None and target is not None:
+                part_file.discard(target)
+            self._release(slot, slot.generation)
+            raise
+        slot.copier = None
+        staged = StagedStateDict(_fill(examined.template, values))
+        staged.slot_wait = waited  # saves faster than their commits wait here (``slots``)
+        file = slot.file.dirty if slot.fd is not None and slot.file is not None else None
+        staged._ship = (slot.arena, slot.spans, examined.template, _recipes(slot, values), file)
+        if file is not None:
+            _register(staged, file, slot.arena)
+        if slot.first_copy and slot.file is not None:
+            self.first_copies.add(slot, staged)
+        weakref.finalize(staged, self._release, slot, slot.generation)
+        return staged
+
     def prepare(self, ex: Examined, where: TierFile | None, files: int) -> int:
         """Make ready what the next saves of ``ex``'s layout stage into, so that none faults,
         allocates or registers a page: part files in ``where``'s tier (with no name yet,
@@ -594,13 +630,13 @@ class StagingPool:
         registered on CUDA) here. Returns the bytes made.
 
         Beside a first copy still in private memory (``_first_copy``, counted as the file it
-        becomes) one file is made, the rest once it is in its file (``settle``): host memory
+        becomes) one file is made, the rest once it is in its file (``move_first_copy``): host memory
         stays at ``files`` copies of the state."""
         made = 0
         while True:
             with self._cond:
                 need = self._missing(ex, where, files)
-                while need and made and where is not None and self._first_copy_for(where):
+                while need and made and where is not None and self.first_copies.for_namespace(where):
                     self._cond.wait(timeout=0.5)
                     need = self._missing(ex, where, files)
                 if not need:
@@ -627,14 +663,9 @@ class StagingPool:
             return 0 if have or not ex.nbytes else 1
         mine = [s for s in self._slots if s.fd is not None]
         have = sum(s.signature == signature for s in mine)
-        have += sum(s.signature == signature for s in self._first_copy_for(where))
+        have += sum(s.signature == signature for s in self.first_copies.for_namespace(where))
         others = part_file.unmapped(where, {os.fstat(s.fd).st_ino for s in mine})  # type: ignore[arg-type]
         return max(0, min(files, MAPPED_FILES) - have - others - self._preparing)
-
-    def _first_copy_for(self, where: TierFile) -> list[_Slot]:
-        """The first copies waiting for their part files in ``where``'s namespace."""
-        slots = [slot for slot, _ in self._first_copies.values()]
-        return [slot for slot in slots if slot.file is not None and slot.file.spares == where.spares]
 
     def prepare_soon(self, ex: Examined, where: TierFile | None, files: int) -> Future[int]:
         """``prepare`` on the pool's own thread, off the training thread; a failure (a full
@@ -767,8 +798,7 @@ class StagingPool:
                 counted = sum(s.busy or s.fd is None for s in self._slots)
                 if self._closing or slot.first_copy or (slot.fd is None and counted > slot.limit):
                     self._drop(slot)
-                if slot.file is not None and self._first_copies.get(slot.file.dirty, (None,))[0] is slot:
-                    del self._first_copies[slot.file.dirty]
+                self.first_copies.forget(slot)
                 self._cond.notify_all()
 
     def _drop(self, slot: _Slot) -> None:

@@ -36,7 +36,7 @@ from tiered_dcp.storage.blocks import Screen
 from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
 from tiered_dcp.storage.forks import ThreadPool
 from tiered_dcp.storage.format import NONFINITE_NAMES, ItemInfo, failed_key, index_key, part_key, pin_key
-from tiered_dcp.storage.local import LocalStorage
+from tiered_dcp.storage.local import LocalStorage, missing_root
 
 from ..config import TieredConfig, node_of
 from ..errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
@@ -53,14 +53,14 @@ from ..steps.part_file import TierFile
 from ..tensors import as_cpu_contiguous, byte_view, finite_screen
 from ..writer_process.client import MAX_PENDING, writer_handle
 from ..writer_process.run_dir import Job
-from ..writer_process.timings import Kind, record
+from ..writer_process.timings import SaveCall, record_save
 from . import dcp_call, host_memory, preemption, replica_check
 from .handoff import Handoff
 from .replica_check import ReplicaCheck
-from .replicate import SavedPart, Swap, write_index
-from .staging import POOL, Examined, Reservation, examine, staged_file
+from .replicate import SavedPart, Swap, write_records_index
+from .staging import POOL, Examined, InFlight, examine, staged_file
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -155,13 +155,13 @@ class InFile:
 
     file: TierFile
     arena: torch.Tensor  # uint8, over the whole file
-    end: int = 0  # where its items end once ``settle``d (the byte items follow)
+    end: int = 0  # where its items end once ``place_in_file`` ran (the byte items follow)
 
 
 @dataclass
 class Resolved:
     """A save's items on their way into the part: ``hashed`` once ``fingerprint`` is done;
-    ``in_file``: the positions of those staged into the part file ``staged`` (``settle``),
+    ``in_file``: the positions of those staged into the part file ``staged`` (``place_in_file``),
     each at its offset there."""
 
     items: list[RawItem]
@@ -170,11 +170,11 @@ class Resolved:
     in_file: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-def settle(
+def place_in_file(
     staged: InFile, items: list[RawItem], before: Callable[[int, int], None] | None = None
 ) -> dict[int, int]:
     """The items (by position) whose bytes were staged into the part file, each at its
-    offset there once the gaps between them are closed (``part_file.settle``). Their chunks
+    offset there once the gaps between them are closed (``part_file.close_gaps``). Their chunks
     are re-pointed at the moved bytes; any other item whose bytes lie in the file (one
     overlapping another) is copied out first, since closing the gaps moves bytes.
     ``before``: told the bytes each move overwrites (``ReplicaCheck.before_moving``)."""
@@ -194,7 +194,7 @@ def settle(
         else:
             placed.append((off, n, i))
             end = off + n
-    offsets = part_file.settle(base, [(off, n) for off, n, _ in placed], before)
+    offsets = part_file.close_gaps(base, [(off, n) for off, n, _ in placed], before)
     whole = byte_view(staged.arena)
     out = {}
     for (_, n, i), new in zip(placed, offsets, strict=True):
@@ -213,7 +213,7 @@ def encode_part(
     replicated: bool = False,
 ) -> SavedPart:
     """This rank's part for one tier, in memory: its stored chunks in file order, and its
-    records once the items are ``hashed`` (``SavedPart.sealed``: the part's bytes can be
+    records once the items are ``hashed`` (``SavedPart.seal``: the part's bytes can be
     written while their checksums are computed).
 
     Zero-copy on a raw tier (the chunks are views of the staged tensors); compressed
@@ -276,13 +276,13 @@ def encode_part(
 
 def write_part(view: TierView, step: int, part: SavedPart) -> None:
     """The part, then its index next to it (a part staged into its file: only the tail).
-    The index waits for the records (``SavedPart.sealed``), the part's bytes do not."""
+    The index waits for the records (``SavedPart.seal``), the part's bytes do not."""
     if part.in_file is not None:
         with view.own.errors(part_key(view.config.namespace, step, part.rank)):
             part_file.finish(part.in_file.file, part.in_file.end, part.tail)
     else:
         view.own.write(part_key(view.config.namespace, step, part.rank), part.stored)
-    write_index(view, step, part.rank, part.sealed(), part.written_blocks)
+    write_records_index(view, step, part.rank, part.seal(), part.written_blocks)
 
 
 class TieredWriter(StorageWriter, AsyncStager):
@@ -304,7 +304,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     step (``checkpoint_id``). Cheap to pickle, so DCP's PROCESS async mode can ship it.
     """
 
-    _synchronize_after_execute = False
+    _synchronize_after_execute = True  # DCP's last call on the loop's thread: the end of ``call``
 
     def __init__(
         self,
@@ -331,7 +331,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         # the jump rule's cliques now (local); a layout of failure domains, which every rank
         # gathers together (a collective), in the save's set-up, before any byte is written
         # (``set_up_storage_writer``; once per process group: ``domains.LAYOUTS``)
-        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size())
+        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size(), _current_rank())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -340,6 +340,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         self.generation = 0  # the trainer's world when it staged (``worlds.generation``)
         self.handoff_wait = 0.0  # seconds this save waited for a writer that fell behind
         self.stage_seconds: float | None = None  # the copy async_save waited for (None: a sync save)
+        self.call: SaveCall | None = None  # the async_save call as the loop sees it (None: a sync save)
         self.slot_wait: float | None = None  # of the staging, the wait for a slot earlier saves held
         self.staging_bytes: int | None = None  # the trainer's staging buffers once it staged
         self._write_seconds = 0.0  # this rank's part written to the first tier (``records``)
@@ -384,6 +385,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     # -- AsyncStager: the copy the training loop waits for --------------------------------
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | ConcurrentFuture[STATE_DICT_TYPE]:
+        self.call = SaveCall()
         self.owner_pid = os.getpid()
         self.generation = worlds.generation()
         self.handoff_wait = 0.0  # this save's: DCP's reset(checkpoint_id) comes after stage
@@ -411,12 +413,14 @@ class TieredWriter(StorageWriter, AsyncStager):
             self.stage_seconds = time.perf_counter() - started
             self.staging_bytes = POOL.info()["bytes"]
             self._prepare_next(examined)
+            self.call.staged(self.handoff_wait, hooked=dcp_call.calls_back(self.shipped))
             return staged
         future = _staging_thread().submit(self._stage_then_prepare, examined, POOL.reserve())
         self.stage_seconds = time.perf_counter() - started
+        self.call.staged(self.handoff_wait, hooked=False)
         return future
 
-    def _stage(self, examined: Examined, reserved: Reservation | None = None) -> STATE_DICT_TYPE:
+    def _stage(self, examined: Examined, reserved: InFlight | None = None) -> STATE_DICT_TYPE:
         """The copy into the staging slot, this rank's writer process paused during the copy
         alone (``run_dir.StagingLock``: it does not share the cores and memory bandwidth then)."""
         try:
@@ -432,7 +436,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             if reserved is not None:  # whatever failed before the pool took it
                 reserved.release()
 
-    def _stage_then_prepare(self, examined: Examined, reserved: Reservation) -> STATE_DICT_TYPE:
+    def _stage_then_prepare(self, examined: Examined, reserved: InFlight) -> STATE_DICT_TYPE:
         """Background staging: the copy, then the next saves' files (``_prepare_next``)."""
         staged = self._stage(examined, reserved)
         self._prepare_next(examined)
@@ -470,7 +474,10 @@ class TieredWriter(StorageWriter, AsyncStager):
             writer_handle(self.config, rank).ensure(os.getpid())
 
     def synchronize_staging(self) -> None:
-        """Nothing to do: ``stage`` returns a finished copy or a future for it."""
+        """Nothing to wait for: ``stage`` returns a finished copy or a future for it. DCP
+        calls it last, on the loop's thread, once its upload has the copy: the call's end."""
+        if self.call is not None:
+            self.call.end()
 
     def close(self) -> None:
         """Free this process's staging buffers (busy ones once their uploads end)."""
@@ -517,6 +524,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             self._op = worlds.Op(self.config.namespace, "save", self.step, self.config.peer_timeout)
             if _world_size() > 1:  # every rank here before DCP's first collective of the save
                 self._op.arrive("the save's start")
+        _say_missing_roots(self.config, self.node, self.rank)
         if self.layout is None:  # failure domains: every rank is here, in DCP's set-up
             self.layout = domains.LAYOUTS.get(self.config, _world_size(), self.rank)
 
@@ -558,6 +566,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             self._wait_for_writer(self.rank)
         elif not self._waited:  # a sync save: nothing was staged
             self.handoff_wait = 0.0
+            self.call = None
             host_memory.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
             self._wait_for_writer(self.rank)
         self._waited = False  # the hand-off is this save's: the next one waits afresh
@@ -571,7 +580,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             self.config, self.step, self.rank, plan, planner, items, self._local_plan, self.stage_seconds
         )
         moving = check.before_moving if check is not None else None  # a copy there: hashed first
-        in_file = settle(staged, items, moving) if staged is not None else {}  # first: it moves bytes
+        in_file = place_in_file(staged, items, moving) if staged is not None else {}  # first: it moves bytes
         resolved = Resolved(items, fingerprint(items), staged, in_file)  # hashed while written
         if check is not None:
             check.written(resolved.hashed, staged.arena if staged is not None else None)
@@ -639,7 +648,7 @@ class TieredWriter(StorageWriter, AsyncStager):
             t0 = time.perf_counter()
             write_part(first, self.step, part)
             self._write_seconds = time.perf_counter() - t0
-            records = part.sealed()
+            records = part.seal()
             if swap is not None:
                 swap.finish()
                 self.sent_bytes = swap.sent
@@ -663,7 +672,7 @@ class TieredWriter(StorageWriter, AsyncStager):
                 return dataclasses.replace(layout, world=len(world))
             placed = by_node(layout.factor, world, layout.jump)
             said = (tuple(world), layout.factor, layout.jump)
-            if said not in _UNEVEN_SAID:
+            if said not in _UNEVEN_SAID and self.rank == 0:  # every rank lays it out alike: said once
                 _UNEVEN_SAID.add(said)
                 log.warning("%s", uneven_world(placed, world, layout.jump))
             return placed
@@ -677,7 +686,7 @@ class TieredWriter(StorageWriter, AsyncStager):
     def _in_file(self, first: TierView) -> InFile | None:
         """The part file ``stage`` filled, when this save writes that very file (the step and
         rank it was staged for, mapped in this process), or, for a first copy staged in
-        private memory, that file with the copy moved in now (``StagingPool.settle``); a
+        private memory, that file with the copy moved in now (``FirstCopies.move``); a
         staged file it cannot use goes."""
         tf = self.staged_file
         if tf is None:
@@ -688,8 +697,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         )
         arena = staged_file(tf.dirty)
         if arena is None and ours:
-            arena = POOL.settle(tf)
-        POOL.forgo(tf)
+            arena = POOL.first_copies.move(tf)
+        POOL.first_copies.give_up(tf)
         if arena is None or not ours:
             part_file.discard(tf)
             return None
@@ -713,7 +722,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         staging = POOL.info()["bytes"] + POOL.prepared_bytes() if here else self.staging_bytes
         if staging is not None:  # not known in DCP's background process after background staging
             fields["staged"] = staging
-        record(self.config, Kind.SAVE, self.rank, self.step, **fields)
+        record_save(self.config, self.rank, self.step, fields, self.call)
         scores.watch_soon(self.config, self.rank)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -799,6 +808,23 @@ def _abandon(
         bounded(undo, first.config.tier_timeout)
     except Exception as e:  # noqa: BLE001 - the save's own error is what the user needs
         log.warning("step %d: could not clean up after the failed save on %s: %s", step, first.tier.path, e)
+
+
+_ROOTS_SEEN: set[str] = set()  # node-local tier roots this process looked for (``_say_missing_roots``)
+
+
+def _say_missing_roots(config: TieredConfig, node: int, rank: int) -> None:
+    """Warn, once per root, that a node-local tier's directory is made by this save, naming
+    the file system it lands on: a mount missing on this host must not pass silently."""
+    for tier in config.tiers:
+        if tier.is_shared or not tier.is_local_fs:
+            continue
+        root = os.path.abspath(tier.root(node, rank).removeprefix("file://"))
+        if root not in _ROOTS_SEEN:
+            _ROOTS_SEEN.add(root)
+            where = missing_root(root)
+            if where is not None:
+                log.warning("tier %s: %s; if that is not the disk you meant, fix the path", tier.path, where)
 
 
 def _current_rank() -> int:

@@ -44,7 +44,7 @@ from ..ranks.cliques import Layout
 from .leases import owner_alive
 from .placement import Placement, nodes_of, placement_for
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -278,7 +278,7 @@ class TierView:
         if not self.placement.pooled and marker.has_indexes:
             if sizes is None:
                 sizes = store.list_sizes(step_dir(self.config.namespace, marker.step))
-            return self._missing_listed(store, marker, sizes)
+            return _missing_listed(self.config.namespace, store, marker, sizes)
         step = marker.step
         problems = []
         md_key = metadata_key(self.config.namespace, step)
@@ -290,17 +290,6 @@ class TierView:
                 bad = [self.bad_indexes.get((s.url, step, p.rank)) for s in stores]
                 where = " or ".join(s.describe(part_key(self.config.namespace, step, p.rank)) for s in stores)
                 problems += [b for b in bad if b] or [f"{where} missing or wrong size"]
-        return problems
-
-    def _missing_listed(self, store: Storage, marker: Marker, sizes: dict[str, int]) -> list[str]:
-        ns, step = self.config.namespace, marker.step
-        problems = []
-        if sizes.get(METADATA) != marker.metadata_size:
-            problems.append(f"{store.describe(metadata_key(ns, step))} missing or wrong size")
-        for p in marker.parts:
-            index = index_key(ns, step, p.rank).rsplit("/", 1)[1]
-            if sizes.get(part_name(p.rank)) != p.size or index not in sizes:
-                problems.append(f"{store.describe(part_key(ns, step, p.rank))} missing or wrong size")
         return problems
 
     def committed(self) -> dict[int, StepCopy]:
@@ -326,31 +315,6 @@ class TierView:
     def complete_of(self, committed: dict[int, StepCopy]) -> dict[int, StepCopy]:
         """Those of ``committed`` that are complete (unbounded: for a caller inside ``answer``)."""
         return {s: c for s, c in committed.items() if not self.missing(c.store, c.marker)}
-
-    def abandoned(self, store: Storage, step: int) -> bool:
-        """Whether an uncommitted step will never be committed: its save recorded a failure,
-        or nothing in it belongs to a running save (every pin's process is gone)."""
-        sdir = step_dir(self.config.namespace, step)
-        names = store.list(sdir)
-        if any(is_failed_note(n) for n in names):
-            return True
-        for name in names:
-            if _is_pin(name):
-                try:
-                    if owner_alive(store.read(f"{sdir}/{name}", 0, NOTE_LIMIT)):
-                        return False  # its save may still commit it (an async save in flight)
-                except OSError:  # gone, or no file to read (a pin is never that)
-                    continue
-        return True
-
-    def failure(self, store: Storage, step: int) -> str | None:
-        """The errors a failed save of ``step`` recorded in ``store``, if any."""
-        sdir = step_dir(self.config.namespace, step)
-        notes = []
-        for name in sorted(n for n in store.list(sdir) if is_failed_note(n)):
-            with contextlib.suppress(OSError):  # gone, or no file to read
-                notes.append(store.read(f"{sdir}/{name}", 0, NOTE_LIMIT).decode("utf-8", "replace"))
-        return "; ".join(notes) or None
 
 
 def views(config: TieredConfig, node: int, rank: int, indexes: IndexCache | None = None) -> list[TierView]:
@@ -378,3 +342,43 @@ def describe_search(tier_views: Iterable[TierView]) -> str:
         extra = f"; committed but damaged (a file missing): {broken}" if broken else ""
         lines.append(f"  tier {view.index} [{roots}]: complete steps {complete or 'none'}{extra}")
     return "\n".join(lines)
+
+
+def abandoned(namespace: str, store: Storage, step: int) -> bool:
+    """Whether an uncommitted step will never be committed: its save recorded a failure,
+    or nothing in it belongs to a running save (every pin's process is gone)."""
+    sdir = step_dir(namespace, step)
+    names = store.list(sdir)
+    if any(is_failed_note(n) for n in names):
+        return True
+    for name in names:
+        if _is_pin(name):
+            try:
+                if owner_alive(store.read(f"{sdir}/{name}", 0, NOTE_LIMIT)):
+                    return False  # its save may still commit it (an async save in flight)
+            except OSError:  # gone, or no file to read (a pin is never that)
+                continue
+    return True
+
+
+def failure(namespace: str, store: Storage, step: int) -> str | None:
+    """The errors a failed save of ``step`` recorded in ``store``, if any."""
+    sdir = step_dir(namespace, step)
+    notes = []
+    for name in sorted(n for n in store.list(sdir) if is_failed_note(n)):
+        with contextlib.suppress(OSError):  # gone, or no file to read
+            notes.append(store.read(f"{sdir}/{name}", 0, NOTE_LIMIT).decode("utf-8", "replace"))
+    return "; ".join(notes) or None
+
+
+def _missing_listed(ns: str, store: Storage, marker: Marker, sizes: dict[str, int]) -> list[str]:
+    """What a listing of a committed step's directory (names and sizes) shows missing."""
+    step = marker.step
+    problems = []
+    if sizes.get(METADATA) != marker.metadata_size:
+        problems.append(f"{store.describe(metadata_key(ns, step))} missing or wrong size")
+    for p in marker.parts:
+        index = index_key(ns, step, p.rank).rsplit("/", 1)[1]
+        if sizes.get(part_name(p.rank)) != p.size or index not in sizes:
+            problems.append(f"{store.describe(part_key(ns, step, p.rank))} missing or wrong size")
+    return problems

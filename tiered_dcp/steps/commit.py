@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from ..ranks.worlds import Op
     from .metadata import Records
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 def commit_root(view: TierView, step: int, blob: bytes, marker: Marker) -> None:
@@ -308,6 +308,8 @@ class _Agreement:
         if op is None or len(world) == 1:
             if error is not None:
                 raise error
+            if op is not None:  # a world of one left by abort: nothing of it commits
+                op.check("the commit")
             blob, marker = build_commit(
                 save.view, save.step, self.metadata(), world, records, save.layout(world)
             )

@@ -26,7 +26,7 @@ from tiered_dcp.storage.format import is_lease, lease_key, marker_key, step_dir
 from tiered_dcp.storage.owners import HOST
 from tiered_dcp.storage.records import NOTE_LIMIT
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 LEASE_TTL = float(os.environ.get("TIERED_DCP_LEASE_TTL", "120"))
 

@@ -8,14 +8,19 @@ then checks that it describes a checkpoint whole (``check``) before any reader u
 Formats 1 and 2 kept each item's full record there instead; where such a step has no index
 next to a part, ``legacy_index`` rebuilds one from those records.
 
+torch is imported where a function needs DCP's classes, not with this module: a check of a
+step (``loads(plain=True)``, ``tiered-dcp verify``) reads the blob into the torch-free
+stand-ins of ``plain_metadata`` where it can, and ``check`` is the same for both (``Kinds``).
+
 torch >= 2.15 pickles a sixth field in ``TensorProperties`` (the tensor's ``strides``),
 which older torch's ``__setstate__`` refuses; under such a torch the unpickler reads it
-with ``_NewerTensorProperties``, which drops the strides (no older torch uses them).
+with ``_newer_tensor_properties``, which drops the strides (no older torch uses them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -23,25 +28,74 @@ import math
 import operator
 import pickle
 import sys
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from tiered_dcp.storage.codec import ChecksumMismatch
 from tiered_dcp.storage.format import ItemInfo, ItemKey, PartIndex, Record, metadata_key, step_dir
 from tiered_dcp.storage.records import DamagedRecord, whole_numbers
 
+from . import plain_metadata
 from .catalog import StepCopy, read_metadata_blob
 
-Records = dict[MetadataIndex, Record]
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+Records = dict["MetadataIndex", Record]
+DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+
+def _dcp() -> ModuleType:
+    """DCP's metadata module (torch: imported on first use)."""
+    module = sys.modules.get(DCP_METADATA)
+    if module is None:
+        import torch.distributed.checkpoint.metadata as module
+    return module
+
+
+@dataclass(frozen=True)
+class Kinds:
+    """The classes a metadata blob is read into, as ``check`` asks of them: DCP's own
+    (``torch_kinds``), or the torch-free stand-ins of ``plain_metadata`` (``PLAIN_KINDS``)."""
+
+    name: str
+    metadata: type
+    index: type
+    tensor: type
+    bytes: type
+    dtype_facts: Callable[[Any], tuple[int, str] | None]  # a dtype's element size and name; None: no dtype
+
+
+PLAIN_KINDS = Kinds(
+    "plain",
+    plain_metadata.Metadata,
+    plain_metadata.MetadataIndex,
+    plain_metadata.TensorStorageMetadata,
+    plain_metadata.BytesStorageMetadata,
+    plain_metadata.dtype_facts,
+)
+
+
+@functools.cache
+def torch_kinds() -> Kinds:
+    """DCP's metadata classes, and torch's dtypes' facts (each computed once)."""
+    import torch
+
+    m = _dcp()
+    facts: dict[torch.dtype, tuple[int, str]] = {}
+
+    def dtype_facts(dtype: Any) -> tuple[int, str] | None:
+        if not isinstance(dtype, torch.dtype):
+            return None
+        if dtype not in facts:
+            facts[dtype] = (torch.empty(0, dtype=dtype).element_size(), str(dtype))
+        return facts[dtype]
+
+    return Kinds(
+        "torch", m.Metadata, m.MetadataIndex, m.TensorStorageMetadata, m.BytesStorageMetadata, dtype_facts
+    )
 
 
 def item_key(index: MetadataIndex) -> ItemKey:
@@ -49,7 +103,7 @@ def item_key(index: MetadataIndex) -> ItemKey:
 
 
 def index_of(key: ItemKey) -> MetadataIndex:
-    return MetadataIndex(key.fqn, key.offset, key.index)
+    return _dcp().MetadataIndex(key.fqn, key.offset, key.index)
 
 
 def records_to_json(records: Mapping[MetadataIndex, Record]) -> bytes:
@@ -76,29 +130,46 @@ def build_blob(metadata: Metadata, records: Mapping[MetadataIndex, Record]) -> b
     )
 
 
-def loads(blob: bytes, world: int | None = None, stock: bool = False) -> Metadata:
+def loads(blob: bytes, world: int | None = None, stock: bool = False, plain: bool = False) -> Metadata:
     """Unpickle a metadata blob, admitting only what DCP's metadata is made of (``stock``:
     also what a stock ``FileSystemWriter`` puts in it, for an import), and check that it
     describes a checkpoint (``check``; ``world``: its ranks, where known). ChecksumMismatch
-    (damage) otherwise."""
-    unpickler = _StockMetadataUnpickler if stock else _MetadataUnpickler
+    (damage) otherwise. ``plain``: without torch where the blob allows (``plain_metadata``:
+    stand-ins of DCP's classes); whatever that reader does not take, or finds wrong, is
+    read again by torch's, which alone calls a blob damaged."""
+    if plain and not stock:
+        try:
+            md = _unpickle(blob, plain_metadata.PlainUnpickler, PLAIN_KINDS)
+            return _checked(md, blob, world, PLAIN_KINDS)
+        except Exception:  # noqa: BLE001 - not read here: torch's reader decides
+            pass
+    kinds = torch_kinds()
+    md = _unpickle(blob, _StockMetadataUnpickler if stock else _MetadataUnpickler, kinds)
+    return md if stock else _checked(md, blob, world, kinds)
+
+
+def _unpickle(blob: bytes, unpickler: type[pickle.Unpickler], kinds: Kinds) -> Any:
     try:
         md = unpickler(io.BytesIO(blob)).load()
     except Exception as e:  # noqa: BLE001 - any error while the blob becomes objects is damage
         raise _refused(e) from None
-    if not isinstance(md, Metadata):
+    if not isinstance(md, kinds.metadata):
         raise ChecksumMismatch(f"metadata holds a {type(md).__name__}, not DCP's Metadata")
-    if not stock:
-        key = (hashlib.blake2b(blob).digest(), world)  # a cryptographic digest: no blob passes as another
-        checked = _CHECKED.get(key)
-        try:
-            if checked is None:
-                checked = check(md, world)
-        except Exception as e:  # noqa: BLE001 - objects of the wrong kind fail the checks their own way
-            raise _refused(e) from None
-        setattr(md, CHECKED, checked)  # ``item_info`` reads them, rather than parse each again
-        _CHECKED.clear()
-        _CHECKED[key] = checked
+    return md
+
+
+def _checked(md: Any, blob: bytes, world: int | None, kinds: Kinds) -> Any:
+    """``md`` with the facts ``check`` found in it (checked once per blob, world and kinds)."""
+    key = (hashlib.blake2b(blob).digest(), world, kinds.name)  # cryptographic: no blob passes as another
+    checked = _CHECKED.get(key)
+    try:
+        if checked is None:
+            checked = check(md, world, kinds)
+    except Exception as e:  # noqa: BLE001 - objects of the wrong kind fail the checks their own way
+        raise _refused(e) from None
+    setattr(md, CHECKED, checked)  # ``item_info`` reads them, rather than parse each again
+    _CHECKED.clear()
+    _CHECKED[key] = checked
     return md
 
 
@@ -111,25 +182,29 @@ def _refused(e: Exception) -> ChecksumMismatch:
     return ChecksumMismatch(f"metadata refused: {why[:300]}")
 
 
-# The item facts of the metadata blob checked last, by (its BLAKE2b digest, world): a load
-# of the same save again in this process (a restart in the same process) checks it once.
-_CHECKED: dict[tuple[bytes, int | None], dict] = {}
+# The item facts of the metadata blob checked last, by (its BLAKE2b digest, world, kinds): a
+# load of the same save again in this process (a restart in the same process) checks it once.
+_CHECKED: dict[tuple[bytes, int | None, str], dict] = {}
 
 
 CHECKED = "_tiered_dcp_items"  # the attribute ``check`` leaves on a metadata: its items' facts
 
 
-def check(md: Metadata, world: int | None) -> dict[tuple[str, tuple[int, ...] | None], ItemInfo]:
+def check(
+    md: Metadata, world: int | None, kinds: Kinds | None = None
+) -> dict[tuple[str, tuple[int, ...] | None], ItemInfo]:
     """That ``md`` describes a checkpoint whole, as DCP's planner checks a save's plan: every
     tensor chunk inside its tensor and the chunks' volumes its volume; every item of the state
     dict with a stored item that says the same of it (kind, dtype, shape, its bytes), stored
     by a rank of the save, and no stored item of nothing. DamagedRecord (what, why) else;
-    its items' facts by (name, offset) if it does."""
+    its items' facts by (name, offset) if it does. ``kinds``: what ``md`` was read into
+    (default: DCP's classes)."""
+    kinds = kinds or torch_kinds()
     if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
         raise DamagedRecord("its state dict or storage data is not a mapping")
     stored: dict[tuple[str, tuple[int, ...] | None], ItemInfo] = {}
     for index, d in md.storage_data.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+        if not isinstance(index, kinds.index) or not isinstance(index.fqn, str):
             raise DamagedRecord(f"a storage key is a {type(index).__name__}, not a MetadataIndex")
         info = ItemInfo.from_dict(d)
         if world is not None and info.rank >= world:
@@ -137,9 +212,9 @@ def check(md: Metadata, world: int | None) -> dict[tuple[str, tuple[int, ...] | 
         stored[(index.fqn, None if index.offset is None else tuple(index.offset))] = info
     described = set()
     for fqn, entry in md.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            described |= _check_tensor(fqn, entry, stored)
-        elif isinstance(entry, BytesStorageMetadata):
+        if isinstance(entry, kinds.tensor):
+            described |= _check_tensor(fqn, entry, stored, kinds)
+        elif isinstance(entry, kinds.bytes):
             info = stored.get((fqn, None))
             if info is None or info.kind != "bytes":
                 raise DamagedRecord(f"value {fqn!r} has no stored item")
@@ -152,17 +227,12 @@ def check(md: Metadata, world: int | None) -> dict[tuple[str, tuple[int, ...] | 
     return stored
 
 
-_DTYPES: dict[torch.dtype, tuple[int, str]] = {}  # a dtype's element size and name
-
-
-def _check_tensor(fqn: str, entry: TensorStorageMetadata, stored: dict) -> set:
+def _check_tensor(fqn: str, entry: Any, stored: dict, kinds: Kinds) -> set:
     """The stored items of tensor ``fqn``'s chunks, each checked (``check``)."""
     props, size = entry.properties, entry.size
-    if not isinstance(props.dtype, torch.dtype) or not whole_numbers(size):
+    facts = kinds.dtype_facts(props.dtype)
+    if facts is None or not whole_numbers(size):
         raise DamagedRecord(f"tensor {fqn!r} has no dtype or a bad size")
-    facts = _DTYPES.get(props.dtype)
-    if facts is None:
-        facts = _DTYPES[props.dtype] = (torch.empty(0, dtype=props.dtype).element_size(), str(props.dtype))
     itemsize, name = facts
     volume, keys = 0, set()
     for c in entry.chunks:
@@ -196,14 +266,15 @@ def _check_tensor(fqn: str, entry: TensorStorageMetadata, stored: dict) -> set:
     return keys
 
 
-def load_metadata(copy: StepCopy) -> Metadata:
-    """The step's metadata from this copy, checked against the marker's checksum.
+def load_metadata(copy: StepCopy, plain: bool = False) -> Metadata:
+    """The step's metadata from this copy, checked against the marker's checksum (``plain``:
+    without torch where it can, ``loads``).
 
     Raises OSError when it cannot be read and ChecksumMismatch when it is damaged.
     """
     blob = read_metadata_blob(copy)
     try:
-        return loads(blob, copy.marker.world_size)
+        return loads(blob, copy.marker.world_size, plain=plain)
     except ChecksumMismatch as e:
         key = metadata_key(copy.marker.namespace, copy.step)
         raise ChecksumMismatch(f"{copy.store.describe(key)}: {e}") from e
@@ -227,19 +298,22 @@ def legacy_index(md: Metadata, namespace: str, step: int, rank: int) -> PartInde
     return PartIndex.of(rank, [(k, r) for k, r in recs if r.info.rank == rank]).check_names(namespace)
 
 
-class _NewerTensorProperties(TensorProperties):
-    """Reads a ``TensorProperties`` pickled by torch >= 2.15 under an older torch.
+@functools.cache
+def _newer_tensor_properties() -> type:
+    """Under a torch < 2.15, the class that reads a ``TensorProperties`` pickled by torch >=
+    2.15 (whose state has a sixth entry, the strides, that this torch has no field for): it
+    drops the strides and the object becomes a plain ``TensorProperties`` again. Under a
+    torch >= 2.15, ``TensorProperties`` itself."""
+    base = _dcp().TensorProperties
+    if "strides" in {f.name for f in dataclasses.fields(base)}:
+        return base
 
-    Its state then has a sixth entry, the strides, that this torch has no field for: it is
-    dropped and the object becomes a plain ``TensorProperties`` again.
-    """
+    class _NewerTensorProperties(base):  # type: ignore[misc, valid-type]
+        def __setstate__(self, state: tuple) -> None:
+            super().__setstate__(tuple(state[:5]))
+            self.__class__ = base
 
-    def __setstate__(self, state: tuple) -> None:
-        super().__setstate__(tuple(state[:5]))
-        self.__class__ = TensorProperties  # type: ignore[assignment]
-
-
-_TORCH_KNOWS_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+    return _NewerTensorProperties
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -250,7 +324,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     writers, readers or executors, whose constructors act.
     """
 
-    _DCP = "torch.distributed.checkpoint.metadata"
+    _DCP = DCP_METADATA
 
     # no bytes nor bytearray: called with a number they allocate it (pickle stores bytes as
     # data, never as a call)
@@ -262,12 +336,14 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
+        import torch
+
         if (module, name) in self._PLAIN:
             return super().find_class(module, name)
         if module == self._DCP:
-            found = getattr(sys.modules[self._DCP], name, None)
-            if found is TensorProperties and not _TORCH_KNOWS_STRIDES:
-                return _NewerTensorProperties  # written by torch >= 2.15: its strides are dropped
+            found = getattr(_dcp(), name, None)
+            if found is _dcp().TensorProperties:
+                return _newer_tensor_properties()  # under torch < 2.15, one that drops the strides
             if isinstance(found, type) and found.__module__ == self._DCP:  # its records and enums
                 return found
         if module == "torch" and isinstance(

@@ -6,7 +6,7 @@ that its files are recycled: a fresh file per save would be a copy into cold pag
 stall several times a warm copy's), staging lays the state out in a dirty part file of
 the step there, mapped into memory (``TierFile``), rather than
 in a buffer of its own. The save then closes the gaps the plan left (pieces another rank
-writes: ``settle``), appends the plan's few byte items and renames the file clean
+writes: ``close_gaps``), appends the plan's few byte items and renames the file clean
 (``finish``): the step is held once, where a staging buffer would hold it a second time.
 
 Part files are recycled. Retention drops a step on a memory tier by moving its part
@@ -39,7 +39,7 @@ from tiered_dcp.storage.local import DIRTY, LocalStorage, MappedFile, in_memory
 
 from ..config import TieredConfig
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def size_to(fd: int, size: int) -> None:
         os.posix_fallocate(fd, start, size - start)
 
 
-def settle(
+def close_gaps(
     base: int, placed: list[tuple[int, int]], before: Callable[[int, int], None] | None = None
 ) -> list[int]:
     """Close the gaps between the byte ranges ``placed`` (offset, length; ascending, not

@@ -17,7 +17,7 @@ from tiered_dcp.storage.format import Marker, is_pin, marker_key, step_dir
 from tiered_dcp.storage.records import DamagedRecord, read_marker_bytes
 
 from . import part_file
-from .catalog import TierView
+from .catalog import TierView, abandoned
 from .leases import leased
 from .placement import WholeRule
 
@@ -54,7 +54,7 @@ def apply_retention(view: TierView, newest: int) -> None:
     pins_hold = not part_file.drops_pinned(view.config, store)  # on_lagging_tier
     deleted = sum(drop(view, step, pins_hold) for step in sorted(doomed))
     for step in listed:
-        if step < newest and step not in committed and view.abandoned(store, step):
+        if step < newest and step not in committed and abandoned(view.config.namespace, store, step):
             store.delete(step_dir(ns, step))
             deleted += 1
     if deleted:

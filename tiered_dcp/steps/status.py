@@ -17,7 +17,7 @@ from tiered_dcp.storage.local import DIRTY
 
 from ..config import StrEnum
 from ..ranks.cliques import Layout
-from .catalog import StepCopy, TierView
+from .catalog import StepCopy, TierView, abandoned, failure
 from .choice import marks_of
 
 
@@ -121,11 +121,11 @@ def _uncommitted(view: TierView, store: Storage, step: int) -> StepState | None:
     bad = view.bad_markers.get((store.url, step))
     if bad is not None:  # a marker that fails its checks: committed once, perhaps, but not loadable
         return StepState(view.index, view.tier.path, step, StepStatus.DAMAGED, size, None, bad)
-    error = view.failure(store, step)
+    error = failure(view.config.namespace, store, step)
     if error is None and not data:
         if not any(is_pin(n) for n in names):
             return None
-        if view.abandoned(store, step):
+        if abandoned(view.config.namespace, store, step):
             error = "its save ended before it wrote anything"
     if error is not None:
         state = StepStatus.FAILED
@@ -141,7 +141,7 @@ def interrupted(view: TierView, store: Storage, step: int, names: list[str] | No
     was killed, or its node lost): it pinned the step, and no pin's process is alive."""
     if names is None:
         names = store.list(step_dir(view.config.namespace, step))
-    return any(is_pin(n) for n in names) and view.abandoned(store, step)
+    return any(is_pin(n) for n in names) and abandoned(view.config.namespace, store, step)
 
 
 def leftover(view: TierView, store: Storage, step: int) -> str:

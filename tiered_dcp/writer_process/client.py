@@ -21,10 +21,11 @@ from ..config import TieredConfig
 from .private_dir import open_private
 from .run_dir import POLL, Job, OutcomeState, RunDir, TierState
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 MAX_PENDING = 2  # steps per slower tier a rank's writer may have queued before a save waits
-WAIT_WARNING = 0.1  # seconds a save waits for its writer before that is logged (then once a minute)
+WAIT_WARNING = 1.0  # seconds a save waits for its writer before that is logged (then every 10 min)
+WARNING_EVERY = 600.0  # seconds between two such warnings of one rank
 _LAUNCHED: dict[RunDir, subprocess.Popen] = {}  # writers this process started (reaped by a thread)
 
 
@@ -100,7 +101,7 @@ class WriterHandle:
         next save wait and never delays the commit of a step already written. A tier its
         writer judges stalled or failing is not waited for: the writer keeps only the newest
         step queued for it. Returns the seconds waited. The wait is logged once it exceeds
-        ``WAIT_WARNING``, then at most once a minute: a slow tier slows every save, one line
+        ``WAIT_WARNING``, then at most every ``WARNING_EVERY``: a slow tier slows every save, one line
         says so.
         """
         started = time.monotonic()
@@ -111,7 +112,7 @@ class WriterHandle:
                 self.healthy(target)
             ):
                 if time.monotonic() > warn_at:
-                    warn_at = self._next_warning = time.monotonic() + 60
+                    warn_at = self._next_warning = time.monotonic() + WARNING_EVERY
                     log.warning(
                         "rank %d: the writer lags on tier %s; step %d has waited %.1f s for it "
                         "(nothing is dropped; a slower tier cannot take steps faster than it "

@@ -56,7 +56,7 @@ from ..steps.retention import apply_retention
 from .run_dir import POLL, Job, Outcome, OutcomeState, RunDir, TierHealth, TierState
 from .timings import Kind, record
 
-log = logging.getLogger("tiered_dcp.writer")
+log = logging.getLogger(__name__)
 
 ATTEMPTS = 3  # tries per (step, tier) before the step is reported failed on that tier
 OWNER_GRACE = 30.0  # seconds to wait for a commit once the trainer is gone

