@@ -261,11 +261,16 @@ class Marker:
     nonfinite: list[str] = field(default_factory=list)  # the first NONFINITE_NAMES of them
     cliques: list[list[int]] | None = None  # failure domains: the cliques, else the jump rule
     domains: list[str] | None = None  # failure domains: rank -> its domain, as stated
+    replica_mismatch_items: int = 0  # items whose replicas disagreed (``on_replica_mismatch="mark"``)
+    replica_mismatch: list[str] = field(default_factory=list)  # the first NONFINITE_NAMES of them
+    replica_ranks: list[int] = field(default_factory=list)  # the ranks whose copies were odd
 
     def to_bytes(self) -> bytes:
         d = asdict(self)
         if self.finite:  # a finite step's marker reads as before, by older versions too
             del d["nonfinite_items"], d["nonfinite"]
+        if self.replicas_agree:  # so does one whose replicas agreed
+            del d["replica_mismatch_items"], d["replica_mismatch"], d["replica_ranks"]
         for key in ("cliques", "domains"):  # so does one saved without failure domains
             if d[key] is None:
                 del d[key]
@@ -319,6 +324,7 @@ class Marker:
             nonfinite,
             d.get("cliques"),
             d.get("domains"),
+            *_replica_fields(d, world),
         )
         _check_layout(marker)
         return marker
@@ -327,6 +333,16 @@ class Marker:
     def finite(self) -> bool:
         """False when the save found NaN/Inf in a floating tensor (loads pass it over)."""
         return self.nonfinite_items == 0
+
+    @property
+    def replicas_agree(self) -> bool:
+        """False when the save found data-parallel replicas that disagree (loads pass it over)."""
+        return self.replica_mismatch_items == 0
+
+    @property
+    def trusted(self) -> bool:
+        """Whether loads that choose a step may choose this one (finite, replicas agreeing)."""
+        return self.finite and self.replicas_agree
 
     @property
     def has_indexes(self) -> bool:
@@ -339,7 +355,24 @@ class Marker:
 
 
 _MARKER_REQUIRED = {"step", "namespace", "world_size", "parts", "metadata_size", "metadata_xxh3", "format"}
-_MARKER_OPTIONAL = {"created", "replication", "nonfinite_items", "nonfinite", "cliques", "domains"}
+_MARKER_OPTIONAL = {
+    *("created", "replication", "nonfinite_items", "nonfinite", "cliques", "domains"),
+    *("replica_mismatch_items", "replica_mismatch", "replica_ranks"),
+}
+
+
+def _replica_fields(d: dict, world: int) -> tuple[int, list[str], list[int]]:
+    """A marker's replica fields, checked: names as ``nonfinite``'s, ranks of the world."""
+    names = [
+        short_text(n, "a name of an item whose replicas disagreed")
+        for n in short_list(d.get("replica_mismatch", []), "replica_mismatch", NONFINITE_NAMES)
+    ]
+    ranks = [
+        whole_number(r, "a rank whose replica was odd", world - 1)
+        for r in short_list(d.get("replica_ranks", []), "replica_ranks", world)
+    ]
+    count = whole_number(d.get("replica_mismatch_items", 0), "replica_mismatch_items", MAX_BYTES, len(names))
+    return count, names, ranks
 
 
 def _check_layout(marker: Marker) -> None:

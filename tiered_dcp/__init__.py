@@ -22,6 +22,7 @@ from .errors import (
     NoCheckpointError,
     NonFiniteStateError,
     PeerLostError,
+    ReplicaMismatchError,
     SnapshotError,
     TieredCheckpointError,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "NoCheckpointError",
     "NonFiniteStateError",
     "PeerLostError",
+    "ReplicaMismatchError",
     "SnapshotError",
     "StepState",
     "Tier",

@@ -180,6 +180,7 @@ class Tier:
 
 
 NONFINITE_POLICIES = ("mark", "raise", "ignore")  # TieredConfig.on_nonfinite; the first is the default
+REPLICA_POLICIES = ("mark", "raise", "warn", "ignore")  # TieredConfig.on_replica_mismatch; likewise
 LAGGING_POLICIES = ("wait", "skip")  # TieredConfig.on_lagging_tier; the first is the default
 
 
@@ -205,7 +206,13 @@ class TieredConfig:
     persist and exits. ``on_nonfinite``: what a save of a floating tensor holding NaN/Inf
     does (``NONFINITE_POLICIES``): ``"mark"`` saves the step marked non-finite, so that
     ``load_latest`` and ``TieredReader(config)`` pass it over; ``"raise"`` fails the save
-    before it is committed; ``"ignore"`` does not look. ``failure_domain``: where each rank
+    before it is committed; ``"ignore"`` does not look. ``on_replica_mismatch``: what a save
+    whose data-parallel replicas disagree does (``REPLICA_POLICIES``; every replica of an
+    item several ranks hold is checksummed and compared at the save's agreement):
+    ``"mark"`` commits the step marked, so that loads that choose a step pass it over, as
+    a non-finite one; ``"raise"`` refuses it (``ReplicaMismatchError`` on every rank);
+    ``"warn"`` commits it as any other; ``"ignore"`` compares nothing. Each disagreement is
+    logged and recorded at once, whatever the policy. ``failure_domain``: where each rank
     sits among the groups that fail together (a rack, a power domain, a node pool): the name
     of an environment variable each rank reads, or a callable ``rank -> str`` (a module-level
     function, for DCP's PROCESS async mode). Given, cliques are laid out across domains
@@ -229,6 +236,7 @@ class TieredConfig:
     tier_timeout: float = 10.0
     writer_drain_timeout: float = 600.0
     on_nonfinite: str = "mark"
+    on_replica_mismatch: str = "mark"
     failure_domain: str | Callable[[int], str] | None = None
     on_lagging_tier: str = "wait"
 
@@ -270,6 +278,11 @@ class TieredConfig:
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
                 f"TieredConfig: on_nonfinite={self.on_nonfinite!r} must be one of {list(NONFINITE_POLICIES)}"
+            )
+        if self.on_replica_mismatch not in REPLICA_POLICIES:
+            raise ValueError(
+                f"TieredConfig: on_replica_mismatch={self.on_replica_mismatch!r} "
+                f"must be one of {list(REPLICA_POLICIES)}"
             )
         if self.on_lagging_tier not in LAGGING_POLICIES:
             raise ValueError(

@@ -44,6 +44,22 @@ class NonFiniteStateError(TieredCheckpointError):
     """A save met NaN/Inf in a floating tensor with ``on_nonfinite="raise"``; names the items."""
 
 
+class ReplicaMismatchError(TieredCheckpointError):
+    """A save found data-parallel replicas of an item that disagree, with
+    ``on_replica_mismatch="raise"``: the step is not committed.
+
+    ``step``: the step; ``items``: the items whose copies differ; ``ranks``: the ranks holding
+    the odd copies (with two copies, both). The message names each item, the ranks and their
+    nodes."""
+
+    def __init__(self, message: str, step: int | None = None, items: tuple = (), ranks: tuple = ()) -> None:
+        super().__init__(message)
+        self.step, self.items, self.ranks = step, tuple(items), tuple(ranks)
+
+    def __reduce__(self) -> tuple:  # DCP sends a rank's failure to the others pickled
+        return (type(self), (str(self), self.step, self.items, self.ranks))
+
+
 class SnapshotError(TieredCheckpointError, TypeError):
     """``async_save`` staging met a value it cannot snapshot; names its key and type."""
 

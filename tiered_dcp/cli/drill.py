@@ -37,7 +37,10 @@ not counted as lost, and listed apart; resuming from it is a failure. A restart 
 a wrong or non-finite state with no error and no warning naming the step it restored is a
 *silent escape*, counted on its own (``silent escapes: N``). The report gives each fault's
 recovery time (fault to state restored) and load time, and what a bucket outage did to the
-loop.
+loop. Every save compares the ranks' copies of the replicated items (the optimizer's step
+counts: ``on_replica_mismatch``); the drill corrupts none, so any disagreement the job
+recorded is a false report and fails the drill (``replica disagreements``), and a suspect
+node (``metrics.scores.suspects``) is listed.
 """
 
 from __future__ import annotations
@@ -412,6 +415,10 @@ class DrillReport:
     events: list[Event]
     bucket: str
     notes: list[str] = field(default_factory=list)
+    # the job's records of replicas that disagreed (the drill corrupts none: each is a false
+    # report), and the ranks they made suspects
+    replica_reports: list[str] = field(default_factory=list)
+    suspects: list[str] = field(default_factory=list)
 
     @property
     def silent_escapes(self) -> int:
@@ -421,7 +428,7 @@ class DrillReport:
 
     @property
     def ok(self) -> bool:
-        return not any(e.lost for e in self.events) and not self.silent_escapes
+        return not any(e.lost for e in self.events) and not self.silent_escapes and not self.replica_reports
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -897,7 +904,22 @@ class Drill:
         for r in range(WORLD):
             with contextlib.suppress(OSError), open(f"{self.dir}/steps.rank{r}.jsonl") as f:
                 steps = max(steps, sum(1 for _ in f))
-        return DrillReport(round(time.monotonic() - self.t0, 1), steps, events, bucket, self.notes)
+        report = DrillReport(round(time.monotonic() - self.t0, 1), steps, events, bucket, self.notes)
+        cfg = getattr(self, "cfg", None)
+        if cfg is not None:
+            report.replica_reports, report.suspects = _replica_reports(cfg)
+        return report
+
+
+def _replica_reports(cfg: TieredConfig) -> tuple[list[str], list[str]]:
+    """What the job recorded of replicas that disagreed, and the suspect nodes it made."""
+    from ..metrics.scores import suspects
+    from ..writer_process.timings import Kind, read_records
+
+    recs = read_records(cfg, Kind.REPLICAS)
+    said = [f"step {r.step}: {r.item!r}, odd copies on rank(s) {list(r.odd or ())}" for r in recs]
+    named = [f"rank {s.rank} (node {s.node}) at steps {s.steps}" for s in suspects(recs)]
+    return said, named
 
 
 def _flip(path: Path) -> Path:
@@ -1024,9 +1046,17 @@ def print_report(report: DrillReport) -> None:
     for note in report.notes:
         print(f"  note: {note}")
     print(f"\n  silent escapes: {report.silent_escapes}")
+    print(f"  replica disagreements: {len(report.replica_reports)} (none corrupted: each is a false report)")
+    for line in report.replica_reports[:8]:
+        print(f"    {line}")
+    for s in report.suspects:
+        print(f"  suspect node: {s}")
     lost = [e for e in report.events if e.lost]
-    if lost:
-        print("\n  FAILED: " + " | ".join(f"{e.fault} at {e.at:.0f}s: {'; '.join(e.problems)}" for e in lost))
+    if lost or report.replica_reports:
+        failures = [f"{e.fault} at {e.at:.0f}s: {'; '.join(e.problems)}" for e in lost]
+        if report.replica_reports:
+            failures.append(f"{len(report.replica_reports)} false replica report(s)")
+        print("\n  FAILED: " + " | ".join(failures))
     else:
         print(
             "\n  OK: nothing committed was lost; every restart restored exactly the state saved at a step "

@@ -176,6 +176,8 @@ def _print_row_errors(rows: list, states: tuple[StepStatus, ...]) -> None:
     for r in rows:
         if r.error and r.state in states:
             print(f"  step {r.step} on tier {r.tier_index}: {r.state}: {r.error}")
+        elif r.passed_over:
+            print(f"  step {r.step} on tier {r.tier_index}: passed over by loads: {r.passed_over}")
 
 
 def _print_writers(cfg: TieredConfig) -> None:
@@ -336,8 +338,14 @@ def _print_memory(cfg: TieredConfig) -> None:
 
 
 def _print_scores(cfg: TieredConfig) -> None:
-    from ..metrics.scores import FLOOR_SECONDS, THRESHOLD, job_scores
+    from ..metrics.scores import FLOOR_SECONDS, THRESHOLD, job_scores, job_suspects
 
+    for s in job_suspects(cfg):
+        print(
+            f"SUSPECT rank {s.rank} (node {s.node}): its copies of replicated items disagreed with "
+            f"its replicas at steps {', '.join(map(str, s.steps))} ({', '.join(s.items[:4])}): "
+            f"check node {s.node}"
+        )
     scores = job_scores(cfg)
     if not scores:
         return
@@ -354,7 +362,7 @@ def _print_scores(cfg: TieredConfig) -> None:
 
 
 def _ls_json(cfg: TieredConfig, rows: list) -> int:
-    from ..metrics.scores import job_scores
+    from ..metrics.scores import job_scores, job_suspects
 
     out = {
         "namespace": cfg.namespace,
@@ -363,6 +371,7 @@ def _ls_json(cfg: TieredConfig, rows: list) -> int:
         "writers": [dataclasses.asdict(w) for w in writer_status(cfg)],
         "host_memory": dataclasses.asdict(host_memory(cfg)),
         "scores": [dataclasses.asdict(s) for s in job_scores(cfg)],
+        "suspects": [dataclasses.asdict(s) for s in job_suspects(cfg)],
     }
     print(json.dumps(out, indent=1))
     return 0
@@ -402,6 +411,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         for p in c.tier_problems:
             print(f"    {p}")
+        if c.passed_over:
+            print(f"  its bytes are as saved, but loads pass it over: {c.passed_over}")
         if len(c.roots) < 2 and c.ok:
             continue  # one root, all good: the tier's line says it all
         for r in c.roots:
@@ -428,7 +439,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "(load_latest, export); the next save writes a fresh step. Nothing to repair by hand."
         )
     else:
-        print(f"step {step}: good on all {len(checks)} tier(s) holding it")
+        marked = " (marked: loads pass it over)" if any(c.passed_over for c in checks) else ""
+        print(f"step {step}: good on all {len(checks)} tier(s) holding it{marked}")
     return 1 if bad else 0
 
 

@@ -28,7 +28,7 @@ from tiered_dcp.storage.format import ItemInfo, ItemKey, Record, metadata_key
 from ..ranks import transport, worlds
 from ..ranks.transport import Group, PeerTimeout
 from ..steps.catalog import TierView
-from ..steps.choice import StepMarks
+from ..steps.choice import StepMarks, replica_marks
 from ..steps.metadata import index_of, item_key
 from ..tensors import byte_view
 
@@ -46,6 +46,7 @@ class Holding:
     nonfinite_items: int = 0  # the marker's: items saved holding NaN/Inf
     nonfinite: tuple[str, ...] = ()
     legacy: bool = False  # format 1/2: its metadata (and so ``ident``) differs per tier
+    replicas: tuple = (0, (), ())  # the marker's replicas that disagreed (``choice.replica_marks``)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class ClusterCopy:
     ident: int
     holders: dict[int, list[int]]  # part rank -> current ranks whose own root holds it
     metadata_at: list[int] = field(default_factory=list)  # ranks whose root has the metadata
-    marks: StepMarks | None = None  # quarantined (a mark in any rank's root) or non-finite
+    marks: StepMarks | None = None  # quarantined (a mark in any rank's root), non-finite, replicas
     legacy: bool = False  # a format 1/2 step (``Holding.legacy``)
     world_size: int = 0  # the save's, as its markers say
 
@@ -77,7 +78,9 @@ def own_holdings(view: TierView) -> dict[int, Holding]:
         parts = {p.rank for p in marker.parts if view.part_present(store, marker, p.rank)}
         nonfinite = marker.nonfinite_items, tuple(marker.nonfinite)
         legacy = not marker.has_indexes
-        out[step] = Holding(marker.metadata_xxh3, marker.world_size, parts, md_ok, *nonfinite, legacy)
+        out[step] = Holding(
+            marker.metadata_xxh3, marker.world_size, parts, md_ok, *nonfinite, legacy, replica_marks(marker)
+        )
     return out
 
 
@@ -102,6 +105,7 @@ def holdings_to_json(holdings: dict[int, Holding]) -> dict[str, list]:
             h.nonfinite_items,
             list(h.nonfinite),
             h.legacy,
+            [h.replicas[0], list(h.replicas[1]), list(h.replicas[2])],
         ]
         for s, h in holdings.items()
     }
@@ -110,9 +114,16 @@ def holdings_to_json(holdings: dict[int, Holding]) -> dict[str, list]:
 def holdings_from_json(doc: dict[str, list]) -> dict[int, Holding]:
     return {
         int(s): Holding(
-            int(i), int(w), {int(p) for p in parts}, bool(m), int(n), tuple(str(x) for x in names), bool(old)
+            int(i),
+            int(w),
+            {int(p) for p in parts},
+            bool(m),
+            int(n),
+            tuple(str(x) for x in names),
+            bool(old),
+            (int(r), tuple(str(x) for x in rnames), tuple(int(x) for x in ranks)),
         )
-        for s, (i, w, parts, m, n, names, old) in doc.items()
+        for s, (i, w, parts, m, n, names, old, (r, rnames, ranks)) in doc.items()
     }
 
 
@@ -130,7 +141,8 @@ def cluster_copies(
     """Steps complete in the union of every rank's holdings; for the rest, the parts lost.
 
     ``marks``: every rank's quarantine marks pooled ((step, ident) -> why); a step complete
-    in the cluster carries them, and its marker's non-finite items (``ClusterCopy.marks``).
+    in the cluster carries them, and its marker's non-finite items and replicas that
+    disagreed (``ClusterCopy.marks``).
     """
     saves: dict[tuple[int, int], ClusterCopy] = {}
     sizes: dict[tuple[int, int], int] = {}
@@ -141,7 +153,7 @@ def cluster_copies(
             c.legacy = c.legacy or h.legacy
             if c.marks is None:
                 why = marks.get((step, h.ident))
-                c.marks = StepMarks(step, why, h.nonfinite_items, h.nonfinite)
+                c.marks = StepMarks(step, why, h.nonfinite_items, h.nonfinite, *h.replicas)
             sizes[(step, h.ident)] = c.world_size = h.world_size
             for p in sorted(h.parts):
                 c.holders.setdefault(p, []).append(rank)

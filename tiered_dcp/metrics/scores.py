@@ -30,6 +30,13 @@ parts under ``MIN_SHARE`` of the save's largest (a rank with little to write, e.
 replicated values only rank 0 writes), whose fixed costs would pass for slowness. Scores
 cover the ranks whose records are on this node (the runtime directory is node-local); on one
 node that is the whole job.
+
+Beside speed, correctness: a rank whose copy of a replicated item was the odd one out at
+saves of ``SUSPECT_STEPS`` steps or more (the ``replicas`` lines the save's coordinator
+records, so read on its node) is a *suspect*: its memory or its device may corrupt data
+(``suspects``; with two copies each disagreement names both, and a third step shows which
+one keeps being named). The coordinator warns when a rank becomes one, and ``tiered-dcp ls``
+and the drill's report list them.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ MIN_SAVES = 3  # and on this many at least
 MIN_SECONDS = 0.02  # a save whose slowest rank took less is not scored
 MIN_SHARE = 0.25  # a part smaller than this share of the save's largest is not scored
 TAIL_BYTES = 64 << 10  # how much of each rank's records the trainer's check reads
+SUSPECT_STEPS = 2  # a rank with an odd replica at this many steps is a suspect node
 _warned: set[tuple[str, int, int]] = set()  # (job, tier, rank) flagged and not yet recovered
 _checking = threading.Lock()  # one check at a time per process; a save never waits for one
 
@@ -214,3 +222,56 @@ def watch(config: TieredConfig, rank: int) -> list[RankScore]:
     _warned.difference_update({k for k in _warned if k[0] == job} - now)
     _warned.update(now)
     return flagged
+
+
+@dataclass
+class Suspect:
+    """A rank whose copies of replicated items disagreed with its peers' at several steps."""
+
+    rank: int
+    node: int
+    steps: list[int]  # the steps at which its copy was odd (or one of two that differed)
+    items: list[str]  # the items, first seen first
+
+
+def suspects(recs: list[TimingRecord], least: int = SUSPECT_STEPS) -> list[Suspect]:
+    """The ranks named odd in ``replicas`` records at ``least`` distinct steps or more."""
+    named: dict[int, Suspect] = {}
+    for r in recs:
+        if r.kind is not Kind.REPLICAS or not r.odd:
+            continue
+        nodes = r.odd_nodes or ()
+        for i, rank in enumerate(r.odd):
+            s = named.setdefault(rank, Suspect(rank, nodes[i] if i < len(nodes) else -1, [], []))
+            if r.step not in s.steps:
+                s.steps.append(r.step)
+            if r.item is not None and r.item not in s.items:
+                s.items.append(r.item)
+    return [s for _, s in sorted(named.items()) if len(s.steps) >= least]
+
+
+def job_suspects(config: TieredConfig) -> list[Suspect]:
+    """The suspects among the ranks of this job, from the records on this node."""
+    return suspects(read_records(config, Kind.REPLICAS))
+
+
+def warn_suspects(config: TieredConfig, named: set[int]) -> list[Suspect]:
+    """After a disagreement: warn of each rank just ``named`` that is now a suspect. Never
+    raises: a check must not fail a save."""
+    try:
+        found = [s for s in job_suspects(config) if s.rank in named]
+    except (OSError, ValueError) as e:
+        log.debug("suspect nodes not checked: %s", e)
+        return []
+    for s in found:
+        log.warning(
+            "rank %d on node %d held a copy that disagreed with its replicas at steps %s (%s): "
+            "node %d is a suspect (its memory or device may corrupt data): check it, or take it "
+            "out of the job",
+            s.rank,
+            s.node,
+            ", ".join(map(str, s.steps)),
+            ", ".join(s.items[:4]) + (" ..." if len(s.items) > 4 else ""),
+            s.node,
+        )
+    return found

@@ -31,6 +31,7 @@ from tiered_dcp.storage.records import records_limit
 
 from ..config import TieredConfig
 from ..steps.catalog import StepCopy, TierView, views
+from ..steps.choice import marks_of
 from ..steps.leases import Leases
 from ..steps.metadata import item_key, legacy_index, load_metadata
 from ..steps.status import interrupted, leftover
@@ -66,6 +67,7 @@ class TierCheck:
     roots: list[RootCheck] = field(default_factory=list)
     tier_problems: list[str] = field(default_factory=list)  # the metadata; parts held nowhere
     items: int = 0  # the step's items read in at least one copy (each copy: ``RootCheck.items``)
+    passed_over: str | None = None  # why loads pass the step over, if they do (``StepMarks.why``)
 
     @property
     def problems(self) -> list[str]:
@@ -103,7 +105,7 @@ def verify_step(config: TieredConfig, step: int, node: int = 0, rank: int = 0) -
 
 def _verify_tier(view: TierView, copy: StepCopy) -> TierCheck:
     marker, step = copy.marker, copy.step
-    check = TierCheck(view.index, view.tier.path, step)
+    check = TierCheck(view.index, view.tier.path, step, passed_over=marks_of(view, copy).why() or None)
     try:
         md = load_metadata(copy, plain=True)  # without torch where it can: verify starts fast
     except (OSError, ChecksumMismatch) as e:

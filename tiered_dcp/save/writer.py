@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tiered_dcp.planners.replicas import KNOWN_KEYS, with_keys
 from tiered_dcp.planners.save import ALIASES, KNOWN_WORLDS, Alias, save_rank, tag_local_plan
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.blocks import Screen
@@ -53,8 +54,9 @@ from ..tensors import as_cpu_contiguous, byte_view, finite_screen
 from ..writer_process.client import MAX_PENDING, writer_handle
 from ..writer_process.run_dir import Job
 from ..writer_process.timings import SaveCall, record_save
-from . import dcp_call, host_memory, preemption
+from . import dcp_call, host_memory, preemption, replica_check
 from .handoff import Handoff
+from .replica_check import ReplicaCheck
 from .replicate import SavedPart, Swap, write_records_index
 from .staging import POOL, Examined, InFlight, examine, staged_file
 
@@ -168,11 +170,14 @@ class Resolved:
     in_file: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-def place_in_file(staged: InFile, items: list[RawItem]) -> dict[int, int]:
+def place_in_file(
+    staged: InFile, items: list[RawItem], before: Callable[[int, int], None] | None = None
+) -> dict[int, int]:
     """The items (by position) whose bytes were staged into the part file, each at its
     offset there once the gaps between them are closed (``part_file.close_gaps``). Their chunks
     are re-pointed at the moved bytes; any other item whose bytes lie in the file (one
-    overlapping another) is copied out first, since closing the gaps moves bytes."""
+    overlapping another) is copied out first, since closing the gaps moves bytes.
+    ``before``: told the bytes each move overwrites (``ReplicaCheck.before_moving``)."""
     base, size = staged.arena.data_ptr(), staged.arena.numel()
     inside: list[tuple[int, int, int]] = []
     for i, it in enumerate(items):
@@ -189,7 +194,7 @@ def place_in_file(staged: InFile, items: list[RawItem]) -> dict[int, int]:
         else:
             placed.append((off, n, i))
             end = off + n
-    offsets = part_file.close_gaps(base, [(off, n) for off, n, _ in placed])
+    offsets = part_file.close_gaps(base, [(off, n) for off, n, _ in placed], before)
     whole = byte_view(staged.arena)
     out = {}
     for (_, n, i), new in zip(placed, offsets, strict=True):
@@ -353,6 +358,8 @@ class TieredWriter(StorageWriter, AsyncStager):
         self._world: list[int] | None = None
         self._op: worlds.Op | None = None  # this save in the job's store (``set_up_storage_writer``)
         self._stager: int | None = None  # the thread that staged this save (``stage``)
+        self._local_plan: SavePlan | None = None  # this rank's local plan, as its replicas were keyed
+        self._replicas: ReplicaCheck | None = None  # this save's replica check (``replica_check``)
 
     def _target(self, step: int) -> None:
         """Save ``step``: on the tiers that take it (every tier for an emergency save)."""
@@ -373,7 +380,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         return step_id(self.config.namespace, self.step)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_world": None, "_next_files": None, "_op": None}
+        return {**self.__dict__, "_world": None, "_next_files": None, "_op": None, "_replicas": None}
 
     # -- AsyncStager: the copy the training loop waits for --------------------------------
 
@@ -523,15 +530,19 @@ class TieredWriter(StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # with dedup, large items are stored as blocks (replicas too: a peer gets only the blocks it lacks)
-        return tag_local_plan(plan, self.rank, self.node, self.config.dedup)
+        plan = tag_local_plan(plan, self.rank, self.node, self.config.dedup)
+        if self.config.on_replica_mismatch != "ignore":  # its items keyed, for the replica groups
+            plan = self._local_plan = with_keys(plan)
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The save's world in every plan (``planners.save``); with DCP's plan cache, the
-        world of this process's last full plan (DCP's cache is per process too)."""
+        world of this process's last full plan (DCP's cache is per process too). Each
+        plan's replica groups (``planners.replicas``)."""
         plans, world = KNOWN_WORLDS.plan_global(plans, worlds.generation())
         if world is not None:
             self._world = world
-        return plans
+        return KNOWN_KEYS.assign_groups(plans, worlds.generation())
 
     def _first(self) -> TierView:
         return TierView(self.config, self.tier_indexes[0], self.node, self.rank)
@@ -565,8 +576,14 @@ class TieredWriter(StorageWriter, AsyncStager):
         staged = self._in_file(first)
         policy = self.config.on_nonfinite
         items = resolve_items(plan, planner, self.config.dedup, check_finite=policy != "ignore")
-        in_file = place_in_file(staged, items) if staged is not None else {}  # first: it moves bytes
+        check = self._replicas = replica_check.start(  # hashing while the part is written
+            self.config, self.step, self.rank, plan, planner, items, self._local_plan, self.stage_seconds
+        )
+        moving = check.before_moving if check is not None else None  # a copy there: hashed first
+        in_file = place_in_file(staged, items, moving) if staged is not None else {}  # first: it moves bytes
         resolved = Resolved(items, fingerprint(items), staged, in_file)  # hashed while written
+        if check is not None:
+            check.written(resolved.hashed, staged.arena if staged is not None else None)
         refused = None
         if policy == "raise":  # nothing of a refused step is written
             resolved.hashed.result()
@@ -577,7 +594,7 @@ class TieredWriter(StorageWriter, AsyncStager):
         world = (where.nodes() if where is not None else None) or [self.node]
         op = self._op
         try:
-            committer = commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout)
+            committer = commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout, check)
             records = committer.write(
                 lambda: self._write_part(first, resolved, aliases, world, op, slower),
                 refused,
@@ -586,6 +603,8 @@ class TieredWriter(StorageWriter, AsyncStager):
                 _metadata_of(planner, self.storage_meta()),
             )
         except BaseException as e:
+            if check is not None:
+                check.drain()  # no hashing thread reads staged bytes once the save is given up
             _abandon(first, self.step, self.rank, slower, e, self.staged_file)
             if isinstance(e, PeerLostError):  # DCP's next collective raises torch's error instead
                 log.error("%s", e)
@@ -716,9 +735,9 @@ class TieredWriter(StorageWriter, AsyncStager):
         records = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         try:
             with worlds.working():
-                commit.for_save(first, self.step, self.rank, self.is_coordinator, self._layout).finish(
-                    metadata, records, world
-                )
+                commit.for_save(
+                    first, self.step, self.rank, self.is_coordinator, self._layout, self._replicas
+                ).finish(metadata, records, world)
         except BaseException as e:
             _abandon(first, self.step, self.rank, [], e)
             raise

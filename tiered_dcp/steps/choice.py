@@ -9,7 +9,8 @@ own roots, ``peer_exchange.cluster_copies``; on a shared tier only its newest co
 every rank calls it on the same pooled facts (``TieredReader`` gathers them first), so every
 rank makes the same choice with no further talk. A step is passed over when it is
 *quarantined* (a load found an item of it with no good copy left, ``format.quarantine_key``)
-or *non-finite* (its save found NaN/Inf, ``Marker.nonfinite_items``), or when the caller
+or *non-finite* (its save found NaN/Inf, ``Marker.nonfinite_items``), or its save found
+data-parallel replicas that disagree (``Marker.replica_mismatch_items``), or when the caller
 excludes it (``load_latest``: it failed to load just now, or cannot be loaded through its
 caller, with the reason given). Falling back after a failed load is choosing again.
 Torch-free: ``latest_step`` and ``tiered-dcp ls`` start fast.
@@ -34,15 +35,19 @@ class StepMarks:
     quarantined: str | None = None  # why a load quarantined it (None: it was not)
     nonfinite_items: int = 0  # items its save found holding NaN/Inf
     nonfinite: tuple[str, ...] = ()  # the first of them, by name
+    replica_items: int = 0  # items whose data-parallel replicas disagreed when saved
+    replicas: tuple[str, ...] = ()  # the first of them, by name
+    replica_ranks: tuple[int, ...] = ()  # the ranks whose copies were the odd ones
 
     @classmethod
     def of(cls, step: int, marker: Marker, quarantined: str | None) -> StepMarks:
-        """A step's marks from its marker (non-finite items) and its quarantine (why, or None)."""
-        return cls(step, quarantined, marker.nonfinite_items, tuple(marker.nonfinite))
+        """A step's marks from its marker (non-finite items, replicas that disagreed) and its
+        quarantine (why, or None)."""
+        return cls(step, quarantined, marker.nonfinite_items, tuple(marker.nonfinite), *replica_marks(marker))
 
     @property
     def good(self) -> bool:
-        return self.quarantined is None and self.nonfinite_items == 0
+        return self.quarantined is None and self.nonfinite_items == 0 and self.replica_items == 0
 
     def why(self) -> str:
         """Why the step is passed over, in a few words ("" when it is good)."""
@@ -53,6 +58,11 @@ class StepMarks:
             more = self.nonfinite_items - len(self.nonfinite)
             names = ", ".join(self.nonfinite) + (f" and {more} more" if more > 0 else "")
             reasons.append(f"non-finite (NaN/Inf in {names})")
+        if self.replica_items:
+            more = self.replica_items - len(self.replicas)
+            names = ", ".join(self.replicas) + (f" and {more} more" if more > 0 else "")
+            ranks = ", ".join(map(str, self.replica_ranks))
+            reasons.append(f"replicas disagree (in {names}; odd copies on rank(s) {ranks})")
         return "; ".join(reasons)
 
     def merged(self, other: StepMarks) -> StepMarks:
@@ -62,16 +72,36 @@ class StepMarks:
             self.quarantined if self.quarantined is not None else other.quarantined,
             max(self.nonfinite_items, other.nonfinite_items),
             self.nonfinite or other.nonfinite,
+            max(self.replica_items, other.replica_items),
+            self.replicas or other.replicas,
+            self.replica_ranks or other.replica_ranks,
         )
 
     def to_json(self) -> list:
         """Plain data, for the ranks that did not look themselves (``discovery``)."""
-        return [self.step, self.quarantined, self.nonfinite_items, list(self.nonfinite)]
+        return [
+            *(self.step, self.quarantined, self.nonfinite_items, list(self.nonfinite)),
+            *(self.replica_items, list(self.replicas), list(self.replica_ranks)),
+        ]
 
     @classmethod
     def from_json(cls, doc: list) -> StepMarks:
-        step, why, n, names = doc
-        return cls(int(step), None if why is None else str(why), int(n), tuple(map(str, names)))
+        step, why, n, names, *replicas = doc
+        r, rnames, ranks = replicas if replicas else (0, [], [])
+        return cls(
+            int(step),
+            None if why is None else str(why),
+            int(n),
+            tuple(map(str, names)),
+            int(r),
+            tuple(map(str, rnames)),
+            tuple(map(int, ranks)),
+        )
+
+
+def replica_marks(marker: Marker) -> tuple[int, tuple[str, ...], tuple[int, ...]]:
+    """A marker's replica marks, as ``StepMarks`` holds them."""
+    return marker.replica_mismatch_items, tuple(marker.replica_mismatch), tuple(marker.replica_ranks)
 
 
 def pool_marks(marks: Iterable[StepMarks]) -> dict[int, StepMarks]:
@@ -128,7 +158,8 @@ def marks_of(view: TierView, copy: StepCopy) -> StepMarks:
 class Found:
     """Complete copies per step, fastest tier first, with the marks already known of them
     (a shared tier's, read by whoever found it) and of the newer complete steps a shared
-    tier passed over (quarantined, non-finite or excluded: a load says why)."""
+    tier passed over (quarantined, non-finite, replicas that disagreed, or excluded: a load
+    says why)."""
 
     copies: dict[int, list[StepCopy]] = field(default_factory=dict)
     marks: dict[tuple[int, int], StepMarks] = field(default_factory=dict)  # (tier, step) -> marks
@@ -151,7 +182,7 @@ def newest_complete(view: TierView, step: int | None = None, exclude: Iterable[i
     found with few requests however many ranks saved it: the namespace listing, then
     newest first one marker read and one listing of the step's directory (names and
     sizes) per step until a complete one. That listing is kept (``TierView.listings``) for
-    the load's reads. Newer complete steps that are quarantined or non-finite are passed
+    the load's reads. Newer complete steps that are marked (``StepMarks.good``) are passed
     over (``Found.passed``, for the load to say why), and so are ``exclude``."""
     return view.answer(lambda: _newest_complete(view, step, set(exclude)), Found())
 

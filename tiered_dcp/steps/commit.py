@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -43,9 +43,11 @@ from tiered_dcp.storage.format import (
     step_dir,
 )
 
-from ..errors import NonFiniteStateError, PeerLostError, TieredCheckpointError
+from ..errors import NonFiniteStateError, PeerLostError, ReplicaMismatchError, TieredCheckpointError
+from . import replicas
 from .catalog import StepCopy, TierView, read_metadata_blob
 from .placement import CopyCommit, SaveProtocol
+from .replicas import POLICIES, Disagreement, ReplicaDigests
 from .retention import apply_retention
 
 if TYPE_CHECKING:
@@ -70,7 +72,13 @@ def commit_root(view: TierView, step: int, blob: bytes, marker: Marker) -> None:
 
 
 def build_commit(
-    view: TierView, step: int, metadata: Metadata, world: list[int], records: Records, layout: Layout
+    view: TierView,
+    step: int,
+    metadata: Metadata,
+    world: list[int],
+    records: Records,
+    layout: Layout,
+    found: list[Disagreement] | None = None,
 ) -> tuple[bytes, Marker]:
     """The metadata blob (every rank's items) and the marker naming it, for every root.
 
@@ -78,7 +86,8 @@ def build_commit(
     find every copy of a part by it, whatever their own config says.
 
     Items saved holding NaN/Inf (``on_nonfinite="mark"``) are counted and named in the
-    marker, so that loads pass the step over; the committer says so once for the job."""
+    marker, so that loads pass the step over; the committer says so once for the job. So
+    are items whose replicas disagreed (``found``), as ``on_replica_mismatch`` says."""
     from .metadata import build_blob  # torch: the save path only
 
     blob = build_blob(metadata, records)
@@ -97,6 +106,7 @@ def build_commit(
         **layout.marker_fields(),
         nonfinite_items=len(bad),
         nonfinite=bad[:NONFINITE_NAMES],
+        **POLICIES[cfg.on_replica_mismatch].marker_fields(found or []),
     )
     if bad:
         log.warning(
@@ -124,6 +134,7 @@ class SaveCommit(ABC):
     rank: int
     is_coordinator: bool
     layout: Callable[[list[int]], Layout]  # the save's cliques, for its world (rank -> node)
+    replicas: ReplicaDigests | None = None  # this rank's replica digests, when the save compares them
 
     @abstractmethod
     def write(
@@ -145,7 +156,9 @@ class SaveCommit(ABC):
 
 class CoordinatorCommit(SaveCommit):
     """One root: every rank writes its part; DCP's finish on the coordinator commits the
-    root with the records DCP gathered. A failure is raised at once: DCP tells every rank."""
+    root with the records DCP gathered. A failure is raised at once: DCP tells every rank.
+    Replicas are compared in a round of their own once the parts are written
+    (``replicas.standalone``); the coordinator keeps what it found for the commit."""
 
     def write(
         self,
@@ -155,14 +168,33 @@ class CoordinatorCommit(SaveCommit):
         op: Op | None,
         metadata: Callable[[], Metadata],
     ) -> Records:
-        if refused is not None:  # nothing of the step is written; DCP tells every rank
-            raise refused
-        with _tier_failed(self.view, self.step):
-            return write_part()
+        records: Records = {}
+        error: BaseException | None = refused  # refused: nothing of the step is written
+        if error is None:
+            try:
+                with _tier_failed(self.view, self.step):
+                    records = write_part()
+            except Exception as e:  # said in the replicas' round first: no rank waits for this one
+                error = e
+        if self.replicas is not None and op is not None and len(world) > 1:
+            found = replicas.standalone(
+                op, self.rank, world, self.replicas, error is not None, self.is_coordinator
+            )
+            refusal = POLICIES[self.view.config.on_replica_mismatch].refusal(
+                self.step, self.view.tier.path, found
+            )
+            if error is None and refusal is not None:  # DCP tells every rank
+                error = _refused(refusal, self.step)
+        if error is not None:
+            raise error
+        return records
 
     def finish(self, metadata: Metadata, records: Records, world: list[int]) -> None:
+        found = self.replicas.found if self.replicas is not None else []
         with _tier_failed(self.view, self.step):
-            blob, marker = build_commit(self.view, self.step, metadata, world, records, self.layout(world))
+            blob, marker = build_commit(
+                self.view, self.step, metadata, world, records, self.layout(world), found
+            )
             commit_root(self.view, self.step, blob, marker)
 
 
@@ -203,10 +235,16 @@ _SAVE_COMMITS: dict[SaveProtocol, type[SaveCommit]] = {
 
 
 def for_save(
-    view: TierView, step: int, rank: int, is_coordinator: bool, layout: Callable[[list[int]], Layout]
+    view: TierView,
+    step: int,
+    rank: int,
+    is_coordinator: bool,
+    layout: Callable[[list[int]], Layout],
+    replicas: ReplicaDigests | None = None,
 ) -> SaveCommit:
-    """The commit of a save of ``step`` on its first tier ``view``, by its placement's protocol."""
-    return _SAVE_COMMITS[view.placement.save_protocol](view, step, rank, is_coordinator, layout)
+    """The commit of a save of ``step`` on its first tier ``view``, by its placement's protocol;
+    ``replicas``: this rank's replica digests, compared at the commit (None: nothing is)."""
+    return _SAVE_COMMITS[view.placement.save_protocol](view, step, rank, is_coordinator, layout, replicas)
 
 
 @contextlib.contextmanager
@@ -227,6 +265,7 @@ class Failure(Enum):
     """What kind of failure a rank reports to the agreement, and every rank then raises."""
 
     NONFINITE = "nonfinite"  # NonFiniteStateError: the user asked for it
+    REPLICAS = "replica mismatch"  # ReplicaMismatchError: so did they (``on_replica_mismatch``)
     PEER_LOST = "peer lost"  # PeerLostError, with the ranks lost
     OTHER = "other"  # TieredCheckpointError
 
@@ -234,12 +273,18 @@ class Failure(Enum):
     def of(cls, error: BaseException) -> Failure:
         if isinstance(error, PeerLostError):
             return cls.PEER_LOST
+        if isinstance(error, ReplicaMismatchError):
+            return cls.REPLICAS
         return cls.NONFINITE if isinstance(error, NonFiniteStateError) else cls.OTHER
 
-    def error(self, message: str, step: int, ranks: list[int]) -> TieredCheckpointError:
+    def error(
+        self, message: str, step: int, ranks: list[int], items: Sequence[str] = ()
+    ) -> TieredCheckpointError:
         """The error of this kind that a refused commit raises on every rank."""
         if self is Failure.PEER_LOST:
             return PeerLostError(message, step, "the commit agreement", tuple(ranks))
+        if self is Failure.REPLICAS:
+            return ReplicaMismatchError(message, step, tuple(items), tuple(ranks))
         return NonFiniteStateError(message) if self is Failure.NONFINITE else TieredCheckpointError(message)
 
 
@@ -271,27 +316,56 @@ class _Agreement:
             commit_root(save.view, save.step, blob, marker)
             return
         op.check("the commit agreement")
-        self._publish(op, records, error)
+        digests = self._publish(op, records, error)
+        if digests and not save.is_coordinator:  # a replica group's rank: the coordinator may ask
+            assert save.replicas is not None, "digests come from this rank's replica check"
+            replicas.Round(op, save.step).answer(save.rank, save.replicas)
         if save.is_coordinator:
-            self._decide(op)
+            self._decide_or_say(op)
         if save.view.placement.commits_root(save.rank, dict(enumerate(world))):
             self._apply(op)
 
-    def _publish(self, op: Op, records: Records, error: BaseException | None) -> None:
-        """This rank's word: clean, with its records, or why not (then raised here)."""
+    def _publish(self, op: Op, records: Records, error: BaseException | None) -> dict[str, str]:
+        """This rank's word: clean, with its records and its replica digests, or why not
+        (then raised here). Its replica digests (empty: it holds no replica)."""
         from .metadata import records_to_json
 
         save, store = self.save, op.store
         done, count, verdict = op.key(f"done/{save.rank}"), op.key("done/count"), op.key("commit")
-        store.set(done, json.dumps(_outcome(error, save.rank)).encode() + b"\n" + records_to_json(records))
+        if error is None and save.replicas is not None:
+            try:
+                digests = save.replicas.digests()
+            except Exception as e:  # told as any failure of this rank's part
+                digests, error = {}, e
+        else:
+            digests = {}
+        word = {**_outcome(error, save.rank), "replicas": digests}
+        store.set(done, json.dumps(word).encode() + b"\n" + records_to_json(records))
         op.sweep_later([done])
         if save.is_coordinator and error is not None:  # it cannot commit: said now, not at the timeout
             refusal = _refusal(save.step, save.view, [_outcome(error, save.rank)])
             store.compare_set(verdict, b"", json.dumps(refusal))
+            replicas.Round(op, save.step).ask({})  # nor will it ask the replica groups' ranks
         if store.add(count, 1) == len(self.world):
             store.set(op.key("done/all"), b"1")
         if error is not None:
             raise error
+        return digests
+
+    def _decide_or_say(self, op: Op) -> None:
+        """``_decide``; whatever fails there is the verdict too, so that no root waits for one
+        that will not come (a rank lost: ``PEER_LOST``, naming it)."""
+        try:
+            self._decide(op)
+        except Exception as e:
+            lost = isinstance(e, PeerLostError)
+            refusal = {
+                "error": str(e) if lost else f"step {self.save.step}: {type(e).__name__}: {e}",
+                "kind": (Failure.PEER_LOST if lost else Failure.OTHER).value,
+                "ranks": list(e.ranks) if isinstance(e, PeerLostError) else [],
+            }
+            op.store.compare_set(op.key("commit"), b"", json.dumps(refusal))
+            raise
 
     def _decide(self, op: Op) -> None:
         """The coordinator's verdict once every rank spoke: the metadata and marker, or the
@@ -305,8 +379,10 @@ class _Agreement:
         try:
             op.wait(op.key("done/all"), "the commit agreement")
         except PeerLostError:
+            replicas.Round(op, step).ask({})  # no rank waits on a question that will not come
             raise
         except Exception as e:
+            replicas.Round(op, step).ask({})
             late = [r for r, k in enumerate(keys) if not store.check([k])]
             waited = f"no word from them within peer_timeout={op.timeout:g} s"
             err = transport.lost(step, "the commit agreement", e, late, waited)
@@ -315,22 +391,42 @@ class _Agreement:
             )
             raise err from e
         merged: Records = {}
-        failed = []
-        for key in keys:
+        failed, words = [], {}
+        for r, key in enumerate(keys):
             head, recs = store.get(key).split(b"\n", 1)
-            if json.loads(head)["error"] is not None:
-                failed.append(json.loads(head))
+            word = json.loads(head)
+            if word["error"] is not None:
+                failed.append(word)
+            words[r] = word.get("replicas") or {}
             merged.update(records_from_json(recs))
-        if failed:
-            refusal = _refusal(step, save.view, failed)
+        found = self._compare(op, words if not failed else {})
+        refusal = (
+            _refusal(step, save.view, failed)
+            if failed
+            else self._policy.refusal(step, save.view.tier.path, found)
+        )
+        if refusal is not None:
             store.compare_set(verdict, b"", json.dumps(refusal))
             raise _refused(refusal, step)
         blob, marker = build_commit(
-            save.view, step, self.metadata(), self.world, merged, save.layout(self.world)
+            save.view, step, self.metadata(), self.world, merged, save.layout(self.world), found
         )
         op.check("the commit agreement")
         store.set(f"{verdict}/metadata", blob)  # before the verdict, which says it is there
         store.compare_set(verdict, b"", json.dumps({"error": None, "marker": marker.to_bytes().decode()}))
+
+    @property
+    def _policy(self) -> replicas.Policy:
+        return POLICIES[self.save.view.config.on_replica_mismatch]
+
+    def _compare(self, op: Op, words: dict[int, dict[str, str]]) -> list[Disagreement]:
+        """The replica digests compared (``replicas.compare``); the question is asked even
+        when nothing is compared, since the group ranks wait for it."""
+        round_ = replicas.Round(op, self.save.step)
+        if self.save.replicas is None or not any(words.values()):
+            round_.ask({})
+            return []
+        return replicas.compare(round_, words, self.save.rank, self.save.replicas, self.world)
 
     def _apply(self, op: Op) -> None:
         """A root's lowest rank: the verdict written in its root, or raised."""
@@ -377,8 +473,10 @@ def _refusal(step: int, view: TierView, failed: list[dict]) -> dict:
 
 
 def _refused(outcome: dict, step: int) -> TieredCheckpointError:
-    """The error a refused commit raises on every rank (``_refusal``)."""
-    return Failure(outcome["kind"]).error(outcome["error"], step, outcome.get("ranks", []))
+    """The error a refused commit raises on every rank (``_refusal``, ``replicas.Refuse``)."""
+    return Failure(outcome["kind"]).error(
+        outcome["error"], step, outcome.get("ranks", []), outcome.get("items", [])
+    )
 
 
 # -- the writer process -------------------------------------------------------------------

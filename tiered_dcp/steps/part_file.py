@@ -29,7 +29,7 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tiered_dcp.storage.base import Reservation, Storage
@@ -268,13 +268,19 @@ def size_to(fd: int, size: int) -> None:
         os.posix_fallocate(fd, start, size - start)
 
 
-def close_gaps(base: int, placed: list[tuple[int, int]]) -> list[int]:
+def close_gaps(
+    base: int, placed: list[tuple[int, int]], before: Callable[[int, int], None] | None = None
+) -> list[int]:
     """Close the gaps between the byte ranges ``placed`` (offset, length; ascending, not
     overlapping) of the file mapped at address ``base``: each moves down to follow the one
-    before. Their new offsets, in order; the last one's end is where the file ends."""
+    before. Their new offsets, in order; the last one's end is where the file ends.
+    ``before(address, length)``: called before each move with the bytes it overwrites (a
+    reader of what lay there finishes first)."""
     end, out = 0, []
     for off, n in placed:
         if off != end:
+            if before is not None:
+                before(base + end, n)
             ctypes.memmove(base + end, base + off, n)
         out.append(end)
         end += n

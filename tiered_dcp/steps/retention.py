@@ -26,7 +26,8 @@ def apply_retention(view: TierView, newest: int) -> None:
     """Keep the newest ``keep`` committed steps of the view's own root; drop older ones.
 
     Runs after ``newest`` is committed, so the last complete step is never removed
-    before a newer one exists. Quarantined and non-finite steps take none of the ``keep``
+    before a newer one exists. Quarantined and marked steps (non-finite, replicas that
+    disagreed) take none of the ``keep``
     places (so K bad steps in a row never push out the last good one): they go, with
     their quarantine marks, once older than the oldest kept good step. Only the own root
     is touched: on a node-local tier every
@@ -62,7 +63,7 @@ def apply_retention(view: TierView, newest: int) -> None:
 
 def committed_and_bad(view: TierView, listed: list[int]) -> tuple[dict[int, Marker], set[int]]:
     """The committed steps among ``listed`` in the view's own root (their markers), and
-    which of them are bad: saved non-finite, or quarantined here."""
+    which of them are bad: saved non-finite or with replicas that disagreed, or quarantined here."""
     store = view.own
     committed = {}
     for step in listed:
@@ -70,7 +71,7 @@ def committed_and_bad(view: TierView, listed: list[int]) -> tuple[dict[int, Mark
         if marker is not None:
             committed[step] = marker
     marks = view.marks[store.url]
-    bad = {s for s, m in committed.items() if not m.finite or (s, m.metadata_xxh3) in marks}
+    bad = {s for s, m in committed.items() if not m.trusted or (s, m.metadata_xxh3) in marks}
     return committed, bad
 
 
@@ -78,7 +79,7 @@ def kept_and_doomed(
     view: TierView, committed: dict[int, Marker], bad: set[int], keep: int, newest: int
 ) -> tuple[list[int], list[int]]:
     """The one keep rule (retention after a commit, ``prune`` by hand): the newest ``keep``
-    good steps whole in this root are kept; a quarantined or non-finite step takes no
+    good steps whole in this root are kept; a quarantined or marked step takes no
     place and goes once older than every kept step; nothing at or after ``newest`` goes.
     Returns (kept, oldest first; the steps to drop)."""
     good = (s for s, m in committed.items() if s not in bad and whole_here(view, m))

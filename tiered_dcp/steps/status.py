@@ -18,6 +18,7 @@ from tiered_dcp.storage.local import DIRTY
 from ..config import StrEnum
 from ..ranks.cliques import Layout
 from .catalog import StepCopy, TierView, abandoned, failure
+from .choice import marks_of
 
 
 class StepStatus(StrEnum):
@@ -52,6 +53,9 @@ class StepState:
     # other's parts), and each rank's failure domain where one was stated (its marker's)
     cliques: list[list[int]] = field(default_factory=list)
     domains: list[str] = field(default_factory=list)
+    # committed, but marked: why loads that choose a step pass it over (non-finite, replicas
+    # that disagreed, quarantined: ``choice.StepMarks.why``)
+    passed_over: str | None = None
 
     @property
     def clique_domains(self) -> list[list[str]]:
@@ -99,6 +103,7 @@ def _committed_row(view: TierView, c: StepCopy) -> StepState:
         f"committed, but not loadable from here: {'; '.join(missing)}" if missing else None,
     )
     _byte_counts(view, row, c)
+    row.passed_over = marks_of(view, c).why() or None
     layout = Layout.of_marker(c.marker)
     if view.placement.pooled and layout.factor > 1:
         row.cliques, row.domains = layout.cliques(), list(layout.domains)

@@ -28,7 +28,11 @@ Lines (every one has ``kind``, ``rank``, ``node``, ``step``, ``time``):
   ``open_s`` (of which choosing the step: with a process group, the ranks' agreement),
   ``read_own`` / ``read_peer`` / ``read_shared`` (the stored bytes of the items this rank
   read from its own roots, received from other ranks, read from shared tiers: a bucket's
-  bytes over the job are the sum of ``read_shared``).
+  bytes over the job are the sum of ``read_shared``);
+- ``replicas``: one line per item whose data-parallel replicas disagreed at a save, written
+  by the save's coordinator (``rank``, ``node`` are its): ``item`` (its fqn), ``holders``
+  (the ranks holding a copy), ``odd`` (the ranks whose copy was the odd one out; with two
+  copies, both) and ``odd_nodes`` (their nodes). ``scores.suspects`` reads them.
 
 Lines are read back as ``TimingRecord`` (``read_records``), the one reader of their JSON:
 ``scores`` and ``goodput`` use its attributes. A line that is not a well-formed record (cut
@@ -70,6 +74,11 @@ class Kind(StrEnum):
     SAVE = "save"  # the trainer's save of a step to its fastest tier
     PERSIST = "persist"  # the writer process's copy of it to a slower tier
     LOAD = "load"
+    REPLICAS = "replicas"  # an item whose replicas disagreed at a save (the coordinator's line)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(is_int(x) for x in v)
 
 
 def _at_least_1(n: Any) -> bool:
@@ -106,6 +115,10 @@ class TimingRecord:
     read_shared: int | None = None  # load: bytes from shared tiers
     every: tuple[int, ...] | None = None  # save: each tier's every=, fastest first
     keep: tuple[int | None, ...] | None = None  # save: each tier's keep= (None: all)
+    item: str | None = None  # replicas: the item whose copies differed
+    holders: tuple[int, ...] | None = None  # replicas: the ranks holding a copy
+    odd: tuple[int, ...] | None = None  # replicas: the ranks whose copy was odd (two copies: both)
+    odd_nodes: tuple[int, ...] | None = None  # replicas: their nodes
 
     _CHECKS = {
         "kind": one_of(Kind),
@@ -126,7 +139,7 @@ class TimingRecord:
         "staged": optional(is_int),
         "latency_s": optional(is_number),
         "state": optional(is_str),
-        "tiers": optional(lambda v: isinstance(v, list) and all(is_int(t) for t in v)),
+        "tiers": optional(_ints),
         "seconds": optional(is_number),
         "open_s": optional(is_number),
         "read_own": optional(is_int),
@@ -134,6 +147,10 @@ class TimingRecord:
         "read_shared": optional(is_int),
         "every": optional(lambda v: isinstance(v, list) and all(map(_at_least_1, v))),
         "keep": optional(lambda v: isinstance(v, list) and all(n is None or _at_least_1(n) for n in v)),
+        "item": optional(is_str),
+        "holders": optional(_ints),
+        "odd": optional(_ints),
+        "odd_nodes": optional(_ints),
     }
 
     @classmethod
@@ -143,7 +160,7 @@ class TimingRecord:
             return None
         known = {k: d[k] for k in cls._CHECKS if k in d}
         known["kind"] = Kind(d["kind"])
-        for key in ("tiers", "every", "keep"):
+        for key in ("tiers", "every", "keep", "holders", "odd", "odd_nodes"):
             if known.get(key) is not None:
                 known[key] = tuple(known[key])
         return cls(**known)
