@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,9 +72,18 @@ def _job(root: Path, fault: str) -> list[tuple[int, str, str]]:
         )
         for node in range(3)
     ]
+    deadline = time.monotonic() + 240
     try:
-        outs = [p.communicate(timeout=240) for p in launchers]
+        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1)) for p in launchers]
         return [(p.returncode, out, err) for p, (out, err) in zip(launchers, outs, strict=True)]
+    except subprocess.TimeoutExpired:  # what each launcher said, for the failure's report
+        for p in launchers:
+            p.kill()
+        said = [
+            f"--- launcher {i} (exit {p.wait()}):\n{p.communicate()[1][-3000:]}"
+            for i, p in enumerate(launchers)
+        ]
+        pytest.fail("the launchers did not finish within 240 s\n" + "\n".join(said))
     finally:
         for p in launchers:
             if p.poll() is None:
