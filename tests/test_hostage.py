@@ -181,14 +181,14 @@ def test_the_lock_is_held_around_the_copy_alone(shm, tmp_path, monkeypatch):
 def test_a_failed_background_staging_gives_its_reservation_back(shm, tmp_path, monkeypatch):
     """A failure before the pool took the reservation (finding the writer) left the save
     counted in flight for ever: every later SIGTERM waited the full grace period."""
-    import tiered_dcp.save.writer as writer_module
+    import tiered_dcp.save.stager as stager_module
 
     cfg = two_tiers("leak", shm, tmp_path)
 
     def broken(config, rank):
         raise RuntimeError("no run directory")
 
-    monkeypatch.setattr(writer_module, "writer_handle", broken)
+    monkeypatch.setattr(stager_module, "writer_handle", broken)
     fut = dcp.async_save(state(1), storage_writer=TieredWriter(cfg, step=1, background_staging=True))
     with pytest.raises(RuntimeError, match="no run directory"):
         fut.upload_completion.result(timeout=30)  # DCP reports a staging's failure there

@@ -16,7 +16,7 @@ def test_one_screen_object_per_dtype():
 
 
 def test_an_unchanged_block_is_screened_once_across_saves(monkeypatch):
-    """Each save asks ``finite_screen`` for its items' screens anew (``save.writer.resolve_items``)
+    """Each save asks ``finite_screen`` for its items' screens anew (``save.parts.resolve_items``)
     and the planner names the unchanged blocks; the second save screens none of them."""
     screened: list[int] = []
     real_fed = blocks._fed

@@ -66,7 +66,7 @@ LAYOUTS = Layouts()
 def layout_unless_gathered(config: TieredConfig, world: int, rank: int = 0) -> Layout | None:
     """The jump rule's cliques (warned about here when a clique lies on one node), or None
     when the layout comes from failure domains, which only every rank together can gather.
-    A world the rule does not fit is laid out by node at the save (``writer._layout``)."""
+    A world the rule does not fit is laid out by node at the save (``parts.save_layout``)."""
     factor, jump = config.replication_factor, config.replication_jump
     if config.failure_domain is not None and factor > 1:
         return None

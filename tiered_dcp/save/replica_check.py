@@ -4,7 +4,7 @@ DCP keeps one copy of an item several ranks hold and drops the others unread; th
 the dropped ones are looked at. Every item of this rank's replica groups
 (``planners.replicas``) gets an *item digest*, one per copy, the same function on every
 rank: the xxh3-64 over its chunks' checksums, chunked as the writer chunks it (so the chunk
-checksums ``writer.fingerprint`` computes for the items this rank writes are reused, not
+checksums ``parts.fingerprint`` computes for the items this rank writes are reused, not
 computed twice). The copies this rank does not write are hashed where they lie in host
 memory: an async save staged the whole state, so they are there, and they are hashed on the
 hashing threads (``blocks.hashing``) while the part is written. A tensor on a device (a
@@ -116,7 +116,7 @@ class ReplicaCheck:
 
     def before_moving(self, start: int, length: int) -> None:
         """Wait for the hashes of the copies whose bytes meet ``[start, start + length)``:
-        the writer is about to move other bytes there (``writer.settle``)."""
+        the writer is about to move other bytes there (``parts.place_in_file``)."""
         for copies in self.groups.values():
             for c in copies:
                 address, n = c.span

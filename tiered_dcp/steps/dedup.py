@@ -1,6 +1,6 @@
 """Dedup on a tier: a part's large tensor items go to the root's block store (``storage.blocks``).
 
-Both writers of a tier use it: the save path for the fastest tier (``writer.encode_part``)
+Both writers of a tier use it: the save path for the fastest tier (``parts.encode_part``)
 and the writer process for the slower ones (``process.copy_part``). Either way the part's
 block list is written first, then the GC lease is waited for, then each block the root
 lacks is written (the writer process reads it from the faster tier only then). What is
