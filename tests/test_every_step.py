@@ -10,6 +10,7 @@ and their records say how long.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 
@@ -78,6 +79,7 @@ def test_saves_faster_than_their_commits_wait_for_a_slot_and_the_records_say_so(
     wait in their staging for the slot the save before still holds (its upload), so host
     memory holds one staged copy, never three; each SAVE record says how long its save
     waited (``slot_wait_s``), the first none. Every step is there, exact."""
+    gc.collect()  # no slot still held by an earlier test's staged state, left in a cycle
     cfg = TieredConfig("faster", [Tier(f"{tmp_path}/disk", keep=3)])
     state = {"model": {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(8)}}  # 32 MiB
     futures = []

@@ -59,7 +59,7 @@ def test_the_layout_keeps_its_names(tmp_path):
 def test_the_states_are_the_strings_on_disk():
     assert [s.value for s in TierState] == ["healthy", "stalled", "failing"]
     assert [s.value for s in OutcomeState] == ["committed", "clean", "failed", "skipped"]
-    assert [k.value for k in Kind] == ["save", "persist", "load"]
+    assert [k.value for k in Kind] == ["save", "persist", "load", "replicas"]
     for state in [*TierState, *OutcomeState, *Kind]:
         assert json.dumps(state) == json.dumps(state.value)  # the enum member itself, too
         assert str(state) == f"{state}" == "%s" % (state,) == state.value  # noqa: UP031 - as logging formats

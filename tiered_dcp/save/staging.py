@@ -725,8 +725,8 @@ class StagingPool:
                         slot = _allocate(ex, target)
                     self._slots.insert(0, slot)
                     return self._take(slot, slots), waited
-                if not collected and waited > 0.5:  # a staged dict left in a reference cycle (an
-                    collected = True  # exception's traceback) frees its slot at a collection only
+                if not collected:  # a staged dict left in a reference cycle (an exception's
+                    collected = True  # traceback) frees its slot at a collection only
                     gc.collect()
                     continue
                 if not warned and time.monotonic() - started > 5:
