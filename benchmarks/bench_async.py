@@ -19,7 +19,7 @@ The modes run round-robin (one run of each per round) so that all of them see th
 machine noise; after each tiered save the writer process is left to finish (untimed).
 Prints a table, then one line of JSON. Never fails on timing.
 
-``--series`` measures instead what issue 38 asks for, each case in a fresh trainer
+``--series`` measures instead the stall series, each case in a fresh trainer
 subprocess (so that its first save is the process's first) sampled for host memory as
 ``bench_memory`` samples it: ``--saves`` async saves back to back (each starts as soon as
 the future of the one before it is done) of ``--mib`` MiB in ``--tensors`` tensors, to a
@@ -138,7 +138,7 @@ def series_child(args: argparse.Namespace) -> None:
     state = make_state(args.mib, args.tensors)
     work, shm = args.work, args.shm
     tiers = [Tier(f"{shm}/ram", every=1, keep=2), Tier(f"{work}/ssd", every=2, keep=2)]
-    # "skip": the disk tier takes the steps it can; no save waits for it (issue 38's setting)
+    # "skip": the disk tier takes the steps it can; no save waits for it (the stall series' setting)
     config = TieredConfig(
         f"bench-series-{os.getpid()}", tiers[:1] if args.ram_only else tiers, on_lagging_tier="skip"
     )
@@ -268,7 +268,7 @@ def series_case(case: str, args: argparse.Namespace, mib: int) -> dict:
 
 
 def series(args: argparse.Namespace) -> None:
-    """Issue 38's figures, medians over ``--runs`` runs of each case."""
+    """The stall series' figures, medians over ``--runs`` runs of each case."""
     runs = []
     for _ in range(args.runs):
         stock = series_case("stock", args, args.mib)
@@ -311,7 +311,7 @@ def series(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--series", action="store_true", help="issue 38's figures (see the docstring)")
+    ap.add_argument("--series", action="store_true", help="the stall series' figures (see the docstring)")
     ap.add_argument("--saves", type=int, default=10, help="--series: saves per run (default 10)")
     ap.add_argument("--mem-mib", type=int, default=1024, help="--series: state of the memory run")
     ap.add_argument("--prepare", action="store_true", help="--series: TieredWriter.prepare first")

@@ -18,7 +18,7 @@ int64, nested, a Python value), the GPU tensors changed in place the moment it r
 as it was when saved, step after step (slots and part files reused); also in DCP's
 PROCESS mode, and for a sync ``dcp.save``.
 
-``train`` (issue 38): a model + AdamW of ``--train-gib`` GiB of state (3.0: a 268M-parameter
+``train``: a model + AdamW of ``--train-gib`` GiB of state (3.0: a 268M-parameter
 model, 3.22 GB on the GPU), ``--train-batch`` rows a step (forward, backward, AdamW), run
 once per ``--train-loops`` STEPS:EVERY (default 80:10 and 120:30) and per ``--train-ways``:
 ``none`` (no saves: the baseline), ``tiered_dcp`` (the README's tiers: RAM in /dev/shm
@@ -27,7 +27,7 @@ every=1 keep=2 over a disk tier every=2 keep=2, ``on_lagging_tier`` from ``--lag
 ``stock_pinned`` (``FileSystemWriter`` with ``DefaultStager(StagingOptions(
 use_pinned_memory=True))``, one per save, the last two saves kept) and, if asked,
 ``stock_default`` (DCP's own stager), ``tiered_ram_only`` (the RAM tier alone: no writer
-process copying behind the saves) and, for a save every step (issue 49: ``--train-loops
+process copying behind the saves) and, for a save every step (``--train-loops
 60:1 60:10``), ``tiered_bg`` (``background_staging=True``) beside ``stock_bg`` (the pinned
 ``DefaultStager`` with async staging, torchtitan's ``async_with_pinned_mem``): the loop does
 not synchronize, the copy runs under the next step's forward and backward, and the loop
@@ -41,9 +41,9 @@ save's ``commit``, its ``write_data`` in the background), the first, the worst o
 2-3, the median and max of save 4 on ("steady"), the loop's seconds (first step to the
 last done on the device, saves included; the last save's future after it is ``drain_s``)
 and its ratio to ``none``'s; against the raw pinned device-to-host copy of the same bytes
-(``raw_copy_s``). ``train targets``: issue 38's (tiered-dcp: every stall from the 2nd
+(``raw_copy_s``). ``train targets``: the stall targets (tiered-dcp: every stall from the 2nd
 <= 2x the raw copy, steady ones <= 1.3x, the sparsest loop <= 1.15x ``none``),
-and issue 49's (``tiered_bg``: every step <= 1.05x ``none``, every 10 <= 1.02x, the median
+and the every-step targets (``tiered_bg``: every step <= 1.05x ``none``, every 10 <= 1.02x, the median
 ``async_save`` call <= 5 ms), True/False, never a failure exit.
 
 ``load``: a model + AdamW of ``--load-gib`` GiB loaded onto the GPU from the RAM tier
@@ -471,7 +471,7 @@ def train_loop(
     the last one done on the device, saves included; ``drain_s``: the last save's future
     after it; ``close_s``: the writer process finishing (tiered).
 
-    With background staging (``saves.background``, issue 49) nothing is synchronized: the
+    With background staging (``saves.background``) nothing is synchronized: the
     save returns at once and its copy runs while the next step's forward and backward do;
     the loop waits for it (``staging_completion``) just before that step's optimizer step
     (``staging_waits_s``), and for the previous upload before the next save (``waits_s``).
@@ -594,7 +594,7 @@ TRAIN_HEADER = (
 
 
 def targets(loops: dict) -> dict:
-    """Issue 38's H100 targets for tiered-dcp, each True/False (never a failure exit)."""
+    """The H100 targets for tiered-dcp, each True/False (never a failure exit)."""
     out = {}
     for every, ways in loops.items():
         t = ways.get("tiered_dcp", {})
@@ -605,7 +605,7 @@ def targets(loops: dict) -> dict:
     last = loops.get(max(loops, default=0), {}).get("tiered_dcp", {})
     if last.get("loop_vs_none") is not None:
         out["sparsest_loop_le_1.15x_none"] = last["loop_vs_none"] <= 1.15
-    for every, bound in ((1, 1.05), (10, 1.02)):  # issue 49: a save every step, background staging
+    for every, bound in ((1, 1.05), (10, 1.02)):
         bg = loops.get(every, {}).get("tiered_bg", {})
         if bg.get("loop_vs_none") is not None:
             out[f"bg_every_{every}_loop_le_{bound}x_none"] = bg["loop_vs_none"] <= bound
@@ -645,7 +645,7 @@ def one_loop(
 
 
 def train_part(args: argparse.Namespace, work: str, shm: str) -> dict:
-    """Issue 38's training loop: a model + AdamW, a save every ``every`` steps with each way,
+    """The training loop: a model + AdamW, a save every ``every`` steps with each way,
     beside the same loop without saves and the raw copy of the same bytes."""
     model, opt = training_state(args.train_gib)
     width = model[0].in_features

@@ -48,7 +48,7 @@ warnings.filterwarnings("ignore")
 SHOWN = ("copy_s", "writer_write_s", "dd_direct_s", "dd_buffered_s")
 SHOWN += ("cold_load_s", "dd_read_s", "warm_load_s")
 SETTLE_S = 6.0  # ext4 mounted with discard sends them at its journal commit (every 5 s)
-TARGETS = {"copy_vs_dd_direct": 0.8, "cold_load_vs_dd_read": 0.8}  # issue 48: at least
+TARGETS = {"copy_vs_dd_direct": 0.8, "cold_load_vs_dd_read": 0.8}
 
 
 def make_state(gib: int) -> dict:

@@ -1,5 +1,5 @@
 """A save every step, on the host: how fast the host side commits what ``async_save`` staged,
-one rank alone and with each part replicated to a peer on another node (issue 49's CPU part).
+one rank alone and with each part replicated to a peer on another node (the CPU part).
 
     .venv/bin/python benchmarks/bench_every_step.py [--mib 1024] [--saves 8] [--tensors 8]
         [--cases single,replicated,stock]
@@ -55,7 +55,7 @@ from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown
 from tiered_dcp.save.staging import POOL
 
 warnings.filterwarnings("ignore")
-TARGETS = {"single_host_vs_memcpy": ("<=", 1.5), "replicated_rate_vs_single": (">=", 0.5)}  # issue 49
+TARGETS = {"single_host_vs_memcpy": ("<=", 1.5), "replicated_rate_vs_single": (">=", 0.5)}
 
 
 def value(step: int, i: int) -> float:

@@ -13,7 +13,7 @@ same disk. Each run then, in a fresh process each (so that peak memory is its ow
 
 Reports the median seconds and each process's peak resident memory beyond what it held once
 torch was imported (``VmHWM``), as a multiple of the state and of one output file.
-Targets (issue 27): time within 1.5x of stock; memory bounded by one output file plus a fixed
+Targets: time within 1.5x of stock; memory bounded by one output file plus a fixed
 buffer. Prints a table, then JSON. Never fails on timing.
 """
 

@@ -1,4 +1,4 @@
-"""Issue 37's comparison with NVIDIA's local checkpointing (NvRx), on CPU, in one run.
+"""The comparison with NVIDIA's local checkpointing (NvRx), on CPU, in one run.
 
     .venv/bin/python benchmarks/bench_nvrx.py [--mib 64] [--loads 10] [--rounds 3]
 

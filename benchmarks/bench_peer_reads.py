@@ -54,7 +54,7 @@ from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
 if os.path.isdir(os.path.join(bench_tree.TREE or ".", "tiered_dcp", "load")) or not bench_tree.TREE:
     from tiered_dcp.load.step_reads import StepReads
     from tiered_dcp.ranks import transport, worlds
-else:  # a --baseline-tree from before the packages (issue 39): its peer phase is not timed
+else:  # a --baseline-tree from before the packages: its peer phase is not timed
     from tiered_dcp import transport  # type: ignore[attr-defined,no-redef]
 
     StepReads = object  # type: ignore[assignment,misc]

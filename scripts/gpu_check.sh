@@ -10,13 +10,13 @@
 # part: python3 benchmarks/bench_cuda.py --only train (or exact, load, stall), from /tmp.
 # bash scripts/gpu_check.sh train: the tests and the train part alone (~3 min), with the RAM
 # tier alone beside the README's tiers (the writer process's share of the stalls).
-# bash scripts/gpu_check.sh inprocess: the tests and issue 47's recovery inside the job with
+# bash scripts/gpu_check.sh inprocess: the tests and the recovery inside the job with
 # CUDA states (bench_inprocess.py --device cuda: 4 ranks on the one card, NvRx 0.7.0's Wrapper
 # from the wheels --prepare put in .whl/nvrx, beside torchrun restarts; ~3 min).
-# bash scripts/gpu_check.sh disk: the tests and issue 48's disk tier against dd's direct I/O on
+# bash scripts/gpu_check.sh disk: the tests and the disk tier against dd's direct I/O on
 # that host's disk (bench_disk_tier.py, 1 and 4 GiB steps) and the CPU stall series with the
 # disk tier on (bench_async.py --series); ~5 min.
-# bash scripts/gpu_check.sh every-step: the tests and issue 49's loop (bench_cuda.py's train part,
+# bash scripts/gpu_check.sh every-step: the tests and the loop (bench_cuda.py's train part,
 # model + AdamW 3.22 GB): a save every step and every 10 (60 steps each) with background
 # staging, tiered-dcp beside stock's pinned DefaultStager with async staging and no saves; then
 # the host side's commit rate (bench_every_step.py, one rank and replicated); ~5 min.
@@ -58,7 +58,7 @@ bench() {
 }
 timeout -s INT -k 15 90 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
 clean
-# issue 38: model + AdamW (3.22 GB), a save every 10 steps (80) and every 30 (120), tiered-dcp
+# model + AdamW (3.22 GB), a save every 10 steps (80) and every 30 (120), tiered-dcp
 # vs stock pinned vs no saves
 if [ "${1:-}" = inprocess ]; then  # NvRx where bench_inprocess looks for it: the tree's .venv/nvrx
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$repo/.venv/nvrx" "$repo"/.whl/nvrx/*.whl 2>&1 | tail -3

@@ -49,7 +49,7 @@ if [ "$TEST" = 1 ]; then
     step "installing tyro" pip install tyro
   fi
   # nvidia-resiliency-ext 0.7.0 for tests/test_nvrx_wrapper.py and bench_inprocess.py
-  # (NVIDIA's in-process restart, issue 47). Its wheels are cp312/cp314 only, but its
+  # (NVIDIA's in-process restart). Its wheels are cp312/cp314 only, but its
   # inprocess package is pure Python and runs on 3.11: unpacked into .venv/nvrx, without its
   # declared dependencies (several GB), and put on the path only by what uses it (on every
   # path, megatron-core would take NVRx's async checkpointing classes in its tests too);

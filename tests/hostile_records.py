@@ -1,4 +1,4 @@
-"""The hostile-record battery's worker (issue 46): one damaged or crafted record, every entry point.
+"""The hostile-record battery's worker: one damaged or crafted record, every entry point.
 
 ``python hostile_records.py WORK CLEAN`` builds a small checkpoint in ``CLEAN`` (unless there)
 (steps 1 and 2 on a raw tier ``t0``; step 2 also on a zstd tier ``t1``; dedup on, so the

@@ -171,7 +171,7 @@ def test_a_domain_from_a_function_or_the_environment(monkeypatch):
 
 
 def test_a_world_shrunk_by_a_fault_is_laid_out_across_the_domains_not_refused():
-    """Issue 47: 4 ranks on 2 racks lose one; the 3 left (2 on rack a, 1 on rack b) do not
+    """4 ranks on 2 racks lose one; the 3 left (2 on rack a, 1 on rack b) do not
     split into cliques of 2, and before every save refused them. One clique of the three now
     spans both racks: every part keeps a copy on the other rack. A world left in one rack, or
     of one rank, saves too, and says what it keeps."""

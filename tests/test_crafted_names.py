@@ -1,4 +1,4 @@
-"""Whoever can write a tier cannot make a reader open anything outside it (issue 29).
+"""Whoever can write a tier cannot make a reader open anything outside it.
 
 Real saves, then a step crafted as an attacker with write access to the tier would: a
 record naming a file by ``..``, by an absolute path, in another namespace, through a block

@@ -1,4 +1,4 @@
-"""A save every step (issue 49): what each save leaves behind stays flat from step to step.
+"""A save every step: what each save leaves behind stays flat from step to step.
 
 Real processes (2 ranks as 2 nodes on gloo), a real tmpfs RAM tier with ``keep=2`` and each
 part replicated to the other node: a replica is received into a spare's pages (the part

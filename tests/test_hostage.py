@@ -1,4 +1,4 @@
-"""Issue 45: nothing holds a save or the writer process hostage.
+"""Nothing holds a save or the writer process hostage.
 
 The staging lock (``run_dir.StagingLock``) pauses the writer while the trainer copies a
 save's state. What must hold, with real processes, real forks and real signals:

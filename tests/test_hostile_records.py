@@ -1,4 +1,4 @@
-"""Every record read from a tier is checked before it is trusted (issue 46).
+"""Every record read from a tier is checked before it is trusted.
 
 A small checkpoint (steps 1 and 2 on a raw tier, step 2 also on a zstd tier; dedup on) and
 one record of it damaged or crafted per case: every field of the commit marker and of an

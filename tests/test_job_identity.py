@@ -1,7 +1,7 @@
 """A job's writers are keyed by what the job is: its namespace and its tier paths resolved
 (a relative path made absolute against the trainer's directory), and each writer receives
 those absolute paths, so two jobs with the same relative tiers in two directories never
-share one (issue 45, item 9)."""
+share one."""
 
 import os
 import subprocess

@@ -269,7 +269,7 @@ def _save_model_for_export(rank, world, root):
 
 
 def test_a_sharded_state_exports_to_safetensors_whole_and_exact(tmp_path):
-    """Issue 27 part 1: two ranks save FSDP2 DTensors, a ShardedTensor and a bf16 DTensor
+    """Two ranks save FSDP2 DTensors, a ShardedTensor and a bf16 DTensor
     sharded by columns; one process exports the model to safetensors, in several files with
     Hugging Face's index, and `safetensors.torch.load_file` reads every tensor whole and exact,
     named without the `model.` prefix; the non-tensor value is left out and named."""

@@ -1,4 +1,4 @@
-"""Issue 38: the stall of an async save to a RAM tier is the copy alone, at any save rate.
+"""The stall of an async save to a RAM tier is the copy alone, at any save rate.
 
 What must hold, with real processes and real files in /dev/shm:
 
@@ -406,7 +406,7 @@ def _mapped(ino: int) -> bool:
 
 
 def test_a_first_save_copies_into_private_memory_and_its_upload_moves_it_into_its_part_file(shm):
-    """Issue 45: a first save with no ``prepare`` copies into private memory (faulted as
+    """A first save with no ``prepare`` copies into private memory (faulted as
     stock DCP's first copy is, not claimed in the tier first); its upload moves the copy
     into the step's part file, which the pool then maps as if the save had staged there:
     no private copy is left, the snapshot is exact though the state changed at once, and

@@ -1,5 +1,5 @@
 """The non-finite screen's verdicts are reused: one screen object per dtype, so an unchanged
-dedup block is screened once, not on every save (issue 45, item 6)."""
+dedup block is screened once, not on every save."""
 
 import torch
 from tiered_dcp.storage import blocks
