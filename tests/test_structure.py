@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = [ROOT / "tiered_dcp", ROOT / "storage", ROOT / "planners"]
-MAX_TOP_LEVEL, MAX_METHODS, MAX_LINES = 16, 25, 80
+MAX_TOP_LEVEL, MAX_METHODS, MAX_LINES = 16, 20, 80
 
 
 def _sources():

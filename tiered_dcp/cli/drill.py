@@ -72,7 +72,6 @@ if TYPE_CHECKING:
 
 WORLD = 2  # ranks, one per simulated node
 HIDDEN = 256
-FAULTS = ("kill", "kill-save", "wipe", "flip", "damage", "nan", "outage")
 PAUSE = (2.0, 5.0)  # seconds of training between faults, drawn in this range
 RESUME_TIMEOUT = 180.0  # seconds a restarted job may take to restore its state
 COMMAND_TIMEOUT = 60.0  # seconds the job may take to carry out a command (halt after a save...)
@@ -626,233 +625,6 @@ class Drill:
 
     # -- faults
 
-    def fault_kill(self, event: Event) -> None:
-        victim = self.rng.randrange(WORLD)
-        event.detail = f"rank {victim} SIGKILLed at step {self.progress(victim)}"
-        fault_time = time.time()
-        self.crash(first=victim)
-        event.expected = self.committed()
-        self.restart(event, fault_time)
-
-    def fault_kill_save(self, event: Event) -> None:
-        """A rank SIGKILLs itself while its save is in flight; the others fail by themselves."""
-        from ..ops.verify import verify_step
-
-        victim = self.rng.randrange(WORLD)
-        others = [r for r in range(WORLD) if r != victim]
-        delay = round(self.rng.uniform(0.0, 0.05), 3)
-        fault_time = time.time()
-        self.command({"do": "kill", "rank": victim, "delay": delay})
-        if not self.wait(
-            event, lambda: self.procs[victim].poll() is not None, "kill a rank mid-save", others
-        ):
-            self.crash()
-            return
-        killed = Path(f"{self.dir}/killed.{self.attempt}.json")
-        if not killed.exists():
-            event.problems.append(self.died([victim]) or f"rank {victim} died, not by the drill's kill")
-            self.crash()
-            return
-        step = json.loads(killed.read_text())["step"]
-        deadline = time.monotonic() + SURVIVOR_TIMEOUT
-        while any(self.procs[r].poll() is None for r in others) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        waited = time.monotonic() - deadline + SURVIVOR_TIMEOUT
-        hung = [r for r in others if self.procs[r].poll() is None]
-        self.crash()  # torchrun stops what is left
-        for r in others:
-            path = Path(f"{self.dir}/error.{self.attempt}.rank{r}.json")
-            if path.exists():
-                e = json.loads(path.read_text())
-                event.errors.append(f"rank {r}, {e['during']}: {e['error']}")
-                event.errors.append(f"rank {r}, its save in flight: {e['save']}")
-            elif r not in hung:
-                event.problems.append(f"rank {r} exited ({self.procs[r].returncode}) with no error recorded")
-            said = Path(f"{self.dir}/stderr.{self.attempt}.rank{r}")
-            text = said.read_text(errors="replace") if said.exists() else ""
-            lost = [ln for ln in text.splitlines() if "stopped answering" in ln]
-            event.errors += [f"rank {r}, tiered-dcp said: {ln}" for ln in lost[:1]]
-        event.detail = (
-            f"rank {victim} SIGKILLed {delay * 1000:.0f} ms into save {step}, still in flight; "
-            + (
-                f"rank(s) {hung} still running {waited:.1f} s later"
-                if hung
-                else f"the others failed and exited within {waited:.1f} s"
-            )
-        )
-        if hung:
-            event.problems.append(
-                f"rank(s) {hung} did not fail within {SURVIVOR_TIMEOUT:.0f} s of their peer's death"
-            )
-        # nothing half-written may be reported committed: a root that committed it must hold it whole
-        checks = [c for node in range(WORLD) for c in verify_step(self.cfg, step, node, node)]
-        bad = [f"tier {c.tier_index}: {'; '.join(c.problems)}" for c in checks if not c.ok]
-        committed = sorted({c.tier_index for c in checks})
-        event.detail += (
-            f"; save {step} committed on tier(s) {committed} (verified whole)"
-            if committed
-            else (f"; save {step} committed nowhere")
-        )
-        if bad:
-            event.problems.append(f"save {step} is committed but not whole: {' | '.join(bad)}")
-        event.expected = self.committed()
-        self.restart(event, fault_time)
-
-    def fault_nan(self, event: Event) -> None:
-        """The state goes NaN on one rank; that step is saved (marked), then the job crashes."""
-        victim = self.rng.randrange(WORLD)
-        fault_time = time.time()
-        self.command({"do": "nan", "rank": victim})
-        step = self.halted(event)
-        self.crash()
-        if step is None:
-            return
-        marker = self.marker(step)
-        marked = marker is not None and not marker.finite
-        event.unloadable = {step: f"saved holding NaN on rank {victim}"}
-        self.broken.update(event.unloadable)
-        event.detail = (
-            f"a weight of rank {victim} set to NaN before save {step}; the save committed "
-            f"({'marked non-finite' if marked else 'NOT marked non-finite'}), then the job crashed"
-        )
-        if not marked:
-            event.problems.append(f"step {step}'s commit marker does not mark it non-finite")
-        event.expected = self.committed(passed=event.unloadable)
-        self.restart(event, fault_time)
-
-    def fault_damage(self, event: Event) -> None:
-        """Every copy of a part (or the metadata) of the newest step, on the RAM tier only, damaged."""
-        from ..storage.format import metadata_key, part_key
-
-        fault_time = time.time()
-        self.command({"do": "halt"})  # after the next step that only the RAM tier takes
-        step = self.halted(event)
-        self.crash()
-        if step is None:
-            return
-        marker = self.marker(step)
-        victim = self.rng.randrange(WORLD)
-        what, key = self.rng.choice(
-            [
-                (f"rank {victim}'s part", part_key(self.cfg.namespace, step, victim)),
-                ("its metadata", metadata_key(self.cfg.namespace, step)),
-            ]
-        )
-        roots = [Path(self.cfg.tiers[0].root(n, n)) for n in range(WORLD)]
-        damaged = [_flip(root / key) for root in roots if (root / key).exists()]
-        event.unloadable = {step: f"every copy of {what} damaged by the drill"}
-        self.broken.update(event.unloadable)
-        event.detail = (
-            f"step {step}, held by the RAM tier only: a byte flipped in each of the {len(damaged)} "
-            f"copies of {what}; the job crashed"
-        )
-        event.expected = self.committed(passed=event.unloadable)
-        self.restart(event, fault_time)
-        if event.resumed is None or marker is None:
-            return
-        marks = {(s, ident) for r in self.reports for s, ident in r.get("quarantined", [])}
-        quarantined = (step, f"{marker.metadata_xxh3:016x}") in marks
-        event.detail += f"; quarantined: {quarantined}"
-        if not quarantined:
-            event.problems.append(f"the damaged step {step} was not quarantined")
-
-    def fault_wipe(self, event: Event) -> None:
-        from tiered_dcp.storage.owners import pid_alive
-
-        from ..steps.placement import placement_for
-        from ..writer_process.run_dir import RunDir
-
-        node = self.rng.randrange(WORLD)  # one rank per node: the node's rank is `node`
-        fault_time = time.time()
-        self.crash()
-        event.expected = self.committed()
-        rd = RunDir.of(self.cfg, node)
-        pid = rd.writer.pid()
-        if pid is not None and pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # the node's writer process dies with it
-        for tier in self.cfg.tiers:
-            if placement_for(tier).node_owned:
-                shutil.rmtree(tier.root(node, node), ignore_errors=True)
-        shutil.rmtree(rd.path, ignore_errors=True)
-        event.detail = f"node {node} lost (ranks killed, its writer killed, its RAM and SSD roots wiped)"
-        self.restart(event, fault_time)
-
-    def fault_flip(self, event: Event) -> None:
-        from ..ops.verify import verify_step
-        from ..steps.catalog import TierView
-        from ..storage.format import part_key
-
-        fault_time = time.time()
-        self.crash()
-        event.expected = self.committed()
-        view = TierView(self.cfg, 0, 0, 0)
-        steps = sorted(view.committed())
-        if not steps:
-            event.detail = "nothing committed on node 0's RAM tier to damage"
-            self.restart(event, fault_time)
-            return
-        step = steps[-1]
-        path = Path(self.cfg.tiers[0].root(0, 0)) / part_key(self.cfg.namespace, step, 0)
-        size = os.path.getsize(_flip(path))
-        checks = verify_step(self.cfg, step, 0, 0)
-        seen = any(not c.ok for c in checks if c.tier_index == 0)
-        event.detail = (
-            f"byte {size // 2} of step {step}'s part on node 0's RAM tier flipped; verify saw it: {seen}"
-        )
-        if not seen:
-            event.problems.append(f"verify did not see the flipped byte in {path}")
-        self.restart(event, fault_time)
-
-    def fault_outage(self, event: Event) -> None:
-        from ..api import status
-        from ..steps.status import StepStatus
-
-        def bucket_newest() -> int:
-            return max(
-                [r.step for r in status(self.cfg) if r.tier_index == 2 and r.state is StepStatus.COMMITTED]
-                + [0]
-            )
-
-        length = self.rng.uniform(3, 6)
-        before = min(self.progress(r) for r in range(WORLD))
-        self.proxy.inject(("503", 1))
-        start = time.time()
-        while time.time() - start < length and not self.died():
-            time.sleep(0.05)
-        self.proxy.inject()
-        end = time.time()
-        during = min(self.progress(r) for r in range(WORLD)) - before
-        newest = bucket_newest()
-        event.detail = (
-            f"bucket answered 503 to every request for {length:.1f} s; {during} steps trained meanwhile"
-        )
-        deadline = time.monotonic() + 90
-        while bucket_newest() <= newest:
-            why = self.died()
-            if why or time.monotonic() > deadline:
-                event.problems.append(
-                    why or "no newer step committed on the bucket within 90 s of the outage"
-                )
-                return
-            time.sleep(0.1)
-        event.recovery_s = round(time.time() - end, 3)
-        stalls, before_it = [], []
-        for r in range(WORLD):
-            with contextlib.suppress(OSError), open(f"{self.dir}/steps.rank{r}.jsonl") as f:
-                for line in f:
-                    rec = json.loads(line)
-                    if start <= rec["time"] <= end + 1:
-                        stalls.append(rec["stall"])
-                    elif start - 10 <= rec["time"] < start:
-                        before_it.append(rec["stall"])
-        if stalls:
-            event.detail += f"; the loop's longest save wait meanwhile {max(stalls):.2f} s"
-            if before_it:
-                event.detail += f" (median {sorted(before_it)[len(before_it) // 2]:.2f} s in the 10 s before)"
-
-    # -- the run
-
     def run(self) -> DrillReport:
         from .jobconfig import load_job_config
 
@@ -881,7 +653,7 @@ class Drill:
                 if not cycle:
                     cycle = self.rng.sample(self.faults, len(self.faults))
                 event = Event(cycle.pop(), round(time.monotonic() - self.t0, 1))
-                getattr(self, f"fault_{event.fault.replace('-', '_')}")(event)
+                _FAULT_RUNS[event.fault](self, event)
                 events.append(event)
                 ran.add(event.fault)
                 _print_event(event)
@@ -909,6 +681,246 @@ class Drill:
         if cfg is not None:
             report.replica_reports, report.suspects = _replica_reports(cfg)
         return report
+
+
+def _fault_kill(drill: Drill, event: Event) -> None:
+    victim = drill.rng.randrange(WORLD)
+    event.detail = f"rank {victim} SIGKILLed at step {drill.progress(victim)}"
+    fault_time = time.time()
+    drill.crash(first=victim)
+    event.expected = drill.committed()
+    drill.restart(event, fault_time)
+
+
+def _fault_kill_save(drill: Drill, event: Event) -> None:
+    """A rank SIGKILLs itself while its save is in flight; the others fail by themselves."""
+    from ..ops.verify import verify_step
+
+    victim = drill.rng.randrange(WORLD)
+    others = [r for r in range(WORLD) if r != victim]
+    delay = round(drill.rng.uniform(0.0, 0.05), 3)
+    fault_time = time.time()
+    drill.command({"do": "kill", "rank": victim, "delay": delay})
+    if not drill.wait(event, lambda: drill.procs[victim].poll() is not None, "kill a rank mid-save", others):
+        drill.crash()
+        return
+    killed = Path(f"{drill.dir}/killed.{drill.attempt}.json")
+    if not killed.exists():
+        event.problems.append(drill.died([victim]) or f"rank {victim} died, not by the drill's kill")
+        drill.crash()
+        return
+    step = json.loads(killed.read_text())["step"]
+    deadline = time.monotonic() + SURVIVOR_TIMEOUT
+    while any(drill.procs[r].poll() is None for r in others) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    waited = time.monotonic() - deadline + SURVIVOR_TIMEOUT
+    hung = [r for r in others if drill.procs[r].poll() is None]
+    drill.crash()  # torchrun stops what is left
+    for r in others:
+        path = Path(f"{drill.dir}/error.{drill.attempt}.rank{r}.json")
+        if path.exists():
+            e = json.loads(path.read_text())
+            event.errors.append(f"rank {r}, {e['during']}: {e['error']}")
+            event.errors.append(f"rank {r}, its save in flight: {e['save']}")
+        elif r not in hung:
+            event.problems.append(f"rank {r} exited ({drill.procs[r].returncode}) with no error recorded")
+        said = Path(f"{drill.dir}/stderr.{drill.attempt}.rank{r}")
+        text = said.read_text(errors="replace") if said.exists() else ""
+        lost = [ln for ln in text.splitlines() if "stopped answering" in ln]
+        event.errors += [f"rank {r}, tiered-dcp said: {ln}" for ln in lost[:1]]
+    event.detail = f"rank {victim} SIGKILLed {delay * 1000:.0f} ms into save {step}, still in flight; " + (
+        f"rank(s) {hung} still running {waited:.1f} s later"
+        if hung
+        else f"the others failed and exited within {waited:.1f} s"
+    )
+    if hung:
+        event.problems.append(
+            f"rank(s) {hung} did not fail within {SURVIVOR_TIMEOUT:.0f} s of their peer's death"
+        )
+    # nothing half-written may be reported committed: a root that committed it must hold it whole
+    checks = [c for node in range(WORLD) for c in verify_step(drill.cfg, step, node, node)]
+    bad = [f"tier {c.tier_index}: {'; '.join(c.problems)}" for c in checks if not c.ok]
+    committed = sorted({c.tier_index for c in checks})
+    event.detail += (
+        f"; save {step} committed on tier(s) {committed} (verified whole)"
+        if committed
+        else (f"; save {step} committed nowhere")
+    )
+    if bad:
+        event.problems.append(f"save {step} is committed but not whole: {' | '.join(bad)}")
+    event.expected = drill.committed()
+    drill.restart(event, fault_time)
+
+
+def _fault_nan(drill: Drill, event: Event) -> None:
+    """The state goes NaN on one rank; that step is saved (marked), then the job crashes."""
+    victim = drill.rng.randrange(WORLD)
+    fault_time = time.time()
+    drill.command({"do": "nan", "rank": victim})
+    step = drill.halted(event)
+    drill.crash()
+    if step is None:
+        return
+    marker = drill.marker(step)
+    marked = marker is not None and not marker.finite
+    event.unloadable = {step: f"saved holding NaN on rank {victim}"}
+    drill.broken.update(event.unloadable)
+    event.detail = (
+        f"a weight of rank {victim} set to NaN before save {step}; the save committed "
+        f"({'marked non-finite' if marked else 'NOT marked non-finite'}), then the job crashed"
+    )
+    if not marked:
+        event.problems.append(f"step {step}'s commit marker does not mark it non-finite")
+    event.expected = drill.committed(passed=event.unloadable)
+    drill.restart(event, fault_time)
+
+
+def _fault_damage(drill: Drill, event: Event) -> None:
+    """Every copy of a part (or the metadata) of the newest step, on the RAM tier only, damaged."""
+    from ..storage.format import metadata_key, part_key
+
+    fault_time = time.time()
+    drill.command({"do": "halt"})  # after the next step that only the RAM tier takes
+    step = drill.halted(event)
+    drill.crash()
+    if step is None:
+        return
+    marker = drill.marker(step)
+    victim = drill.rng.randrange(WORLD)
+    what, key = drill.rng.choice(
+        [
+            (f"rank {victim}'s part", part_key(drill.cfg.namespace, step, victim)),
+            ("its metadata", metadata_key(drill.cfg.namespace, step)),
+        ]
+    )
+    roots = [Path(drill.cfg.tiers[0].root(n, n)) for n in range(WORLD)]
+    damaged = [_flip(root / key) for root in roots if (root / key).exists()]
+    event.unloadable = {step: f"every copy of {what} damaged by the drill"}
+    drill.broken.update(event.unloadable)
+    event.detail = (
+        f"step {step}, held by the RAM tier only: a byte flipped in each of the {len(damaged)} "
+        f"copies of {what}; the job crashed"
+    )
+    event.expected = drill.committed(passed=event.unloadable)
+    drill.restart(event, fault_time)
+    if event.resumed is None or marker is None:
+        return
+    marks = {(s, ident) for r in drill.reports for s, ident in r.get("quarantined", [])}
+    quarantined = (step, f"{marker.metadata_xxh3:016x}") in marks
+    event.detail += f"; quarantined: {quarantined}"
+    if not quarantined:
+        event.problems.append(f"the damaged step {step} was not quarantined")
+
+
+def _fault_wipe(drill: Drill, event: Event) -> None:
+    from tiered_dcp.storage.owners import pid_alive
+
+    from ..steps.placement import placement_for
+    from ..writer_process.run_dir import RunDir
+
+    node = drill.rng.randrange(WORLD)  # one rank per node: the node's rank is `node`
+    fault_time = time.time()
+    drill.crash()
+    event.expected = drill.committed()
+    rd = RunDir.of(drill.cfg, node)
+    pid = rd.writer.pid()
+    if pid is not None and pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # the node's writer process dies with it
+    for tier in drill.cfg.tiers:
+        if placement_for(tier).node_owned:
+            shutil.rmtree(tier.root(node, node), ignore_errors=True)
+    shutil.rmtree(rd.path, ignore_errors=True)
+    event.detail = f"node {node} lost (ranks killed, its writer killed, its RAM and SSD roots wiped)"
+    drill.restart(event, fault_time)
+
+
+def _fault_flip(drill: Drill, event: Event) -> None:
+    from ..ops.verify import verify_step
+    from ..steps.catalog import TierView
+    from ..storage.format import part_key
+
+    fault_time = time.time()
+    drill.crash()
+    event.expected = drill.committed()
+    view = TierView(drill.cfg, 0, 0, 0)
+    steps = sorted(view.committed())
+    if not steps:
+        event.detail = "nothing committed on node 0's RAM tier to damage"
+        drill.restart(event, fault_time)
+        return
+    step = steps[-1]
+    path = Path(drill.cfg.tiers[0].root(0, 0)) / part_key(drill.cfg.namespace, step, 0)
+    size = os.path.getsize(_flip(path))
+    checks = verify_step(drill.cfg, step, 0, 0)
+    seen = any(not c.ok for c in checks if c.tier_index == 0)
+    event.detail = (
+        f"byte {size // 2} of step {step}'s part on node 0's RAM tier flipped; verify saw it: {seen}"
+    )
+    if not seen:
+        event.problems.append(f"verify did not see the flipped byte in {path}")
+    drill.restart(event, fault_time)
+
+
+def _fault_outage(drill: Drill, event: Event) -> None:
+    from ..api import status
+    from ..steps.status import StepStatus
+
+    def bucket_newest() -> int:
+        return max(
+            [r.step for r in status(drill.cfg) if r.tier_index == 2 and r.state is StepStatus.COMMITTED] + [0]
+        )
+
+    length = drill.rng.uniform(3, 6)
+    before = min(drill.progress(r) for r in range(WORLD))
+    drill.proxy.inject(("503", 1))
+    start = time.time()
+    while time.time() - start < length and not drill.died():
+        time.sleep(0.05)
+    drill.proxy.inject()
+    end = time.time()
+    during = min(drill.progress(r) for r in range(WORLD)) - before
+    newest = bucket_newest()
+    event.detail = (
+        f"bucket answered 503 to every request for {length:.1f} s; {during} steps trained meanwhile"
+    )
+    deadline = time.monotonic() + 90
+    while bucket_newest() <= newest:
+        why = drill.died()
+        if why or time.monotonic() > deadline:
+            event.problems.append(why or "no newer step committed on the bucket within 90 s of the outage")
+            return
+        time.sleep(0.1)
+    event.recovery_s = round(time.time() - end, 3)
+    stalls, before_it = [], []
+    for r in range(WORLD):
+        with contextlib.suppress(OSError), open(f"{drill.dir}/steps.rank{r}.jsonl") as f:
+            for line in f:
+                rec = json.loads(line)
+                if start <= rec["time"] <= end + 1:
+                    stalls.append(rec["stall"])
+                elif start - 10 <= rec["time"] < start:
+                    before_it.append(rec["stall"])
+    if stalls:
+        event.detail += f"; the loop's longest save wait meanwhile {max(stalls):.2f} s"
+        if before_it:
+            event.detail += f" (median {sorted(before_it)[len(before_it) // 2]:.2f} s in the 10 s before)"
+
+
+# -- the run
+
+
+# each fault kind's run: what it breaks, how the job comes back, what the event records
+_FAULT_RUNS: dict[str, Callable[[Drill, Event], None]] = {
+    "kill": _fault_kill,
+    "kill-save": _fault_kill_save,
+    "wipe": _fault_wipe,
+    "flip": _fault_flip,
+    "damage": _fault_damage,
+    "nan": _fault_nan,
+    "outage": _fault_outage,
+}
+FAULTS = tuple(_FAULT_RUNS)  # the kinds, in the order the drill names them
 
 
 def _replica_reports(cfg: TieredConfig) -> tuple[list[str], list[str]]:
