@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from tiered_dcp.storage.forks import renew_in_child
+from tiered_dcp.storage.owners import pid_alive
 
 from ..errors import AbortedError, PeerLostError
 
@@ -334,16 +335,6 @@ def gone_on_this_host(w: World) -> list[int]:
     for entry in filter(None, listed):
         rank, _, pid = entry.partition(":")
         with contextlib.suppress(ValueError):
-            if not _alive(int(pid)):
+            if not pid_alive(int(pid)):  # a killed worker its launcher has not reaped yet is gone too
                 gone.append(int(rank))
     return sorted(gone)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
