@@ -43,10 +43,22 @@ class TieredSavePlanner(DefaultSavePlanner):
     def set_up_planner(
         self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
+        """DCP's set-up, with no block ids named yet.
+
+        Args:
+            state_dict: the state this save plans (the staged copy, with ``async_save``).
+            storage_meta: the writer's ``storage_meta()``.
+            is_coordinator: whether this rank plans globally.
+        """
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self.block_ids = {}
 
     def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, each large tensor item's content key in its ``storage_data``.
+
+        Returns:
+            The plan, or DCP's cached one where neither the items nor their bytes changed.
+        """
         plan = super().create_local_plan()  # DCP's, with its plan cache
         full = self.plan
         content = {item.index: key for item in full.items if (key := self._content(item)) is not None}
@@ -82,6 +94,14 @@ class TieredSavePlanner(DefaultSavePlanner):
         return dedup_plans(global_plan), metadata
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan and Metadata, then one writer kept per distinct content.
+
+        Args:
+            all_plans: every rank's local plan.
+
+        Returns:
+            Each rank's global plan (its aliases named for the writer), and the step's Metadata.
+        """
         if not hasattr(DefaultSavePlanner, "_create_global_plan"):  # older torch (untested here)
             plans, metadata = super().create_global_plan(all_plans)
             if not _caching(self):  # its cache would keep the plans before the pass: no dedup then

@@ -76,10 +76,20 @@ def names_no_node(tier: Tier) -> bool:
 class Tier:
     """One storage tier: a path (node-local) or an fsspec URL (shared).
 
-    ``every``: the tier receives the steps divisible by it. ``keep``: it retains the newest
-    ``keep`` complete steps (``None`` keeps all). ``compression``: ``None`` or ``"zstd"``.
-    ``shared``: ``None`` infers it (plain paths and ``file://`` are node-local, other URL
-    schemes are shared); ``True`` declares a plain path shared (an NFS/Lustre mount).
+    Args:
+        path: a directory (``{node}`` and ``{rank}`` filled per process) or a URL
+            (``gs://``, ``s3://``, any fsspec protocol). A directory on tmpfs is memory.
+        every: the tier receives the steps divisible by it.
+        keep: it retains the newest ``keep`` complete steps (``None`` keeps all).
+        compression: ``None`` or ``"zstd"``.
+        storage_options: passed to the URL's backend (credentials, endpoint, bounds).
+        shared: ``None`` infers it (plain paths and ``file://`` are node-local, other URL
+            schemes are shared); ``True`` declares a plain path shared (an NFS/Lustre
+            mount), ``False`` a node-local one that names no node.
+
+    Raises:
+        ValueError: a bad value, at construction, with what to change (an unknown URL
+            scheme or one whose package is missing names the package).
     """
 
     path: str
@@ -193,38 +203,50 @@ def is_namespace(name: str) -> bool:
 class TieredConfig:
     """The whole checkpointing setup of one training job.
 
-    ``tiers`` are listed fastest first: a save commits on the fastest tier that takes its
-    step, and a load reads from the fastest tier holding the step complete.
-    ``replication_factor``/``replication_jump`` lay out the cliques whose members hold
-    copies of each other's parts on node-local tiers (``cliques``). ``peer_timeout`` bounds
-    every wait on another rank (a replica transfer, a peer read) in seconds.
-    ``tier_timeout``: seconds a tier may go without answering before it counts as down: a
-    load or query skips a shared tier that has not answered in that time (with a warning),
-    and a writer process whose writes to a tier make no progress for that long marks the
-    tier unhealthy, so saves stop waiting for it. ``writer_drain_timeout``: seconds a writer
-    process goes on writing after its trainer is gone; then it records what it could not
-    persist and exits. ``on_nonfinite``: what a save of a floating tensor holding NaN/Inf
-    does (``NONFINITE_POLICIES``): ``"mark"`` saves the step marked non-finite, so that
-    ``load_latest`` and ``TieredReader(config)`` pass it over; ``"raise"`` fails the save
-    before it is committed; ``"ignore"`` does not look. ``on_replica_mismatch``: what a save
-    whose data-parallel replicas disagree does (``REPLICA_POLICIES``; every replica of an
-    item several ranks hold is checksummed and compared at the save's agreement):
-    ``"mark"`` commits the step marked, so that loads that choose a step pass it over, as
-    a non-finite one; ``"raise"`` refuses it (``ReplicaMismatchError`` on every rank);
-    ``"warn"`` commits it as any other; ``"ignore"`` compares nothing. Each disagreement is
-    logged and recorded at once, whatever the policy. ``failure_domain``: where each rank
-    sits among the groups that fail together (a rack, a power domain, a node pool): the name
-    of an environment variable each rank reads, or a callable ``rank -> str`` (a module-level
-    function, for DCP's PROCESS async mode). Given, cliques are laid out across domains
-    (``ranks.cliques.by_domain``) instead of by ``replication_jump``. ``on_lagging_tier``: what
-    happens, when the first tier of a save is in memory (a RAM tier that saves stage into),
-    to a step leaving its ``keep`` window while a slower tier still copies it
-    (``LAGGING_POLICIES``): ``"wait"`` (the default: every step divisible by a tier's
-    ``every`` reaches it, as the tier's schedule says) makes the save that would push it out wait,
-    before it stages, until the copy is done; host memory stays at ``keep + 1`` steps, and
-    training waits for the slower tier. ``"skip"`` drops it all the same, so that host memory stays at
-    ``keep + 1`` steps and no save waits; the slower tier's copy is abandoned and recorded
-    as skipped (``tiered-dcp ls``, the writer's log), and it takes the newest step next.
+    Args:
+        namespace: the job's name in every tier (a safe path component: letters, digits,
+            ``.``, ``_``, ``-``); its steps live under ``<tier root>/<namespace>/``.
+        tiers: fastest first: a save commits on the fastest tier that takes its step, and a
+            load reads from the fastest tier holding the step complete.
+        replication_factor: copies of each rank's part on node-local tiers (1: none), held
+            by the members of its clique (``ranks.cliques``).
+        replication_jump: ranks between two members of a clique; the ranks per node, so
+            that each copy lies on another node.
+        dedup: store large tensors as content-named blocks, so unchanged data is not
+            written again (``steps.dedup``).
+        peer_timeout: seconds any wait on another rank may last (a replica transfer, the
+            commit agreement, a rank's arrival at a save, a peer read).
+        tier_timeout: seconds a tier may go without answering before it counts as down: a
+            load or query skips a shared tier silent that long (with a warning), and a
+            writer process whose writes make no progress that long marks the tier
+            unhealthy, so saves stop waiting for it.
+        writer_drain_timeout: seconds a writer process goes on writing after its trainer is
+            gone; then it records what it could not persist and exits.
+        on_nonfinite: a save of a floating tensor holding NaN/Inf (``NONFINITE_POLICIES``):
+            ``"mark"`` saves the step marked, so that ``load_latest`` and
+            ``TieredReader(config)`` pass it over; ``"raise"`` fails the save before it
+            commits; ``"ignore"`` does not look.
+        on_replica_mismatch: a save whose data-parallel replicas disagree
+            (``REPLICA_POLICIES``; every copy of an item several ranks hold is checksummed and
+            compared at the save's agreement): ``"mark"`` commits the step marked, passed
+            over as a non-finite one; ``"raise"`` refuses it (``ReplicaMismatchError`` on
+            every rank); ``"warn"`` commits it as any other; ``"ignore"`` compares nothing.
+            Each disagreement is logged and recorded at once, whatever the policy.
+        failure_domain: where each rank sits among the groups that fail together (a rack, a
+            power domain, a node pool): the name of an environment variable each rank reads,
+            or a callable ``rank -> str`` (a module-level function, for DCP's PROCESS async
+            mode). Given, cliques are laid out across domains (``ranks.cliques.by_domain``)
+            instead of by ``replication_jump``.
+        on_lagging_tier: when the first tier is in memory, what happens to a step leaving
+            its ``keep`` window while a slower tier still copies it (``LAGGING_POLICIES``):
+            ``"wait"`` makes the save that would push it out wait, before it stages, until
+            the copy is done (every step a tier's ``every`` takes reaches it; training waits
+            for the slower tier); ``"skip"`` drops it all the same (no save waits; the slower
+            tier's copy is recorded as skipped, and it takes the newest step next). Host
+            memory stays at ``keep + 1`` steps either way.
+
+    Raises:
+        ValueError: any bad value, at construction, with what to change.
     """
 
     namespace: str

@@ -67,6 +67,16 @@ class TieredStager(AsyncStager):
     # -- AsyncStager: the copy the training loop waits for --------------------------------
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | ConcurrentFuture[STATE_DICT_TYPE]:
+        """DCP's stager: a copy of ``state_dict`` in the staging pool's buffers (the RAM
+        tier's part file where it can), the only part of an async save the loop waits for.
+
+        Returns:
+            The staged copy, or (``background_staging``) a future of it.
+
+        Raises:
+            SnapshotError: a value of a kind that cannot be copied (its key and type named).
+            ValueError: the configuration would not fit in the host's memory (both figures named).
+        """
         self.call = SaveCall()
         self.owner_pid = os.getpid()
         self.generation = worlds.generation()

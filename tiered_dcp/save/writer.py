@@ -91,6 +91,23 @@ class TieredWriter(StorageWriter, TieredStager):
         max_pending: int = MAX_PENDING,
         emergency: bool = False,
     ) -> None:
+        """Args:
+            config: the job's configuration.
+            step: the step this save is (its ``every`` decides the tiers that take it).
+            background_staging: ``async_save`` returns at once and the copy runs in a
+                thread; wait for the response's ``staging_completion`` before changing the
+                state.
+            handle_sigterm: install the SIGTERM handler (``save.preemption``) at the first
+                async save from the main thread.
+            staging_slots: staged copies this save lets the process hold; a save beyond
+                waits for the oldest upload.
+            max_pending: steps a rank's writer may have queued per slower tier before a
+                save waits for it.
+            emergency: a last save before a preemption: every tier takes it.
+
+        Raises:
+            ValueError: a bad argument, or a step no tier takes (said before any byte).
+        """
         if not isinstance(config, TieredConfig):
             raise ValueError(f"TieredWriter: config must be a TieredConfig, got {type(config).__name__}")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -167,6 +184,16 @@ class TieredWriter(StorageWriter, TieredStager):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's set-up, on every rank before its first collective of the save: an async
+        save's collectives moved off the training's group (``dcp_call``), every rank's
+        arrival waited for (``worlds.Op.arrive``), the cliques' layout.
+
+        Raises:
+            ValueError: ``use_collectives=False`` (a step commits only once every rank's
+                part is in), or failure domains that cannot hold the copies apart.
+            PeerLostError: a rank did not arrive within ``peer_timeout``.
+            AbortedError: this process left its world meanwhile (``tiered_dcp.abort``).
+        """
         if kwargs.get("use_collectives") is False:
             raise ValueError(
                 "TieredWriter needs use_collectives=True: a step is committed "
@@ -190,6 +217,8 @@ class TieredWriter(StorageWriter, TieredStager):
             self.layout = domains.LAYOUTS.get(self.config, _world_size(), self.rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """This rank's plan tagged with where it runs (and, for the replica check, its items'
+        keys): what the coordinator needs to place parts and find replica groups."""
         # with dedup, large items are stored as blocks (replicas too: a peer gets only the blocks it lacks)
         plan = tag_local_plan(plan, self.rank, self.node, self.config.dedup)
         if self.config.on_replica_mismatch != "ignore":  # its items keyed, for the replica groups
@@ -210,6 +239,20 @@ class TieredWriter(StorageWriter, TieredStager):
 
     @worlds.working()  # ``tiered_dcp.abort`` waits for it
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's part to the fastest tier taking the step and commit it there
+        (a node-local tier: every root, once every rank agreed; a shared one: in ``finish``),
+        then hand the slower tiers to this rank's writer process.
+
+        Returns:
+            A done future of the plan's ``WriteResult`` (each item's record).
+
+        Raises:
+            PeerLostError: a peer stopped answering (the exchange, the agreement).
+            AbortedError: this process left its world (``tiered_dcp.abort``).
+            NonFiniteStateError: NaN/Inf with ``on_nonfinite="raise"``.
+            TieredCheckpointError: anything else that keeps the step from committing; this
+                rank's part is removed and a note says why (``status`` shows it).
+        """
         if self.owner_pid == os.getpid() and self.generation != worlds.generation():
             raise TieredCheckpointError(
                 f"step {self.step}: this save was staged in a world that is gone (its process "
