@@ -314,10 +314,10 @@ def test_abort_waits_for_an_upload_at_work_but_not_for_a_failed_save_still_held(
     entered, gate = threading.Event(), threading.Event()
 
     class Held(TieredWriter):  # an upload held in write_data until the test lets it go
-        def _in_file(self, first):  # early in write_data, inside its ``worlds.working`` block
+        def _write_part(self, *args):  # in write_data, inside its ``worlds.working`` block
             entered.set()
             assert gate.wait(120), "the test never let the upload go"
-            return super()._in_file(first)
+            return super()._write_part(*args)
 
     uploading = dcp.async_save({"w": torch.ones(1 << 16)}, storage_writer=Held(cfg, step=2))
     try:
