@@ -25,6 +25,7 @@ if not (NVRX / "nvidia_resiliency_ext" / "fault_tolerance").is_dir():
 TRAIN = str(REPO / "benchmarks" / "inprocess_train.py")  # bench_inprocess's loop
 STEPS, FAULT_AT = 5, 3
 KILLED_BY_LAUNCHER = "forcefully exiting via 9"  # torch's line when a stop timeout ends in SIGKILL
+STORE_HOST_GONE = "Failed to recv, got 0 bytes"  # a launcher still reading the store at its close
 
 
 def ft_launcher(root: Path, fault: str, port: int, node: int) -> list[str]:
@@ -103,6 +104,17 @@ def _after_fault(nodes: list[tuple[int, str, str]], event: str) -> list[dict]:
     return sorted(after, key=lambda e: e["rank"])
 
 
+def _exit_codes(nodes: list[tuple[int, str, str]]) -> list[int]:
+    """Each launcher's exit code, where one that read the rendezvous store after launcher 0 (its
+    host) ended a successful job counts as 0: NvRx 0.7.0's host keeps the store 3 s after the
+    job (``launcher.py``: ``grace_period = 3.0``), and a loaded machine can make another
+    launcher's last poll later (``DistNetworkError`` in its agent, exit 1). Its ranks' events
+    are still checked one by one; the host's own exit code is taken as it is."""
+    host_ok = nodes[0][0] == 0
+    late = [n > 0 and c == 1 and host_ok and STORE_HOST_GONE in e for n, (c, _, e) in enumerate(nodes)]
+    return [0 if was_late else code for was_late, (code, _, _) in zip(late, nodes, strict=True)]
+
+
 def _report(nodes: list[tuple[int, str, str]]) -> str:
     parts = [f"--- node {n}: exit {code}\n{out}\n{err[-4000:]}" for n, (code, out, err) in enumerate(nodes)]
     return "\n".join(parts)
@@ -116,7 +128,7 @@ def test_a_worker_killed_in_a_save_every_rank_resumes_and_no_worker_is_sigkilled
     resumes step 2, the newest step committed everywhere, exactly, and trains to the end."""
     nodes = _job(shm, "kill-in-save")
     report = _report(nodes)
-    assert [code for code, _, _ in nodes] == [0, 0, 0], report
+    assert _exit_codes(nodes) == [0, 0, 0], report
     assert not any(KILLED_BY_LAUNCHER in err for _, _, err in nodes), report
     loaded = _after_fault(nodes, "loaded")
     assert [(e["rank"], e["step"], e["exact"], e["world"]) for e in loaded] == [
@@ -136,7 +148,7 @@ def test_a_node_killed_the_spare_takes_its_place_and_reads_its_ranks_from_peers(
     report = _report(nodes)
     (killed,) = [n for n, (_, out, _) in enumerate(nodes) if _events(out, "fault")]  # rank 2's launcher
     spare = 3 - killed  # launchers 1 and 2: the one the first round left waiting
-    assert [code for code, _, _ in nodes] == [-9 if n == killed else 0 for n in range(3)], report
+    assert _exit_codes(nodes) == [-9 if n == killed else 0 for n in range(3)], report
     assert not any(KILLED_BY_LAUNCHER in err for _, _, err in nodes), report
     loaded = _after_fault(nodes, "loaded")
     assert [(e["rank"], e["step"], e["exact"], e["world"]) for e in loaded] == [

@@ -253,21 +253,7 @@ class TieredWriter(StorageWriter, TieredStager):
             TieredCheckpointError: anything else that keeps the step from committing; this
                 rank's part is removed and a note says why (``status`` shows it).
         """
-        if self.owner_pid == os.getpid() and self.generation != worlds.generation():
-            raise TieredCheckpointError(
-                f"step {self.step}: this save was staged in a world that is gone (its process "
-                "group was torn down, tiered_dcp.abort); it is abandoned, never committed: save "
-                "again in the new world (load_latest first, on every rank)"
-            )
-        if self._handoff_later:  # an async save that waits for no writer (``stage``)
-            self._handoff_later = False
-            self.wait_for_writer(self.rank)
-        elif not self._waited:  # a sync save: nothing was staged
-            self.handoff_wait = 0.0
-            self.call = None
-            host_memory.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
-            self.wait_for_writer(self.rank)
-        self._waited = False  # the hand-off is this save's: the next one waits afresh
+        self._ready_to_write(plan)
         started = time.perf_counter()
         self.sent_bytes = 0
         first = self._first()
@@ -323,6 +309,25 @@ class TieredWriter(StorageWriter, TieredStager):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _ready_to_write(self, plan: SavePlan) -> None:
+        """Refuse a save staged in a world that is gone; wait for this rank's writer process
+        where the staging did not (a sync save, an async one whose stager waited for none)."""
+        if self.owner_pid == os.getpid() and self.generation != worlds.generation():
+            raise TieredCheckpointError(
+                f"step {self.step}: this save was staged in a world that is gone (its process "
+                "group was torn down, tiered_dcp.abort); it is abandoned, never committed: save "
+                "again in the new world (load_latest first, on every rank)"
+            )
+        if self._handoff_later:  # an async save that waits for no writer (``stage``)
+            self._handoff_later = False
+            self.wait_for_writer(self.rank)
+        elif not self._waited:  # a sync save: nothing was staged
+            self.handoff_wait = 0.0
+            self.call = None
+            host_memory.guard(self.config, plan_bytes(plan), 0, self.tier_indexes[0])
+            self.wait_for_writer(self.rank)
+        self._waited = False  # the hand-off is this save's: the next one waits afresh
 
     def _write_part(
         self,
