@@ -41,11 +41,12 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from tiered_dcp.cli.local_servers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "inprocess_train.py")
@@ -53,12 +54,6 @@ NVRX = os.path.join(os.path.dirname(HERE), ".venv", "nvrx")  # setup.sh --test p
 PHASES = ("aborting", "aborted", "enter", "group", "loaded", "committed")
 FAULT_AT, STEPS = 6, 9
 KILLED = "forcefully exiting via 9"  # torch's line when a launcher's stop timeout ends in SIGKILL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def events(text: str) -> list[dict]:
@@ -130,16 +125,17 @@ def run_torchrun(mode: str, fault: str, root: str, mib: int, extra: dict[str, st
     return outcome(agents)
 
 
-def run_ft(mode: str, fault: str, root: str, mib: int, extra: dict[str, str]) -> list[dict]:
-    """Three ft_launchers as three nodes: two active, a hot spare. Launcher 0 hosts the
-    rendezvous and is always group rank 0 (``GROUP_RANK``: each one's place in NvRx's
-    barrier order); the first round closes once two have joined, leaving 1 or 2 the spare."""
+def start_ft_launchers(root: str, args: list[str], extra: dict[str, str]) -> list[subprocess.Popen]:
+    """Three ft_launchers as three nodes, each running ``args``, with the launch line
+    docs/user-guide.md gives: two nodes needed, a hot spare, one restart. Launcher 0 hosts
+    the rendezvous and is always group rank 0 (``GROUP_RANK``: each one's place in NvRx's
+    barrier order); the first round closes once two have joined, leaving 1 or 2 the spare.
+    (``tests/test_ft_launcher.py`` starts its jobs with it too.)"""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     env.update(extra, NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE="1", TMPDIR=root)  # the launchers' sockets
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), NVRX) if p)
-    args = [TRAIN, mode, fault, root, str(mib), str(STEPS), str(FAULT_AT)]
-    launchers = [
+    return [
         subprocess.Popen(
             [
                 sys.executable,
@@ -148,8 +144,8 @@ def run_ft(mode: str, fault: str, root: str, mib: int, extra: dict[str, str]) ->
                 "--nproc-per-node=2",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=bench",
-                f"--rdzv-conf=is_host={int(n == 0)}",
+                "--rdzv-id=ft",
+                f"--rdzv-conf=is_host={int(n == 0)}",  # one host on 127.0.0.1: say which one hosts
                 "--max-restarts=1",
                 "--monitor-interval=0.1",
                 f"--log-dir={root}/logs",
@@ -163,7 +159,12 @@ def run_ft(mode: str, fault: str, root: str, mib: int, extra: dict[str, str]) ->
         )
         for n in range(3)
     ]
-    return outcome(launchers)
+
+
+def run_ft(mode: str, fault: str, root: str, mib: int, extra: dict[str, str]) -> list[dict]:
+    """The loop under three ft_launchers: two active nodes and a hot spare."""
+    args = [TRAIN, mode, fault, root, str(mib), str(STEPS), str(FAULT_AT)]
+    return outcome(start_ft_launchers(root, args, extra))
 
 
 # case -> (launcher, fault, the environment beside it): the loop waits for each save as the

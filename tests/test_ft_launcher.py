@@ -8,7 +8,6 @@ RAM tier per node (``ROOT/ram/<group rank>``), each part replicated on the other
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,41 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tiered_dcp.cli.local_servers import free_port
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_inprocess import TRAIN, start_ft_launchers  # noqa: E402 - the benchmark's loop and launch line
+
 NVRX = REPO / ".venv" / "nvrx"  # setup.sh --test puts NvRx there, off this process's path
 if not (NVRX / "nvidia_resiliency_ext" / "fault_tolerance").is_dir():
     pytest.skip("nvidia-resiliency-ext: setup.sh --test", allow_module_level=True)
-TRAIN = str(REPO / "benchmarks" / "inprocess_train.py")  # bench_inprocess's loop
 STEPS, FAULT_AT = 5, 3
 KILLED_BY_LAUNCHER = "forcefully exiting via 9"  # torch's line when a stop timeout ends in SIGKILL
 STORE_HOST_GONE = "Failed to recv, got 0 bytes"  # a launcher still reading the store at its close
-
-
-def ft_launcher(root: Path, fault: str, port: int, node: int) -> list[str]:
-    """One node's launch line, as docs/user-guide.md gives it: 2 nodes needed, 3 at most (the
-    third a hot spare), one restart; node 0 hosts the rendezvous store."""
-    return [
-        sys.executable,
-        str(NVRX / "bin" / "ft_launcher"),
-        "--nnodes=2:3",
-        "--nproc-per-node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=ft",
-        f"--rdzv-conf=is_host={int(node == 0)}",  # one host on 127.0.0.1: say which one hosts
-        "--max-restarts=1",
-        "--monitor-interval=0.1",
-        f"--log-dir={root / 'logs'}",
-        TRAIN,
-        "torchrun",
-        fault,
-        str(root),
-        "1",
-        str(STEPS),
-        str(FAULT_AT),
-    ]
 
 
 def _job(root: Path, fault: str) -> list[tuple[int, str, str]]:
@@ -58,21 +32,8 @@ def _job(root: Path, fault: str) -> list[tuple[int, str, str]]:
     a place in the barrier's order (``GROUP_RANK``: its infrastructure rank): launcher 0,
     which hosts the rendezvous, is always group rank 0; the first round closes once two have
     joined, leaving launcher 1 or 2 as the spare."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    env.update(NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE="1", TMPDIR=str(root))  # its sockets there
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(NVRX)) if p)
-    launchers = [
-        subprocess.Popen(
-            ft_launcher(root, fault, port, node),
-            env={**env, "GROUP_RANK": str(node)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # a node of its own
-        )
-        for node in range(3)
-    ]
+    args = [TRAIN, "torchrun", fault, str(root), "1", str(STEPS), str(FAULT_AT)]
+    launchers = start_ft_launchers(str(root), args, {})
     deadline = time.monotonic() + 240
     try:
         outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1)) for p in launchers]

@@ -3,7 +3,6 @@ each item sent as soon as it is read (real files, real gloo groups)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from said import kept_warnings
 from tiered_dcp.planners.load import _spot
 from tiered_dcp.storage import open_storage
 from tiered_dcp.storage.codec import ChecksumMismatch
@@ -182,13 +182,7 @@ def _save_for_streaming(rank: int, world: int, root: str) -> None:
 def _load_with_a_stalling_server(rank: int, world: int, root: str) -> tuple[int, list[str]]:
     """Ranks 0 and 1 (node 0) serve node 1's ranks their first item, then stall for twice
     the peer timeout before serving the next."""
-    lines: list[str] = []
-
-    class Captured(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logging.getLogger("tiered_dcp").addHandler(Captured(logging.WARNING))
+    lines = kept_warnings()
 
     class StallingReads(StepReads):
         served = 0

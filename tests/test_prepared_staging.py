@@ -102,15 +102,18 @@ def _inodes(cfg: TieredConfig) -> set[int]:
     return out
 
 
-def _shm_held(shm: Path) -> int:
-    """The bytes of the files under ``shm`` and of those this process holds open there with
-    no name (prepared part files, one being made too), each inode once: this test's, not
-    /dev/shm's as a whole, which other processes of the machine use too."""
+def _shm_held(shm: Path, pids: list[int] | None = None, opened: str = "") -> int:
+    """The bytes of the files under ``shm`` and of those ``pids`` (this process by default)
+    hold open under ``opened`` (``shm`` by default) with no name (prepared part files, one
+    being made too), each inode once: this test's, not /dev/shm's as a whole, which other
+    processes of the machine use too."""
     paths = [os.path.join(d, n) for d, _, names in os.walk(shm) for n in names]
-    for fd in os.listdir("/proc/self/fd"):
+    for pid in pids or [os.getpid()]:
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(shm)):
-                paths.append(f"/proc/self/fd/{fd}")
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(opened or str(shm)):
+                        paths.append(f"/proc/{pid}/fd/{fd}")
     blocks = {}
     for path in paths:
         with contextlib.suppress(OSError):
@@ -539,25 +542,6 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _shm_held_by_tree(shm: Path) -> int:
-    """The bytes of the files under ``shm`` and of every shared-memory file this process and
-    those under it hold open (prepared part files, torch's segments for what it pickles),
-    each inode once: what this test made, whatever else the machine holds in /dev/shm."""
-    paths = [os.path.join(d, n) for d, _, names in os.walk(shm) for n in names]
-    for pid in _descendants(os.getpid()):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
-                        paths.append(f"/proc/{pid}/fd/{fd}")
-    blocks = {}
-    for path in paths:
-        with contextlib.suppress(OSError):
-            st = os.stat(path)
-            blocks[st.st_ino] = st.st_blocks * 512
-    return sum(blocks.values())
-
-
 def _process_mode_saves(rank: int, world: int, shm: str) -> tuple[list[float], bool]:
     """Three async saves in DCP's PROCESS mode, the first of a layout with no ``prepare``;
     after each (its upload and the next saves' files done), the shared memory held, in
@@ -574,7 +558,7 @@ def _process_mode_saves(rank: int, world: int, shm: str) -> tuple[list[float], b
             _state(step, mib), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
         ).result()
         _wait_prepared()
-        held.append(_shm_held_by_tree(Path(shm)) / nbytes)
+        held.append(_shm_held(Path(shm), _descendants(os.getpid()), "/dev/shm/") / nbytes)
         exact = exact and _exact(cfg, step, mib)
     return held, exact
 

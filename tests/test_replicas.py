@@ -4,7 +4,6 @@ their nodes; nothing is reported when nothing differs. Real processes on gloo.""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from said import kept_warnings
 from tiered_dcp.storage.format import Marker, marker_key
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
@@ -20,18 +20,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from tiered_dcp import Tier, TieredConfig, TieredSavePlanner, TieredWriter, latest_step, load_latest, shutdown
 from tiered_dcp.metrics.scores import suspects
 from tiered_dcp.writer_process.timings import Kind, read_records
-
-
-class Said(logging.Handler):
-    """The tiered_dcp log lines of this process, kept."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-        logging.getLogger("tiered_dcp").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def flip_bit(t: torch.Tensor, byte: int = 3, bit: int = 0) -> None:
@@ -73,7 +61,7 @@ def _save(state: dict, cfg: TieredConfig, step: int, mode: str, planner=None) ->
 
 
 def _hsdp_job(rank, world, root, ns, mode, dedup):
-    said = Said()
+    said = kept_warnings()
     cfg = ram_config(root, ns, dedup=dedup)
     planner = TieredSavePlanner() if dedup else None
     mesh = init_device_mesh("cpu", (2, 2))
@@ -89,7 +77,7 @@ def _hsdp_job(rank, world, root, ns, mode, dedup):
     ok = torch.equal(got["w"].to_local(), hsdp_state(mesh, resumed)["w"].to_local())
     dist.barrier()
     shutdown()
-    return {"resumed": resumed, "latest": latest_step(cfg), "said": said.lines, "exact": ok}
+    return {"resumed": resumed, "latest": latest_step(cfg), "said": said, "exact": ok}
 
 
 @pytest.mark.parametrize(("mode", "dedup"), [("async", False), ("sync", True)])
@@ -135,7 +123,7 @@ def _ddp_job(rank, world, root, ns, mode, dedup):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.nn.parallel import DistributedDataParallel
 
-    said = Said()
+    said = kept_warnings()
     cfg = ram_config(root, ns, dedup=dedup)
     torch.manual_seed(0)
     model = DistributedDataParallel(Net())
@@ -157,7 +145,7 @@ def _ddp_job(rank, world, root, ns, mode, dedup):
     resumed = load_latest(got, cfg)
     dist.barrier()
     shutdown()
-    return {"resumed": resumed, "said": said.lines}
+    return {"resumed": resumed, "said": said}
 
 
 @pytest.mark.parametrize(("mode", "dedup"), [("async", True), ("sync", False), ("process", False)])
@@ -195,7 +183,7 @@ def _failure(e: BaseException) -> BaseException:
 
 
 def _policies_job(rank, world, root):
-    said = Said()
+    said = kept_warnings()
     out = {}
     tiers = {"ram": [Tier(f"{root}/ram/{{node}}", keep=8)], "shared": [Tier(f"{root}/bucket", shared=True)]}
     for policy in ("mark", "raise", "warn", "ignore"):
@@ -218,7 +206,7 @@ def _policies_job(rank, world, root):
                 ]
     dist.barrier()
     shutdown()
-    return out, said.lines
+    return out, said
 
 
 def test_each_policy_on_either_commit_protocol_and_the_users_own_mistake(tmp_path):
@@ -245,7 +233,7 @@ HEALTHY_SAVES = int(os.environ.get("TDCP_HEALTHY_SAVES", "200"))
 
 
 def _healthy_job(rank, world, root, saves):
-    said = Said()
+    said = kept_warnings()
     cfg = TieredConfig("healthy", [Tier(f"{root}/ram/{{node}}", keep=2)], dedup=True)
     g = torch.Generator().manual_seed(0)
     shared = {"w": torch.randn(64, 64, generator=g), "h": torch.randn(300, generator=g).to(torch.bfloat16)}
@@ -258,7 +246,7 @@ def _healthy_job(rank, world, root, saves):
         )
     dist.barrier()
     shutdown()
-    return [line for line in said.lines if "replica" in line]
+    return [line for line in said if "replica" in line]
 
 
 def test_many_saves_of_a_healthy_job_report_nothing(tmp_path):

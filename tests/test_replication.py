@@ -6,7 +6,6 @@ on node 1). With replication_factor=2, replication_jump=2 the cliques are {0, 2}
 test runs 6 ranks as 3 nodes (replication_factor=3), for a holder on a third node.
 """
 
-import logging
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import fd_table, settle
 from dist_utils import run_ranks
+from said import kept_warnings
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -76,16 +76,6 @@ def check(loaded: dict, step: int) -> None:
     assert loaded["meta"] == {"step": step, "name": "x"}
 
 
-class Captured(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-        logging.getLogger("tiered_dcp").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _save(rank, world, root, steps):
     cfg = make_config(root)
     mesh = init_device_mesh("cpu", (world,))
@@ -106,7 +96,7 @@ class Counting(HostCopier):
 def _load(rank, world, root, peer_timeout=60.0, stop_for=0.0, ring=False):
     cfg = make_config(root, peer_timeout)
     mesh = init_device_mesh("cpu", (world,))
-    captured = Captured()
+    captured = kept_warnings()
     reader = TieredReader(cfg)
     through = Ring(Counting(), slots=2)
     if ring:  # every tensor as onto a GPU: through a ring of 2 slots
@@ -121,7 +111,7 @@ def _load(rank, world, root, peer_timeout=60.0, stop_for=0.0, ring=False):
     return (
         reader.step,
         reader.tiers,
-        captured.lines,
+        captured,
         took,
         reader._reads.peer_reads,
         reader._reads.read_from,
@@ -436,13 +426,13 @@ def _save_load_three_nodes(rank, world, root):
         data[len(data) // 2] ^= 0xFF
         bad.write_bytes(data)
     dist.barrier()
-    captured = Captured()
+    captured = kept_warnings()
     transport.OPENED.clear()
     reader = TieredReader(cfg)
     target = empty_state(mesh)
     dcp.load(target, storage_reader=reader)
     check(target, 1)
-    return reader.step, list(transport.OPENED), captured.lines
+    return reader.step, list(transport.OPENED), captured
 
 
 def test_damaged_answer_moves_to_the_next_holder_over_groups_of_two(tmp_path):

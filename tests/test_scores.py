@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from said import kept_warnings
 from test_goodput import cli
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, wait_for
@@ -79,13 +80,7 @@ def make_config(root: str) -> TieredConfig:
 def _saves_with_one_slow_writer(rank, world, root):
     if rank == 1:
         os.environ["TIERED_DCP_WRITER_MBPS"] = "8"  # this rank's writer process: 8 MB/s to the SSD tier
-    seen = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    logging.getLogger("tiered_dcp").addHandler(Keep(level=logging.WARNING))
+    seen = kept_warnings()
     cfg = make_config(root)
     for step in range(1, SAVES + 1):
         state = {f"w{rank}": torch.full((MIB,), float(step))}  # 4 MiB per rank

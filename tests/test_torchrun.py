@@ -18,28 +18,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, DIE_AT = 8, 5
 
 
-def torchrun(root: str) -> subprocess.CompletedProcess:
-    """The launcher settings docs/user-guide.md recommends for restarts (see "torchrun")."""
+def torchrun(
+    script: str, *args: str, restarts: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``script`` (of this folder) on 2 ranks under torchrun; with ``restarts``, the launcher
+    settings docs/user-guide.md recommends for restarts (see "torchrun")."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=1",
-        "--monitor-interval=0.1",
-        os.path.join(HERE, "torchrun_worker.py"),
-        root,
-        str(STEPS),
-        str(DIE_AT),
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    launch = ["--max-restarts=1", "--monitor-interval=0.1"] if restarts else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *launch]
+    cmd += [os.path.join(HERE, script), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_rank_dies_torchrun_restarts_and_every_rank_resumes_from_ram(tmp_path):
     root = str(tmp_path)
-    r = torchrun(root)
+    r = torchrun("torchrun_worker.py", root, str(STEPS), str(DIE_AT))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     for rank in (0, 1):
         first = json.loads((tmp_path / f"rank{rank}.attempt0.json").read_text())
@@ -118,17 +111,7 @@ def test_a_ddp_job_saving_on_the_default_group_trains_to_the_end(tmp_path):
     of its own, no pause between steps. DCP's collectives of each save would run on the
     default group while DDP's all-reduces do (before: both waited forever, silently);
     tiered-dcp runs them on a group of its own, and the job trains to its end."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        os.path.join(HERE, "ddp_worker.py"),
-        str(tmp_path),
-        "12",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    r = torchrun("ddp_worker.py", str(tmp_path), "12", restarts=False, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     assert json.loads((tmp_path / "done.json").read_text()) == {"resumed": 0, "ended": 12}
     from ddp_worker import config

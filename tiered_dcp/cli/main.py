@@ -21,6 +21,7 @@ import select
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from itertools import zip_longest
 from typing import Any, NoReturn
 
@@ -571,31 +572,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reading_command(
+    sub: argparse._SubParsersAction, name: str, help: str, fn: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """A command that reads the tiers: their arguments, ``--json`` and the exit codes."""
+    p = sub.add_parser(
+        name, help=help, epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _tier_args(p, json_output=True)
+    p.set_defaults(fn=fn)
+    return p
+
+
 def _inspect_commands(sub: argparse._SubParsersAction) -> None:
-    """ls and verify: read the tiers, change nothing."""
-    p = sub.add_parser(
+    """ls, status and verify: read the tiers, change nothing."""
+    p = _reading_command(
+        sub,
         "ls",
-        help="steps x tiers: state, size, age; writers; host memory; save-time scores "
+        "steps x tiers: state, size, age; writers; host memory; save-time scores "
         "(without -n: the namespaces the tiers hold)",
-        epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        cmd_ls,
     )
-    _tier_args(p, json_output=True)
     p.add_argument("--wide", action="store_true", help="every detail, however wide the terminal")
-    p.set_defaults(fn=cmd_ls)
-    p = sub.add_parser(
+    _reading_command(
+        sub,
         "status",
-        help="status(config): each step on each tier (queued, writing, clean, committed, failed, ...) "
+        "status(config): each step on each tier (queued, writing, clean, committed, failed, ...) "
         "and the writer processes' queues",
-        epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        cmd_status,
     )
-    _tier_args(p, json_output=True)
-    p.set_defaults(fn=cmd_status)
-    p = sub.add_parser("verify", help="re-check every checksum of a step; exit 1 on damage")
-    _tier_args(p, json_output=True)
+    p = _reading_command(sub, "verify", "re-check every checksum of a step; exit 1 on damage", cmd_verify)
     p.add_argument("--step", type=int, help="the step (default: the newest committed)")
-    p.set_defaults(fn=cmd_verify)
 
 
 def _transfer_commands(sub: argparse._SubParsersAction) -> None:
