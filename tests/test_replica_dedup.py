@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from said import kept_warnings
 from test_dedup import files, new_bytes
-from test_replication import Captured
 from tiered_dcp.storage.format import is_block_id, read_index
 from tiered_dcp.storage.local import LocalStorage
 from torch.distributed.checkpoint.api import CheckpointException
@@ -105,12 +105,12 @@ def _save(rank, world, root, steps, changing=False, keep=None):
 
 
 def _load(cfg, step, mesh, placement=ROWS, frozen_seed=0):
-    captured = Captured()
+    captured = kept_warnings()
     target = state(step, mesh, placement=placement, zeros=True)
     reader = TieredReader(cfg, step=step)
     dcp.load(target, storage_reader=reader)
     check(target, step, frozen_seed)
-    return reader.tiers, captured.lines
+    return reader.tiers, captured
 
 
 @pytest.fixture(scope="module")
