@@ -44,7 +44,7 @@ from ..metrics import scores
 from ..tensors import as_cpu_contiguous, byte_view
 from ..writer_process.timings import Kind, record
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 SLAB = 1 << 23  # 32-bit words a device digest reduces at once (64 MiB of 64-bit scratch on the device)
 RECORDED = 64  # disagreements of one step written to the records (every one is counted)
@@ -168,7 +168,7 @@ class ReplicaCheck:
             ]
         return out
 
-    def told(self, found: list[Disagreement]) -> None:
+    def record_findings(self, found: list[Disagreement]) -> None:
         """The coordinator's findings: a line each in the job's records, then the suspects."""
         for d in found[:RECORDED]:
             record(

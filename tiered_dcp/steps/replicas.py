@@ -31,7 +31,7 @@ from ..errors import PeerLostError
 if TYPE_CHECKING:
     from ..ranks.worlds import Op
 
-log = logging.getLogger("tiered_dcp")
+log = logging.getLogger(__name__)
 
 ASK = "replicas/ask"  # the coordinator's question: group id -> the ranks asked for item digests
 ANSWER = "replicas/items/{rank}"
@@ -54,7 +54,7 @@ class ReplicaDigests(Protocol):
     def item_digests(self, groups: Collection[str]) -> dict[str, list[list]]:
         """Group id -> ``[fqn, offset, digest]`` per item of the group, in group order."""
 
-    def told(self, found: list[Disagreement]) -> None:
+    def record_findings(self, found: list[Disagreement]) -> None:
         """The coordinator, once it named what differs: said in the log and the records."""
 
 
@@ -235,7 +235,7 @@ def tell(found: list[Disagreement], check: ReplicaDigests) -> None:
             "step %d: and %d more items whose replicas disagree", found[0].step, len(found) - NONFINITE_NAMES
         )
     if found:
-        check.told(found)
+        check.record_findings(found)
 
 
 def standalone(
