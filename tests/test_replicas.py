@@ -170,6 +170,44 @@ def test_ddp_one_flipped_bit_marks_its_step_in_every_dtype(tmp_path, mode, dedup
         assert all("rank 0 (node 0) and rank 1 (node 1)" in line for line in lines)
 
 
+def _ddp_batchnorm_job(rank, world, root):
+    from torch.nn.parallel import DistributedDataParallel
+
+    said = kept_warnings()
+    cfg = ram_config(root, "bn")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(1, 5):
+        torch.manual_seed(100 * step + rank)  # each rank its own batch: its own running statistics
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        _save({"model": model.state_dict()}, cfg, step, "async")
+    got = {"model": model.state_dict()}
+    resumed = load_latest(got, cfg)
+    dist.barrier()
+    shutdown()
+    return {"resumed": resumed, "said": said}
+
+
+def test_ddp_batchnorm_statistics_kept_per_rank_do_not_mark_every_step(tmp_path):
+    """DDP with BatchNorm: each rank updates the running statistics from its own batch, so
+    their copies differ at every save, by design (stock DCP saves one of them). The first save
+    that shows it is marked; from the next, the values are known to be per rank and said
+    once: the job's newest step resumes (before: every step was marked, none could)."""
+    out = run_ranks(_ddp_batchnorm_job, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1})
+    assert [o["resumed"] for o in out] == [4, 4]
+    assert [marker(str(tmp_path), "bn", s).replicas_agree for s in range(2, 5)] == [True, True, True]
+    first = tmp_path / "ram/0" / marker_key("bn", 1)  # marked, then dropped once good steps came
+    assert not first.exists() or not marker(str(tmp_path), "bn", 1).replicas_agree
+    per_rank = [line for line in out[0]["said"] if "differed at two saves in a row" in line]
+    assert sorted(line.split("'")[1] for line in per_rank) == [
+        "model.module.1.running_mean",
+        "model.module.1.running_var",
+    ], out[0]["said"]
+
+
 # -- what a disagreement does (``on_replica_mismatch``), on either commit protocol -----------
 
 

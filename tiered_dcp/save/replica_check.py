@@ -15,7 +15,7 @@ the hash of its items' digests in one order (by fqn, then offset).
 
 What goes over the wire is one digest per group (``digests``); item digests only when the
 coordinator asks (``item_digests``: a group whose copies differ). What the coordinator
-found comes back through ``told``: each disagreement a line of the job's records, and a
+found comes back through ``record_findings``: each disagreement a line of the job's records, and a
 rank named in disagreements at two steps or more a suspect node (``metrics.scores``).
 """
 
@@ -46,7 +46,7 @@ from ..writer_process.timings import Kind, record
 
 log = logging.getLogger(__name__)
 
-SLAB = 1 << 23  # 32-bit words a device digest reduces at once (64 MiB of 64-bit scratch on the device)
+SLAB = 1 << 20  # 32-bit words a device digest reduces at once (8 MiB of 64-bit scratch on the device)
 RECORDED = 64  # disagreements of one step written to the records (every one is counted)
 HOST = {"cpu"}  # device types whose tensors are hashed on the host; any other: ``device_digest``
 
@@ -55,9 +55,9 @@ def device_digest(t: torch.Tensor) -> int:
     """A digest of a tensor's bytes computed on its device, with one transfer of a few
     words: per ``SLAB`` of its 32-bit words w_i (as signed values, widened to 64 bits),
     sum(w_i * (2i + 1)) and sum(w_i), wrapping (mod 2^64); then the xxh3-64 of those sums
-    and of the bytes past the last whole word. Flipping bit k of w_i moves the first sum by
-    2^k (k < 32) times an odd number, never 0 mod 2^64, and the second by 2^k: every
-    single-bit flip is seen, and two flips never cancel out."""
+    and of the bytes past the last whole word, brought to the host together. Flipping bit k
+    of w_i moves the first sum by 2^k (k < 32) times an odd number, never 0 mod 2^64, and
+    the second by 2^k: every single-bit flip is seen, and two flips never cancel out."""
     flat = t.detach().contiguous().reshape(-1)
     try:
         raw = flat.view(torch.uint8)
@@ -73,10 +73,9 @@ def device_digest(t: torch.Tensor) -> int:
     for i in range(0, n, SLAB):
         w = words[i : i + SLAB].to(torch.int64)
         sums.append(torch.stack([(w * weights[: w.numel()]).sum(), w.sum()]))
+    tail = raw[whole:].to(torch.int64)  # the last bytes, fewer than 4
     h = xxhash.xxh3_64()
-    if sums:
-        h.update(torch.stack(sums).cpu().numpy().tobytes())
-    h.update(raw[whole:].cpu().numpy().tobytes())  # the last bytes, fewer than 4
+    h.update(torch.cat([*(x.reshape(-1) for x in sums), tail]).cpu().numpy().tobytes())  # one transfer
     h.update(str(raw.numel()).encode())
     return h.intdigest()
 

@@ -12,8 +12,9 @@ digest per item (``Round``) and name the items, the ranks and their nodes
 What then happens is the job's ``on_replica_mismatch`` (``POLICIES``): ``"mark"`` commits
 the step marked (its marker counts and names the items: loads pass it over), ``"raise"``
 refuses it (``ReplicaMismatchError`` on every rank), ``"warn"`` commits it unmarked. Every
-disagreement is one line in the log, at once, and in the job's records (the writer's
-``told``). Torch-free.
+disagreement is one line in the log, at once, and in the job's records
+(``record_findings``). An item whose copies differ at two saves in a row is a value kept per
+rank by design (``per_rank_values``): said once, not marked again. Torch-free.
 """
 
 from __future__ import annotations
@@ -214,15 +215,42 @@ def compare(
     round_: Round, words: Mapping[int, Mapping[str, str]], own: int, check: ReplicaDigests, world: list[int]
 ) -> list[Disagreement]:
     """The coordinator's comparison: the groups whose digests differ, then their items,
-    told at once (``tell``). The question is asked, empty or not: group ranks wait for it."""
+    told at once (``tell``), less the values kept per rank. The question is asked, empty or
+    not: group ranks wait for it."""
     asked = mismatched(words)
     round_.ask(asked)
     if not asked:
-        check.found = []
+        check.found = per_rank_values(round_.op, [])  # nothing differs now: no value is per rank
         return []
-    found = name(round_.step, round_.collect(asked, own, check), world)
+    found = per_rank_values(round_.op, name(round_.step, round_.collect(asked, own, check), world))
     tell(found, check)
     return found
+
+
+_DIFFERED: dict[str, set[str]] = {}  # the items that differed at this process's last compared save, by job
+_SAID_PER_RANK: set[tuple[str, str]] = set()
+
+
+def per_rank_values(op: Op, found: list[Disagreement]) -> list[Disagreement]:
+    """``found`` less the items whose copies differed at the save before too: values kept
+    per rank under one key by design (BatchNorm's running statistics under DDP, each rank
+    updating them from its own batch), which stock DCP saves one copy of, not a fault that
+    struck between two saves. Marking them would pass over every step of the job; each is
+    said once instead. The first save that shows one still treats it as a disagreement."""
+    job = op.name.rsplit("/", 1)[0]  # the namespace's saves, whatever their sequence number
+    before, _DIFFERED[job] = _DIFFERED.get(job, set()), {d.item for d in found}
+    again = [d for d in found if d.item in before]
+    for d in again:
+        if (job, d.item) not in _SAID_PER_RANK:
+            _SAID_PER_RANK.add((job, d.item))
+            log.warning(
+                "replicas of %r differed at two saves in a row: a value kept per rank under one key "
+                "(e.g. BatchNorm's running statistics under DDP), of which DCP saves one rank's copy; "
+                "its steps are not marked for it from now on. Give it a key of its own on each rank, "
+                "or make it equal on every rank, to have it compared",
+                d.item,
+            )
+    return [d for d in found if d.item not in before]
 
 
 def tell(found: list[Disagreement], check: ReplicaDigests) -> None:
