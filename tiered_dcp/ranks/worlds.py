@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from tiered_dcp.storage.forks import renew_in_child
-from tiered_dcp.storage.owners import pid_alive
 
 from ..errors import AbortedError, PeerLostError
 
@@ -46,6 +45,11 @@ LEFT = b"tiered_dcp:left:"  # a key set to this, then "<rank>:<why>", was set by
 
 def dist_up() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the default group; 0 without one."""
+    return dist.get_rank() if dist_up() else 0
 
 
 @dataclass(eq=False)
@@ -325,16 +329,16 @@ def _host_key() -> str:
     return f"tiered_dcp/hosts/{socket.gethostname()}/{boot}/{ns}"
 
 
-def gone_on_this_host(w: World) -> list[int]:
-    """The ranks of ``w`` that live on this host and whose process is gone."""
+def ranks_on_this_host(w: World) -> list[tuple[int, int]] | None:
+    """The ranks of ``w`` that live on this host, with their pids (those that reached a
+    save's first barrier); None when the store does not answer."""
     try:
         listed = w.store.get(_host_key()).decode().split(",") if w.store.check([_host_key()]) else []
     except Exception:  # noqa: BLE001 - the store is gone: nothing can be told from it
-        return []
-    gone = []
+        return None
+    found = []
     for entry in filter(None, listed):
         rank, _, pid = entry.partition(":")
         with contextlib.suppress(ValueError):
-            if not pid_alive(int(pid)):  # a killed worker its launcher has not reaped yet is gone too
-                gone.append(int(rank))
-    return sorted(gone)
+            found.append((int(rank), int(pid)))
+    return found

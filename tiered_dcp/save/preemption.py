@@ -16,7 +16,7 @@ reasons for a SIGTERM apart (``_judge``):
   gone, and a save that needs it can never commit. The saves are abandoned at once
   (``worlds.leave_world``: never committed half) and the process ends, before the
   launcher's own stop timeout would kill it. A rank is gone when its process on this host
-  is (the world's processes per host: ``worlds.gone_on_this_host``), or when a save of
+  is (the world's processes per host: ``worlds.ranks_on_this_host``), or when a save of
   this process has waited ``GRACE`` seconds on other ranks while not every rank of the
   world has been told to stop (a rank on another host, with its node), or when the job's
   store has not answered for ``GRACE`` seconds while no upload of this process is at work
@@ -51,6 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tiered_dcp.storage.owners import pid_alive
+
 from ..ranks import worlds
 from ..writer_process.client import handles
 from .staging import POOL
@@ -58,6 +60,7 @@ from .staging import POOL
 log = logging.getLogger(__name__)
 
 WAIT_SECONDS = float(os.environ.get("TIERED_DCP_SIGTERM_WAIT", "300"))
+ASK_EVERY = 1.0  # seconds between the judge's questions to the job's store (every rank asks it)
 GRACE = 2.0  # seconds a save may wait on ranks not all told to stop before the world is judged broken
 TOLD = "tiered_dcp/sigterm"  # the world's count of ranks told to stop (the job's store)
 
@@ -220,7 +223,9 @@ class _Judge:
 
     def __init__(self) -> None:
         self.world = worlds.current()
-        self.told = 0
+        self.host: list[tuple[int, int]] = []  # (rank, pid) of the world's ranks on this host
+        self.told: int | None = None  # how many ranks were told to stop, as last asked
+        self.asked = -ASK_EVERY  # when the store was last asked
         self.silent_since: float | None = None  # since when the store has not answered
         if self.world is not None:
             self._ask(lambda w: w.store.add(TOLD, 1))
@@ -230,12 +235,15 @@ class _Judge:
         w = self.world
         if w is None:
             return None
-        dead = self._ask(worlds.gone_on_this_host)
+        now = time.monotonic()
+        if now - self.asked >= ASK_EVERY:  # the store, once a second; the pids at every look
+            self.asked = now
+            self.host = self._ask(worlds.ranks_on_this_host) or self.host
+            self.told = self._ask(lambda w: w.store.add(TOLD, 0))
+            self.silent_since = None if isinstance(self.told, int) else self.silent_since or now
+        dead = [rank for rank, pid in self.host if not pid_alive(pid)]  # a zombie is gone too
         if dead:
             return f"rank(s) {dead} of this host are gone"
-        now = time.monotonic()
-        told = self._ask(lambda w: w.store.add(TOLD, 0))
-        self.silent_since = None if isinstance(told, int) else self.silent_since or now
         if self.silent_since is not None and now - self.silent_since >= GRACE and not worlds.wait_quiet(0):
             # no commit is agreed without the store and no upload of ours is at work: what is
             # in flight failed already (its future, held by the interrupted loop, keeps its
@@ -244,7 +252,7 @@ class _Judge:
         stuck = [x for x in worlds.waits_now() if now - x.since >= GRACE]
         if not stuck or now - started < GRACE:
             return None
-        if isinstance(told, int) and told >= w.size:
+        if self.told is not None and self.told >= w.size:
             return None  # every rank was told to stop: a preemption, all alive
         ranks = sorted({r for x in stuck for r in x.ranks})
         who = f"rank(s) {ranks}" if ranks else "a rank"
