@@ -19,7 +19,6 @@ import threading
 import time
 from concurrent.futures import Future as ConcurrentFuture
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager
 
@@ -85,7 +84,7 @@ class TieredStager(AsyncStager):
         dcp_call.prepare()
         if self.handle_sigterm:
             preemption.install()
-        rank = _current_rank()
+        rank = worlds.rank()
         first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
         if part_file.drops_pinned(self.config, first.own):  # no wait: the hand-off's checks
             self._handoff_later = True  # run in write_data, off the training thread
@@ -117,7 +116,7 @@ class TieredStager(AsyncStager):
         alone (``run_dir.StagingLock``: it does not share the cores and memory bandwidth then)."""
         try:
             quiet = (
-                writer_handle(self.config, _current_rank()).rd.writer.staging.hold
+                writer_handle(self.config, worlds.rank()).rd.writer.staging.hold
                 if len(self.config.tiers) > 1
                 else contextlib.nullcontext
             )
@@ -154,7 +153,7 @@ class TieredStager(AsyncStager):
         writer process is started too, so its start (an interpreter and its imports) does not
         share the cores with the first saves. Optional: without it the first save claims its
         own, and later saves find theirs made in the background."""
-        rank = _current_rank()
+        rank = worlds.rank()
         examined = examine(state_dict)
         first = TierView(self.config, self.tier_indexes[0], node_of(rank), rank)
         where = part_file.target(self.config, first.index, first.own, self.step, rank)
@@ -180,10 +179,6 @@ class TieredStager(AsyncStager):
         handoff = Handoff(self.config, self.step, self.tier_indexes, rank, self.owner_pid, self.max_pending)
         self.handoff_wait += handoff.wait_for_room()
         self._waited = True
-
-
-def _current_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 _staging_thread = ThreadPool("tiered-dcp-staging", 1)  # background staging's copies

@@ -27,7 +27,7 @@ one (``part_file.adopt``) when no spare of its own is there to take. ``prepare``
 same before the first save (``TieredWriter.prepare``). A save of a CPU state that finds no
 file ready (the first, without ``prepare``) copies into private memory instead, which
 faults cheaper than a tmpfs file's claimed pages; its upload moves the copy into the part
-file (``move_first_copy``), which is then the slot's as if it had been staged into. Not when the
+file (``FirstCopies.move``), which is then the slot's as if it had been staged into. Not when the
 staged copy is shipped to another process (DCP's PROCESS mode): torch's pickling would move
 the private copy into a shared segment of its own, which that process holds while its
 upload copies it once more into the part file; such a save stages into its file.
@@ -302,7 +302,7 @@ class _Slot:
     busy: bool = False
     copier: int | None = None  # the thread taking it and copying into it, until its copy is done
     prepared: bool = False  # a part file made ahead, with no name yet (``part_file.prepare``)
-    first_copy: bool = False  # private memory until its upload moves it into ``file`` (``move_first_copy``)
+    first_copy: bool = False  # private memory until its upload moves it into ``file`` (``FirstCopies.move``)
     spares: str | None = None  # a prepared file's: the spare directory of the namespace it is for
     generation: int = 0
     limit: int = SLOTS  # the bound of the save that took it last (``StagingPool.stage``'s ``slots``)
@@ -374,7 +374,7 @@ def _first_copy(ex: Examined, target: TierFile) -> _Slot:
     layout's first save, with no ``prepare`` before it): nothing is claimed or touched
     before the copy, which faults its pages as stock DCP's first copy does (a tmpfs file's
     pages cost ~1.6x as much: claimed, then faulted). Its upload moves it into ``target``
-    (``StagingPool.move_first_copy``), off the training thread, and frees it."""
+    (``FirstCopies.move``), off the training thread, and frees it."""
     slot = _slot_over(ex, torch.empty(max(ex.nbytes, 1), dtype=torch.uint8), None, None)
     slot.file, slot.first_copy = target, True
     return slot
@@ -630,7 +630,7 @@ class StagingPool:
         registered on CUDA) here. Returns the bytes made.
 
         Beside a first copy still in private memory (``_first_copy``, counted as the file it
-        becomes) one file is made, the rest once it is in its file (``move_first_copy``): host memory
+        becomes) one file is made, the rest once it is in its file (``FirstCopies.move``): host memory
         stays at ``files`` copies of the state."""
         made = 0
         while True:
@@ -725,7 +725,7 @@ class StagingPool:
                         slot = _allocate(ex, target)
                     self._slots.insert(0, slot)
                     return self._take(slot, slots), waited
-                if not collected:  # a staged dict left in a reference cycle (an exception's
+                if not collected and waited > 0.5:  # a staged dict left in a cycle (an exception's
                     collected = True  # traceback) frees its slot at a collection only
                     gc.collect()
                     continue

@@ -122,7 +122,7 @@ class TieredWriter(StorageWriter, TieredStager):
         # the jump rule's cliques now (local); a layout of failure domains, which every rank
         # gathers together (a collective), in the save's set-up, before any byte is written
         # (``set_up_storage_writer``; once per process group: ``domains.LAYOUTS``)
-        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size(), _current_rank())
+        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size(), worlds.rank())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -201,7 +201,7 @@ class TieredWriter(StorageWriter, TieredStager):
             )
         rank = kwargs.get("rank")
         if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = worlds.rank()
         self.rank = int(rank)
         self.node = node_of(self.rank)
         self.is_coordinator = is_coordinator
@@ -407,7 +407,10 @@ _ROOTS_SEEN: set[str] = set()  # node-local tier roots this process looked for (
 
 def _say_missing_roots(config: TieredConfig, node: int, rank: int) -> None:
     """Warn, once per root, that a node-local tier's directory is made by this save, naming
-    the file system it lands on: a mount missing on this host must not pass silently."""
+    the file system it lands on: a mount missing on this host must not pass silently. Said
+    by a node's first local rank only (``LOCAL_RANK``): its ranks share the node's roots."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
     for tier in config.tiers:
         if tier.is_shared or not tier.is_local_fs:
             continue
@@ -417,10 +420,6 @@ def _say_missing_roots(config: TieredConfig, node: int, rank: int) -> None:
             where = missing_root(root)
             if where is not None:
                 log.warning("tier %s: %s; if that is not the disk you meant, fix the path", tier.path, where)
-
-
-def _current_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _world_size() -> int:
