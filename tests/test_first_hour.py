@@ -204,6 +204,39 @@ def test_the_torch_free_reading_of_metadata_gives_torch_s_facts(tmp_path):
     assert list(plain.storage_data.values()) == list(real.storage_data.values())
 
 
+def _forged(build_into: bytes, becomes: str) -> bytes:
+    """A pickle that makes ``build_into`` and sets its ``__class__`` to DCP's ``becomes``
+    through pickle's slot state (BUILD with ``(None, {"__class__": ...})``)."""
+    from tiered_dcp.steps.plain_metadata import DCP
+
+    key = b"__class__"
+    return (
+        b"\x80\x02"
+        + build_into
+        + b"N}X"
+        + len(key).to_bytes(4, "little")
+        + key
+        + f"c{DCP}\n{becomes}\n".encode()
+        + b"s\x86b."
+    )
+
+
+def test_the_torch_free_reader_refuses_a_record_turned_into_another(tmp_path):
+    """A blob may not turn one stand-in into another: a record into a memory format (torch's
+    reader calls that blob damaged; the torch-free one must not call it good), or the shared
+    memory format values into records (every later read in the process would change)."""
+    import io
+
+    from tiered_dcp.steps.plain_metadata import DCP, MemoryFormat, PlainUnpickler
+
+    record = f"c{DCP}\nChunkStorageMetadata\n".encode() + b")\x81"  # NEWOBJ: no constructor run
+    shared = f"c{DCP}\n_MEM_FORMAT_ENCODING\n".encode() + b"K\x00\x85R"  # _MEM_FORMAT_ENCODING(0)
+    for blob in (_forged(record, "_MEM_FORMAT_ENCODING"), _forged(shared, "Metadata")):
+        with pytest.raises(Exception):  # noqa: B017, PT011 - any refusal: torch's reader decides then
+            PlainUnpickler(io.BytesIO(blob)).load()
+    assert type(MemoryFormat(0)) is MemoryFormat
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_the_dtype_table_is_torch_s():
     """Each dtype the torch-free reader takes: the name torch pickles it by, its element size."""

@@ -59,6 +59,11 @@ class _Record:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise NotPlain(f"{type(self).__name__} called")  # DCP's blobs never call one
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "__class__":  # pickle's slot state could make it another stand-in
+            raise NotPlain("a record's class is set")
+        super().__setattr__(name, value)
+
 
 class Metadata(_Record):
     planner_data = None  # the dataclass's defaults, read where the blob left them out
@@ -102,7 +107,10 @@ class MetadataIndex(_Record):
 
 
 class MemoryFormat:
-    """DCP's ``_MEM_FORMAT_ENCODING``: one of its values."""
+    """DCP's ``_MEM_FORMAT_ENCODING``: one of its values (no ``__dict__``: no record can
+    become one, and pickle cannot build into the shared values)."""
+
+    __slots__ = ()
 
     def __new__(cls, value: Any) -> MemoryFormat:
         if type(value) is not int or value not in MEMORY_FORMATS:
@@ -118,7 +126,9 @@ class TensorProperties(_Record):
     memory format, pin_memory), and the strides from torch 2.15 on."""
 
     def __setstate__(self, state: Any) -> None:
-        if type(state) is not tuple or len(state) not in (5, 6) or type(state[3]) is not MemoryFormat:
+        if type(state) is not tuple or len(state) not in (5, 6):
+            raise NotPlain("TensorProperties state")
+        if not any(state[3] is m for m in _MEMORY_FORMATS.values()):  # one of the values, itself
             raise NotPlain("TensorProperties state")
         self.__dict__.update(dtype=state[0], layout=state[1], requires_grad=state[2], pin_memory=state[4])
 
