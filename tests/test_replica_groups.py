@@ -171,3 +171,18 @@ def test_ls_and_verify_say_why_a_marked_step_is_passed_over(tmp_path):
         [*cli, "verify", "-n", "run", str(tmp_path / "ram")], capture_output=True, text=True
     )
     assert verify.returncode == 0 and f"loads pass it over: {why}" in verify.stdout, verify.stdout
+
+
+def test_a_disagreement_over_ten_thousand_copies_is_one_short_line():
+    """Every rank may hold a copy (DDP): a line names a few ranks, nodes and groups and counts
+    the rest, so the log, the records and an error DCP gathers from every rank stay small."""
+    from tiered_dcp.steps.replicas import Disagreement
+
+    nodes = {r: r // 8 for r in range(10_000)}
+    one_odd = Disagreement(3, "w", (), (tuple(range(1, 10_000)), (0,)), nodes)
+    assert "ranks 1, 2, 3, 4, 5, 6, 7, 8 and 9991 more (nodes 0, 1, 2, 3, 4, 5, 6, 7 and 1242 more)" in (
+        one_odd.line()
+    )
+    all_differ = Disagreement(3, "w", (), tuple((r,) for r in range(10_000)), nodes)
+    assert "and 9996 more groups of ranks hold different values (with 10000 copies" in all_differ.line()
+    assert max(len(one_odd.line()), len(all_differ.line())) < 500

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SLAB = 1 << 20  # 32-bit words a device digest reduces at once (8 MiB of 64-bit scratch on the device)
 RECORDED = 64  # disagreements of one step written to the records (every one is counted)
+RECORDED_RANKS = 64  # ranks a record names (holders, odd ones): a line stays small at any world size
 HOST = {"cpu"}  # device types whose tensors are hashed on the host; any other: ``device_digest``
 
 
@@ -176,9 +177,9 @@ class ReplicaCheck:
                 self.rank,
                 self.step,
                 item=d.item,
-                holders=sorted(r for v in d.values for r in v),
-                odd=list(d.odd),
-                odd_nodes=[d.nodes.get(r, -1) for r in d.odd],
+                holders=sorted(r for v in d.values for r in v)[:RECORDED_RANKS],
+                odd=list(d.odd[:RECORDED_RANKS]),
+                odd_nodes=[d.nodes.get(r, -1) for r in d.odd[:RECORDED_RANKS]],
             )
         scores.warn_suspects(self.config, {r for d in found for r in d.odd})
 

@@ -59,6 +59,15 @@ class ReplicaDigests(Protocol):
         """The coordinator, once it named what differs: said in the log and the records."""
 
 
+SHOWN, SHOWN_GROUPS = 8, 4  # ranks (nodes) of a group, and groups, a line names: 10,000 ranks may hold a copy
+
+
+def _few(numbers: list[int]) -> str:
+    """The first ``SHOWN`` of ``numbers``, and how many more."""
+    more = f" and {len(numbers) - SHOWN} more" if len(numbers) > SHOWN else ""
+    return ", ".join(map(str, numbers[:SHOWN])) + more
+
+
 @dataclass(frozen=True)
 class Disagreement:
     """One item whose copies differ: ``values`` groups its holders by the bytes they hold,
@@ -87,7 +96,7 @@ class Disagreement:
         word = "rank" if len(ranks) == 1 else "ranks"
         where = sorted({self.nodes.get(r, -1) for r in ranks})
         node = "node" if len(where) == 1 else "nodes"
-        return f"{word} {', '.join(map(str, ranks))} ({node} {', '.join(map(str, where))})"
+        return f"{word} {_few(sorted(ranks))} ({node} {_few(where)})"
 
     def line(self) -> str:
         """The one line a disagreement is said in (log, records, errors)."""
@@ -99,9 +108,11 @@ class Disagreement:
             said = f"{self._ranks(self.odd)} differs from {self._ranks(majority)}, which agree"
         else:
             copies = sum(len(v) for v in self.values)
-            said = " and ".join(self._ranks(v) for v in self.values) + (
-                f" hold different values (with {copies} copies none can be told right)"
-            )
+            groups = [self._ranks(v) for v in self.values[:SHOWN_GROUPS]]
+            if len(self.values) > SHOWN_GROUPS:
+                groups.append(f"{len(self.values) - SHOWN_GROUPS} more groups of ranks")
+            none = f" hold different values (with {copies} copies none can be told right)"
+            said = " and ".join(groups) + none
         return f"{what} disagree: {said}; {DCP_KEEPS_ONE}"
 
     def to_json(self) -> dict:
