@@ -39,7 +39,16 @@ import xxhash
 
 from . import owners
 from .base import Buffer, Storage
-from .codec import ChecksumMismatch, Encoder, checksummer, decode_chunk, encode_block, read_block
+from .codec import (
+    CHUNK_BYTES,
+    ChecksumMismatch,
+    Encoder,
+    checksummer,
+    decode_chunk,
+    encode_block,
+    read_block,
+    split,
+)
 from .forks import ThreadPool, renew_in_child
 from .format import (
     BLOCK_HEADER,
@@ -160,6 +169,14 @@ _LAST: dict[str, tuple[int, dict[Screen, bool]]] = {}  # block id -> its checksu
 def blocked(kind: str, raw_length: int) -> bool:
     """Whether an item is stored as blocks when dedup is on."""
     return kind == "tensor" and raw_length >= MIN_BLOCKED
+
+
+def chunks(kind: str, raw: memoryview, dedup: bool) -> tuple[list[memoryview], bool]:
+    """An item's bytes cut as a save stores and checksums them: into blocks where it is
+    ``blocked`` with dedup on, else into the codec's chunks; and whether into blocks. The
+    writer's checksums and a dropped replica's digest both come from this cut."""
+    cut = dedup and blocked(kind, len(raw))
+    return split(raw, BLOCK_BYTES if cut else CHUNK_BYTES), cut
 
 
 # -- references -------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from tiered_dcp.planners.save import Alias
 from tiered_dcp.storage import blocks
 from tiered_dcp.storage.blocks import Screen
-from tiered_dcp.storage.codec import CHUNK_BYTES, Encoder, make_record, split
+from tiered_dcp.storage.codec import Encoder, make_record, split
 from tiered_dcp.storage.forks import ThreadPool
 from tiered_dcp.storage.format import NONFINITE_NAMES, ItemInfo, failed_key, index_key, part_key, pin_key
 from tiered_dcp.storage.local import LocalStorage
@@ -85,8 +85,7 @@ def resolve_items(
             owner, view = t, byte_view(t)
             extra = {"kind": "tensor", "dtype": str(t.dtype), "shape": tuple(t.shape)}
             screen = finite_screen(t.dtype) if check_finite else None
-        cut = as_blocks and blocks.blocked(extra["kind"], len(view))
-        chunks = split(view, blocks.BLOCK_BYTES if cut else CHUNK_BYTES)
+        chunks, cut = blocks.chunks(extra["kind"], view, as_blocks)
         ids = planned.get(item.index) if cut else None
         if ids is None or len(ids) != len(chunks):  # ``TieredSavePlanner`` named them, or not
             ids = None

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from tiered_dcp.planners.replicas import groups_of, tensor_items
 from tiered_dcp.steps.replicas import Disagreement
 from tiered_dcp.storage import blocks
-from tiered_dcp.storage.codec import CHUNK_BYTES, checksum, split
+from tiered_dcp.storage.codec import checksum
 
 from ..config import TieredConfig
 from ..metrics import scores
@@ -236,9 +236,7 @@ def _copy(item: WriteItem, planner: SavePlanner, written: Any, staged: bool, as_
         return _Copy(item.index, written=written)
     t = as_cpu_contiguous(data)
     view = byte_view(t)
-    chunks = split(
-        view, blocks.BLOCK_BYTES if as_blocks and blocks.blocked("tensor", len(view)) else CHUNK_BYTES
-    )
+    chunks, _ = blocks.chunks("tensor", view, as_blocks)  # cut as the writer cuts it
     pool = blocks.hashing()
     hashes = [pool.submit(checksum, c) for c in chunks]
     span = (t.data_ptr(), len(view)) if len(view) else (0, 0)
