@@ -208,6 +208,39 @@ def test_ddp_batchnorm_statistics_kept_per_rank_do_not_mark_every_step(tmp_path)
     ], out[0]["said"]
 
 
+def _coordinator_fails_job(rank, world, root):
+    import time
+
+    from tiered_dcp.steps import metadata
+
+    cfg = ram_config(root, "fails", peer_timeout=10.0)
+    if rank == 0:  # the coordinator fails in its verdict, before it compares the replicas
+
+        def broken(*args, **kwargs):
+            raise ValueError("the records could not be read")
+
+        metadata.records_from_json = broken
+    started = time.monotonic()
+    try:
+        _save({"x": torch.arange(8.0)}, cfg, 1, "sync")  # "x": a replica on each rank
+        error = ""
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        error = str(_failure(e))
+    took = time.monotonic() - started
+    dist.barrier()
+    shutdown()
+    return {"error": error, "took": took}
+
+
+def test_a_coordinator_failing_before_the_comparison_leaves_no_rank_waiting(tmp_path):
+    """Rank 1 holds a replica, so it waits for the coordinator's question; the coordinator
+    fails first. Rank 1 learns it at once, with the coordinator's error (before: it waited
+    twice the peer timeout for the question, then blamed rank 0 as lost)."""
+    out = run_ranks(_coordinator_fails_job, 2, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1})
+    assert all("the records could not be read" in o["error"] for o in out), out
+    assert out[1]["took"] < 10, out
+
+
 # -- what a disagreement does (``on_replica_mismatch``), on either commit protocol -----------
 
 

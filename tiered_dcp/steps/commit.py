@@ -365,6 +365,7 @@ class _Agreement:
                 "ranks": list(e.ranks) if isinstance(e, PeerLostError) else [],
             }
             op.store.compare_set(op.key("commit"), b"", json.dumps(refusal))
+            replicas.Round(op, self.save.step).release()  # the group ranks wait for no question
             raise
 
     def _decide(self, op: Op) -> None:

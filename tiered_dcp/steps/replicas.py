@@ -179,6 +179,13 @@ class Round:
         self.op.sweep_later([key])
         self.op.store.set(key, json.dumps(asked).encode())
 
+    def release(self) -> None:
+        """An empty question, unless one was asked: the coordinator failed before its
+        comparison, and no group rank may wait for a question that will not come."""
+        key = self.op.key(ASK)
+        self.op.sweep_later([key])
+        self.op.store.compare_set(key, b"", b"{}")
+
     def answer(self, rank: int, check: ReplicaDigests) -> None:
         """A group's rank (not the coordinator): wait for the question; answer it if asked."""
         from ..ranks import transport  # torch: the save path only
