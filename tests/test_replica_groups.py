@@ -186,3 +186,34 @@ def test_a_disagreement_over_ten_thousand_copies_is_one_short_line():
     all_differ = Disagreement(3, "w", (), tuple((r,) for r in range(10_000)), nodes)
     assert "and 9996 more groups of ranks hold different values (with 10000 copies" in all_differ.line()
     assert max(len(one_odd.line()), len(all_differ.line())) < 500
+
+
+def test_a_quarantine_mark_is_shown_as_one_printable_line(tmp_path):
+    """Whoever can write the tier writes its quarantine marks: ``ls`` shows the first line
+    of one, control characters replaced, never a second line or a terminal escape."""
+    from tiered_dcp.steps.catalog import views
+
+    cfg = TieredConfig("q", [Tier(str(tmp_path / "ram"))])
+    for step in (1, 2):
+        dcp.save({"w": torch.arange(8.0) + step}, storage_writer=TieredWriter(cfg, step=step))
+    (view,) = views(cfg, 0, 0)
+    copy = view.committed()[2]
+    view.quarantine(copy.store, 2, copy.marker.metadata_xxh3, 0, "bad\x1b[2J bytes\nstep 9 on tier 0: fine")
+    cli = [sys.executable, "-m", "tiered_dcp.cli"]
+    ls = subprocess.run([*cli, "ls", "-n", "q", str(tmp_path / "ram")], capture_output=True, text=True)
+    assert "bad?[2J bytes" in ls.stdout and "\x1b" not in ls.stdout, ls.stdout + ls.stderr
+    assert "step 9" not in ls.stdout, ls.stdout
+
+
+def test_a_device_digest_sees_a_flip_past_its_first_slab():
+    """The digest's weights start again at each slab of ``SLAB`` words: a flip in the second
+    slab is seen as in the first."""
+    from tiered_dcp.save.replica_check import SLAB, device_digest
+
+    t = torch.arange(SLAB + 1000, dtype=torch.int32)
+    base = device_digest(t)
+    for word in (5, SLAB + 5):
+        t[word] ^= 1 << 3
+        assert device_digest(t) != base, word
+        t[word] ^= 1 << 3
+    assert device_digest(t) == base

@@ -189,7 +189,7 @@ class Measured:
     restore: list[float | None]
     saves: int
     loads: int
-    stall_s: dict[str, float] = field(default_factory=dict)  # the fastest tier's stalls: median, max
+    stall_s: dict[str, float] = field(default_factory=dict)  # each call as the loop saw it: median, max
 
 
 @dataclass(frozen=True)
@@ -453,9 +453,9 @@ def command(args, config: TieredConfig | None, measured: Measured | None = None)
             if v is None and what == "latency":
                 v = 0.0
             if v is None:
-                missing.append(
-                    f"--{what} for {names[i]}" + (" (not in the job's records)" if measured else "")
-                )
+                recorded = measured is not None and what != "mtbf"  # no record holds a failure rate
+                why = " (not in the job's records)" if recorded else ""
+                missing.append(f"--{what} for {names[i]}{why}")
             value[what] = v
         costs.append(value)
     if missing:

@@ -201,7 +201,9 @@ class TierView:
         if not names:
             return None
         with contextlib.suppress(OSError):
-            return store.read(f"{self.config.namespace}/{names[0]}", 0, 400).decode("utf-8", "replace")
+            why = store.read(f"{self.config.namespace}/{names[0]}", 0, 400).decode("utf-8", "replace")
+            line = (why.splitlines() or [""])[0]  # anyone who writes the tier wrote it: one printable line
+            return "".join(c if c.isprintable() else "?" for c in line)
         return "a load found it damaged with no good copy left"
 
     def quarantine(self, store: Storage, step: int, ident: int, rank: int, why: str) -> None:
