@@ -55,7 +55,16 @@ def _job(
     out, report, faults = [], [], []
     try:
         for r, p in enumerate(procs):
-            stdout, stderr = p.communicate(timeout=150)
+            try:
+                stdout, stderr = p.communicate(timeout=150)
+            except subprocess.TimeoutExpired:  # what every rank said, for the failure's report
+                for q in procs:
+                    q.kill()
+                for i, q in enumerate(procs[r:], r):
+                    o, e = q.communicate()  # again, once killed, as subprocess's docs say
+                    report += [f"--- rank {i}: not done in 150 s (exit {q.returncode})", o[-3000:], e[-3000:]]
+                report += [m.read_text()[-3000:] for m in sorted(root.glob("nvrx_monitor_*.log"))]
+                pytest.fail("\n".join(report))
             out.append((p.returncode, _rows(stdout, "loaded"), _rows(stdout, "done")))
             faults += _rows(stdout, "fault")
             monitor = root / f"nvrx_monitor_{r}.log"
