@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import preloaded
 import torch.multiprocessing as mp
 
 from tiered_dcp.cli.local_servers import free_port
@@ -89,7 +90,8 @@ def run_ranks(
 
 
 def launch(script: str, world: int, argv: list[str], local_world: int = 1, timeout: float = 90) -> list:
-    """Run ``python script *argv`` as ``world`` ranks of one job (``local_world`` a node):
+    """Run ``python script *argv`` as ``world`` ranks of one job (``local_world`` a node),
+    each a fork of the preloaded interpreter (``preloaded.py``):
     each rank's ``(returncode, stdout, stderr)``, as text. A rank still running after
     ``timeout`` seconds fails the test, every rank killed."""
     port = free_port()
@@ -104,7 +106,7 @@ def launch(script: str, world: int, argv: list[str], local_world: int = 1, timeo
             LOCAL_WORLD_SIZE=str(local_world),
         )
         cmd = [sys.executable, script, *argv]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(preloaded.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     out = []
     for rank, p in enumerate(procs):
         try:

@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 
+import preloaded
 import pytest
 import torch.distributed.checkpoint as dcp
 from conftest import assert_state_equal, value_kinds, zeros_like_state
@@ -17,7 +18,7 @@ from tiered_dcp import export, wait_for
 
 
 def cli(*args, check=True):
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", *args], capture_output=True, text=True, timeout=300
     )
     if check:
@@ -110,7 +111,7 @@ def test_ls_fits_the_terminal_unless_wide(tiers3, tmp_path):
     def on_a_terminal(*extra: str) -> str:
         main, sub = pty.openpty()
         env = {**os.environ, "COLUMNS": "60"}
-        proc = subprocess.run([*args, *extra], stdout=sub, stderr=subprocess.PIPE, env=env, timeout=120)
+        proc = preloaded.run([*args, *extra], stdout=sub, stderr=subprocess.PIPE, env=env, timeout=120)
         os.close(sub)
         out = b""
         with contextlib.suppress(OSError):  # EIO once the pty is drained
@@ -148,7 +149,7 @@ def test_demo_runs(tmp_path):
     shown = [line.strip() for line in demo_out.splitlines() if line.startswith("    tiered-dcp ")]
     assert [c.split()[1] for c in shown] == ["ls", "verify", "export"], shown
     for command in shown:
-        out = subprocess.run(
+        out = preloaded.run(
             [sys.executable, "-m", "tiered_dcp.cli", *shlex.split(command)[1:]],
             cwd=tmp_path,
             capture_output=True,
@@ -317,7 +318,7 @@ def test_cli_exports_safetensors_and_refuses_what_it_cannot_do(tmp_path):
         "import sys; sys.modules['safetensors'] = None\n"
         "from tiered_dcp.cli.main import main; sys.exit(main())"
     )
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-c", blocked, "export", *args, "--format", "safetensors", "--to", str(dest) + "2"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -19,13 +19,13 @@ import os
 import pickle
 import shutil
 import struct
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -343,7 +343,7 @@ def test_the_verify_command_says_damaged_and_names_the_record(tmp_path):
     save(cfg, 1, 2)
     planted = craft("dotdot", tmp_path / "ram")
     with never_opened(planted):
-        r = subprocess.run(
+        r = preloaded.run(
             [
                 sys.executable,
                 "-m",

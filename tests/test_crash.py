@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,7 +44,7 @@ def test_rank_killed_mid_save_leaves_previous_step_loadable(tmp_path):
             LOCAL_WORLD_SIZE="2",
         )
         procs.append(
-            subprocess.Popen(
+            preloaded.Popen(
                 [sys.executable, os.path.join(HERE, "crash_worker.py"), root, "256"],
                 env=env,
                 stderr=subprocess.DEVNULL,

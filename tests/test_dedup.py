@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import preloaded
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import settle
@@ -185,7 +186,7 @@ def test_sigkill_in_the_middle_of_gc_loses_nothing_committed(tmp_path):
     keep_all = TieredConfig("run", [Tier(str(root))], dedup=True)
     for step in range(1, 4):  # the backbone changes at step 3: steps 1, 2 hold blocks only they use
         dcp.save(lora_state(step, frozen_seed=step // 3), storage_writer=TieredWriter(keep_all, step=step))
-    child = subprocess.Popen(
+    child = preloaded.Popen(
         [sys.executable, "-c", GC_CHILD, str(root), "3"], stdout=subprocess.PIPE, text=True, cwd=HERE
     )
     line = child.stdout.readline()

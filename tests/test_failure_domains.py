@@ -9,9 +9,9 @@ their parts; ``failure_domain="RACK"`` pairs each node with one in the other rac
 import json
 import os
 import shutil
-import subprocess
 import sys
 
+import preloaded
 import pytest
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ def test_a_lost_rack_loses_no_step(tmp_path):
     marker = json.loads((tmp_path / "ram/3/racks/step_000000000002/COMMITTED").read_text())
     assert marker["cliques"] == cliques and marker["domains"] == domains
     env = {**os.environ, "RANK": "3", "LOCAL_WORLD_SIZE": "1"}  # ls on node 3, which survived
-    out = subprocess.run(
+    out = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "racks", f"{tmp_path}/ram/{{node}}"],
         capture_output=True,
         text=True,

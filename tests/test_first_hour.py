@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,7 +21,7 @@ RAM, SSD = "ckpt/ram/{node}", "ckpt/ssd/{node}"
 
 def tdcp(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """``tiered-dcp ARGS`` run from ``cwd``, as the quickstart's user runs it."""
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "tiered_dcp", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
 

@@ -3,10 +3,10 @@ own: the parent's thread pools, locks and saves in flight are not the child's
 (``storage/forks.py``). Before, the child waited forever on its first save or load."""
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
+import preloaded
 import pytest
 
 HERE = Path(__file__).resolve().parent
@@ -15,7 +15,7 @@ ROOT = HERE.parent
 
 @pytest.mark.parametrize("staging", ["default", "background"])
 def test_a_child_forked_during_a_save_saves_and_loads_on_its_own(shm, staging):
-    out = subprocess.run(
+    out = preloaded.run(
         [sys.executable, str(HERE / "fork_worker.py"), str(shm), staging],
         capture_output=True,
         text=True,

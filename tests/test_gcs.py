@@ -16,6 +16,7 @@ import os
 import socket
 import time
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -423,13 +424,12 @@ def test_two_ranks_commit_shared_steps_and_fall_back_to_the_bucket_after_node_lo
 
 
 def test_cli_verify_reads_the_bucket(bucket):
-    import subprocess
     import sys
 
     cfg = TieredConfig("run", [gs_tier(bucket)])
     save(cfg, 5)
     options = [f"--option={k}={v}" for k, v in bucket.storage_options.items()]
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", "verify", "-n", "run", *options, f"{bucket.url}/ckpt"],
         capture_output=True,
         text=True,

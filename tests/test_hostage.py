@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -55,7 +56,7 @@ except OSError:
 
 
 def held_by_another(path: Path) -> bool:
-    return subprocess.run([sys.executable, "-c", PROBE, str(path)], timeout=30).returncode == 1
+    return preloaded.run([sys.executable, "-c", PROBE, str(path)], timeout=30).returncode == 1
 
 
 def state(step: int, mib: int = 4) -> dict:
@@ -130,7 +131,7 @@ def test_a_stopped_trainer_pauses_its_writer_a_bounded_time_and_no_stall(shm, tm
     dcp.save(state(1), storage_writer=TieredWriter(cfg, step=1))
     wait_for(cfg, 1, tier=1, timeout=30)
     lock = writer_handle(cfg, 0).rd.writer.staging.path
-    stopped = subprocess.Popen(
+    stopped = preloaded.Popen(
         [sys.executable, "-c", HOLD_AND_STOP, str(lock)], stdout=subprocess.PIPE, text=True
     )
     try:
@@ -198,7 +199,7 @@ def test_a_failed_background_staging_gives_its_reservation_back(shm, tmp_path, m
 
 def run_worker(mode: str, root: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
     full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **env}
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, str(HERE / "trainer_worker.py"), mode, str(root)],
         capture_output=True,
         text=True,

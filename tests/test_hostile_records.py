@@ -30,6 +30,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
+import preloaded
 import pytest
 
 HERE = Path(__file__).parent
@@ -48,7 +49,7 @@ class Battery:
         for w in range(WORKERS):  # the first builds the checkpoint, the next reuse it
             work = base / f"worker{w}"
             work.mkdir()
-            proc = subprocess.Popen(
+            proc = preloaded.Popen(
                 [sys.executable, str(HERE / "hostile_records.py"), str(work), str(clean)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -105,7 +106,6 @@ def test_the_fastest_tier_on_a_full_tmpfs_is_refused_a_slower_one_is_not(tmp_pat
 def test_host_memory_shows_each_memory_tier_and_the_staging(shm):
     """What the namespace holds in memory, per tier (steps and spare part files) and per
     rank in staging buffers, as ``host_memory`` returns it and ``tiered-dcp ls`` prints it."""
-    import subprocess
     import sys
 
     from tiered_dcp import host_memory
@@ -122,7 +122,7 @@ def test_host_memory_shows_each_memory_tier_and_the_staging(shm):
     assert 2 * n <= tier.steps < 2.1 * n  # the two kept steps
     assert tier.spares == n  # step 2's file, for the next save to stage into
     assert mem.staging == {0: 0}  # staged into the tier's files
-    ls = subprocess.run(
+    ls = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "held-tier", f"{shm}/ram"],
         capture_output=True,
         text=True,

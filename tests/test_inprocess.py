@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch.distributed as dist
 
@@ -39,7 +40,7 @@ def _start(
     ``racks``: each node its own failure domain (``RACK``)."""
     env = dict(os.environ, LOCAL_WORLD_SIZE="2", **({"RACK": f"rack-{rank // 2}"} if racks else {}))
     args = [str(a) for a in (rank, sizes, port, root, first, last, kill_at)]
-    return subprocess.Popen(
+    return preloaded.Popen(
         [sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 

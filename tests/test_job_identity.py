@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import preloaded
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -99,7 +100,7 @@ def test_two_quickstarts_in_two_directories_at_once_each_fill_their_own_tiers(tm
     for j, d in enumerate(dirs):
         d.mkdir()
         cmd = [sys.executable, "-c", code, str(j), str(tmp_path)]
-        procs.append(subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(preloaded.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import preloaded
 import pytest
 from conftest import settle
 from test_save_load import flip_byte, save
@@ -41,7 +42,7 @@ def write_toml(tmp_path):
 
 
 def cli(*args, check=True, cwd=None):
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", *args],
         capture_output=True,
         text=True,

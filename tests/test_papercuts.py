@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,7 +31,7 @@ GUIDE = (REPO / "docs" / "user-guide.md").read_text()
 
 def tdcp(*args: str, **kw) -> subprocess.CompletedProcess:
     """``python -m tiered_dcp ARGS``: the command as the README's quickstart prints it."""
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, "-m", "tiered_dcp", *args], capture_output=True, text=True, timeout=60, **kw
     )
 
@@ -57,7 +58,7 @@ def test_ls_into_a_pipe_closed_early_ends_quietly(tmp_path):
     the first: exit 141 (as a command killed by SIGPIPE), nothing on stderr."""
     for n in range(3000):  # ~160 KiB of listing: more than the pipe and our read hold
         os.makedirs(tmp_path / f"namespace-number-{n:04d}" / "step_000000000001")
-    p = subprocess.Popen(
+    p = preloaded.Popen(
         [sys.executable, "-m", "tiered_dcp", "ls", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -10,6 +10,7 @@ import sys
 import time
 
 import preemption_worker as worker
+import preloaded
 import pytest
 from dist_utils import free_port
 from test_writer_process import load_exact, only
@@ -23,7 +24,7 @@ def start(mode: str, root: str, env: dict | None = None) -> subprocess.Popen:
     """The trainer, its stderr in a file (a pipe nobody reads could fill and stall it)."""
     name = f"{root}/stderr.{(env or {}).get('RANK', 0)}"
     with open(name, "w") as err:
-        proc = subprocess.Popen(
+        proc = preloaded.Popen(
             [sys.executable, os.path.join(HERE, "preemption_worker.py"), mode, root],
             env={**os.environ, **(env or {})},
             stdout=subprocess.PIPE,

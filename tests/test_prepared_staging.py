@@ -21,12 +21,12 @@ import contextlib
 import gc
 import os
 import resource
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -265,7 +265,7 @@ def test_a_lagging_tier_is_skipped_not_waited_for(shm, tmp_path, monkeypatch):
     assert not w.failed
     tiers = [t.path for t in cfg.tiers]
     cmd = [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", cfg.namespace, *tiers]
-    ls = subprocess.run(cmd, capture_output=True, text=True)
+    ls = preloaded.run(cmd, capture_output=True, text=True)
     assert f"SKIPPED step {skipped[0]} -> tier 1" in ls.stdout and "keep window" in ls.stdout, ls.stdout
     on_disk = sorted(r.step for r in status(cfg) if r.tier_index == 1 and r.state == "committed")
     assert 6 in on_disk and not set(skipped) & set(on_disk)

@@ -7,10 +7,10 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -47,7 +47,7 @@ def load_newest(cfg: TieredConfig) -> int:
 
 def test_every_load_beside_a_job_with_keep_1_succeeds_and_is_one_step(tmp_path):
     root = tmp_path / "ram"
-    job = subprocess.Popen([sys.executable, "-c", JOB, str(root), "100"])
+    job = preloaded.Popen([sys.executable, "-c", JOB, str(root), "100"])
     cfg = job_config(root)
     seen = []
     try:
@@ -105,7 +105,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # dies holding its lease
 def test_a_reader_killed_mid_read_does_not_hold_retention(tmp_path):
     cfg = job_config(tmp_path / "ram")
     save(cfg, 1)
-    r = subprocess.run([sys.executable, "-c", READER, str(tmp_path / "ram")], capture_output=True, text=True)
+    r = preloaded.run([sys.executable, "-c", READER, str(tmp_path / "ram")], capture_output=True, text=True)
     assert r.returncode == -signal.SIGKILL and r.stdout.strip() == "1", r.stderr
     sdir = tmp_path / "ram/job/step_000000000001"
     assert [n for n in os.listdir(sdir) if n.startswith("lease.")]  # its lease is still there

@@ -4,10 +4,10 @@ digests, the naming of what differs, the marker, the choice, ls and verify, the 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 from array import array
 
+import preloaded
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -165,9 +165,9 @@ def test_ls_and_verify_say_why_a_marked_step_is_passed_over(tmp_path):
     assert latest_step(cfg) == 1
     why = "replicas disagree (in w; odd copies on rank(s) 0)"
     cli = [sys.executable, "-m", "tiered_dcp.cli"]
-    ls = subprocess.run([*cli, "ls", "-n", "run", str(tmp_path / "ram")], capture_output=True, text=True)
+    ls = preloaded.run([*cli, "ls", "-n", "run", str(tmp_path / "ram")], capture_output=True, text=True)
     assert f"step 2 on tier 0: passed over by loads: {why}" in ls.stdout, ls.stdout + ls.stderr
-    verify = subprocess.run(
+    verify = preloaded.run(
         [*cli, "verify", "-n", "run", str(tmp_path / "ram")], capture_output=True, text=True
     )
     assert verify.returncode == 0 and f"loads pass it over: {why}" in verify.stdout, verify.stdout
@@ -200,7 +200,7 @@ def test_a_quarantine_mark_is_shown_as_one_printable_line(tmp_path):
     copy = view.committed()[2]
     view.quarantine(copy.store, 2, copy.marker.metadata_xxh3, 0, "bad\x1b[2J bytes\nstep 9 on tier 0: fine")
     cli = [sys.executable, "-m", "tiered_dcp.cli"]
-    ls = subprocess.run([*cli, "ls", "-n", "q", str(tmp_path / "ram")], capture_output=True, text=True)
+    ls = preloaded.run([*cli, "ls", "-n", "q", str(tmp_path / "ram")], capture_output=True, text=True)
     assert "bad?[2J bytes" in ls.stdout and "\x1b" not in ls.stdout, ls.stdout + ls.stderr
     assert "step 9" not in ls.stdout, ls.stdout
 

@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 import torch.distributed as dist
@@ -243,7 +244,7 @@ def test_sigkill_mid_staging_leaves_the_kept_steps_loadable(shm):
     for step in (1, 2):
         dcp.async_save(_state(step), storage_writer=TieredWriter(cfg, step=step)).result()
     POOL.close()
-    proc = subprocess.Popen(
+    proc = preloaded.Popen(
         [sys.executable, "-c", _KILLED_TRAINER, str(shm / "ram"), "3"], stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "staging"

@@ -15,10 +15,10 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
+import preloaded
 import pytest
 import torch.distributed.checkpoint as dcp
 from test_writer_process import load_exact, only, small_state
@@ -139,7 +139,7 @@ def test_missing_bucket_is_reported_at_once(bucket, tmp_path, caplog):
     assert time.monotonic() - t0 < 10  # a permanent error: not retried for minutes
     (w,) = writer_status(cfg)
     assert w.unhealthy[1]["state"] == "failing" and "does not exist" in w.unhealthy[1]["error"]
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "run", *(t.path for t in cfg.tiers)]
         + [f"--option={k}={v}" for k, v in bucket.storage_options.items()],
         capture_output=True,
@@ -180,7 +180,7 @@ def test_queries_skip_a_stalled_bucket_and_say_what_they_could_not_search(bucket
     assert time.monotonic() - t0 < 8
     with pytest.raises(NoCheckpointError, match=r"(?s)step 2 .*NOT SEARCHED, it did not answer"):
         TieredReader(cfg, step=2)  # only the bucket holds it
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "run", *(t.path for t in cfg.tiers)]
         + [f"--option={k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in options.items()],
         capture_output=True,
@@ -205,7 +205,7 @@ os._exit(0)  # gone without shutdown(): the writer is on its own
 def test_the_writer_exits_after_its_trainer_died_with_the_bucket_down(bucket, proxy, tmp_path):
     proxy.inject(("stall", 1))
     url, options = f"{bucket.url}/ckpt", bucket.via(proxy.url)
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-c", TRAINER, str(tmp_path / "ram"), url, json.dumps(options)],
         capture_output=True,
         text=True,

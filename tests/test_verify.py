@@ -4,9 +4,9 @@ compressed tiers, exactly the damaged tier (and root, and replica) named on real
 import glob
 import os
 import shutil
-import subprocess
 import sys
 
+import preloaded
 from conftest import settle
 from dist_utils import run_ranks
 from test_cli_export import cli
@@ -95,7 +95,7 @@ def _dead_owner() -> bytes:
         "import sys\nfrom tiered_dcp.steps.leases import owner_record\n"
         "sys.stdout.buffer.write(owner_record())"
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout
+    return preloaded.run([sys.executable, "-c", code], capture_output=True, check=True).stdout
 
 
 def test_a_root_the_commit_never_reached_is_incomplete_not_damage(tmp_path):
@@ -124,7 +124,7 @@ def test_a_truncated_part_is_a_few_lines_not_one_per_item(tmp_path):
     save(cfg, 1)
     (part,) = (tmp_path / "ssd/run/step_000000000001").glob("rank_*.part")
     os.truncate(part, 100)
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", "verify", "-n", "run", str(tmp_path / "ssd")],
         capture_output=True,
         text=True,

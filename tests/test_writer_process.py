@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import preloaded
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ def writer_pids(cfg: TieredConfig) -> list[int]:
 
 
 def run_trainer(mode: str, root: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return preloaded.run(
         [sys.executable, os.path.join(HERE, "trainer_worker.py"), mode, root],
         capture_output=True,
         text=True,
@@ -286,7 +287,7 @@ def test_wait_for_and_cli_show_the_queue(tmp_path, monkeypatch):
     dcp.save(small_state(1), storage_writer=TieredWriter(cfg, step=1))
     with pytest.raises(TimeoutError, match="not committed on"):
         wait_for(cfg, 1, tier=1, timeout=0.2)
-    r = subprocess.run(
+    r = preloaded.run(
         [sys.executable, "-m", "tiered_dcp.cli", "ls", "-n", "cli", *tiers],
         capture_output=True,
         text=True,

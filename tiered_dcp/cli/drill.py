@@ -446,8 +446,10 @@ class Drill:
         seed: int,
         faults: list[str],
         pause: tuple[float, float] = PAUSE,
+        start: Callable[..., subprocess.Popen] = subprocess.Popen,
     ) -> None:
         self.dir, self.ram, self.seconds, self.pause = workdir, ram, seconds, pause
+        self.start = start
         self.rng = random.Random(seed)
         self.faults = faults
         self.procs: list[subprocess.Popen] = []
@@ -503,7 +505,7 @@ class Drill:
             cmd = [sys.executable, "-m", "tiered_dcp.cli.drill", "--worker", "--dir", self.dir]
             cmd += ["--config", self.config_path, "--attempt", str(self.attempt)]
             with open(f"{self.dir}/stderr.{self.attempt}.rank{rank}", "wb") as err:
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+                self.procs.append(self.start(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
 
     def crash(self, first: int | None = None) -> None:
         """SIGKILL the ranks (``first`` before the others), as a crash and torchrun's stop."""
@@ -978,10 +980,13 @@ def run_drill(
     seed: int | None = None,
     faults: list[str] | None = None,
     pause: tuple[float, float] = PAUSE,
+    start: Callable[..., subprocess.Popen] = subprocess.Popen,
 ) -> DrillReport:
     """Run the drill for ``seconds`` of faults, each kind once at least, and return its report
     (``report.ok``: nothing lost, no silent escape). ``pause``: seconds of training between
-    faults, drawn in this range."""
+    faults, drawn in this range. ``start``: how each rank's process is started from its
+    ``python`` command line (``subprocess.Popen``'s signature; a test passes one that forks an
+    interpreter that has imported torch already)."""
     from ..api import writer_status
     from ..writer_process.run_dir import RunDir, job_dir
     from .jobconfig import load_job_config
@@ -1000,7 +1005,7 @@ def run_drill(
     ram = f"{workdir}/ram"
     if own_dir and os.access("/dev/shm", os.W_OK):
         ram = tempfile.mkdtemp(prefix="tiered-dcp-drill-", dir="/dev/shm")
-    drill = Drill(workdir, ram, seconds, seed, faults, pause)
+    drill = Drill(workdir, ram, seconds, seed, faults, pause, start)
     for bucket in ("gs://drill/ckpt", f"{workdir}/bucket"):  # a previous drill's queues and records
         old = load_job_config(write_config(workdir, ram, bucket, {}))
         if not any(rd.writer.running() for rd in RunDir.all_of(old)):
