@@ -125,9 +125,12 @@ def run_torchrun(mode: str, fault: str, root: str, mib: int, extra: dict[str, st
     return outcome(agents)
 
 
-def start_ft_launchers(root: str, args: list[str], extra: dict[str, str]) -> list[subprocess.Popen]:
+def start_ft_launchers(
+    root: str, args: list[str], extra: dict[str, str], restarts: int = 1
+) -> list[subprocess.Popen]:
     """Three ft_launchers as three nodes, each running ``args``, with the launch line
-    docs/user-guide.md gives: two nodes needed, a hot spare, one restart. Launcher 0 hosts
+    docs/user-guide.md gives: two nodes needed, a hot spare, ``restarts`` restarts (the
+    guide: one). Launcher 0 hosts
     the rendezvous and is always group rank 0 (``GROUP_RANK``: each one's place in NvRx's
     barrier order); the first round closes once two have joined, leaving 1 or 2 the spare.
     (``tests/test_ft_launcher.py`` starts its jobs with it too.)"""
@@ -146,7 +149,7 @@ def start_ft_launchers(root: str, args: list[str], extra: dict[str, str]) -> lis
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=ft",
                 f"--rdzv-conf=is_host={int(n == 0)}",  # one host on 127.0.0.1: say which one hosts
-                "--max-restarts=1",
+                f"--max-restarts={restarts}",
                 "--monitor-interval=0.1",
                 f"--log-dir={root}/logs",
                 *args,

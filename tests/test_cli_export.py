@@ -15,6 +15,7 @@ from conftest import assert_state_equal, value_kinds, zeros_like_state
 from test_save_load import flip_byte, save
 
 from tiered_dcp import export, wait_for
+from tiered_dcp.cli.demo import run_demo
 
 
 def cli(*args, check=True):
@@ -83,6 +84,8 @@ def test_cli_errors_are_readable(tmp_path):
     # az:// needs adlfs, which is not installed (s3fs is, with the test tools)
     for out in (cli("ls", "-n", "nothing", "az://b/c", check=False), cli("--bogus", check=False)):
         assert out.returncode == 2 and "Traceback" not in out.stderr
+    r = cli("demo", "--steps", "5", "--kill-at", "9", check=False)  # the command reaches run_demo
+    assert r.returncode == 2 and "--kill-at must be between 2 and 4" in r.stderr, r.stderr
     r = cli("--version")
     assert r.stdout.startswith("tiered-dcp 0.")
     assert "exit codes" in cli("--help").stdout and "2  usage" in cli("ls", "--help").stdout
@@ -131,9 +134,11 @@ def test_ls_fits_the_terminal_unless_wide(tiers3, tmp_path):
     assert piped.startswith("step") and "logical" in piped
 
 
-def test_demo_runs(tmp_path):
-    r = cli("demo", "--dir", str(tmp_path / "demo"), "--steps", "12", "--kill-at", "7")
-    demo_out = r.stdout
+def test_demo_runs(tmp_path, capsys):
+    # what `tiered-dcp demo --steps 12 --kill-at 7` runs, its ranks forked from an interpreter
+    # that imported torch already (the command starts fresh ones: subprocess.Popen)
+    assert run_demo(str(tmp_path / "demo"), steps=12, kill_at=7, start=preloaded.Popen) == 0
+    demo_out = capsys.readouterr().out
     assert "rank 1 SIGKILLed while saving step 7" in demo_out
     assert "OK: the job resumed from step" in demo_out
     assert "(namespace 'demo')" in demo_out

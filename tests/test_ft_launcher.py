@@ -33,7 +33,10 @@ def _job(root: Path, fault: str) -> list[tuple[int, str, str]]:
     which hosts the rendezvous, is always group rank 0; the first round closes once two have
     joined, leaving launcher 1 or 2 as the spare."""
     args = [TRAIN, "torchrun", fault, str(root), "1", str(STEPS), str(FAULT_AT)]
-    launchers = start_ft_launchers(str(root), args, {})
+    # two restarts, not the guide's one: on a loaded machine a rank's first start can fail in
+    # init_process_group, before any fault ("Failed to recv", seen with its imports taking
+    # 20 s), and that restart must not be the one the fault needs
+    launchers = start_ft_launchers(str(root), args, {}, restarts=2)
     deadline = time.monotonic() + 240
     try:
         outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1)) for p in launchers]

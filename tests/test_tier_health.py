@@ -80,11 +80,11 @@ def test_a_bucket_that_does_not_answer_never_blocks_training(bucket, proxy, tmp_
         endpoint, closer = proxy.url, None
     else:
         closer, endpoint = dead_endpoint()
-    cfg = two_tiers(tmp_path, bucket.url, bucket.via(endpoint))
+    cfg = two_tiers(tmp_path, bucket.url, bucket.via(endpoint), tier_timeout=3.0)
     took = timed_saves(cfg, range(1, 6))
     # Two saves queue at once; the third waits at most until the writer, seeing no progress
-    # for tier_timeout (10 s), calls the tier stalled; none waits after that.
-    assert max(took[:2]) < 3 and max(took) < cfg.tier_timeout + 5 and sum(took[3:]) < 3, took
+    # for tier_timeout (3 s here; 10 s by default), calls the tier stalled; none waits after that.
+    assert max(took[:2]) < 3 and max(took) < cfg.tier_timeout + 10 and sum(took[3:]) < 3, took
     # the writer keeps only the newest step queued (plus the one under way), within a moment
     until(lambda: len(writer_status(cfg)[0].queue) <= 2, 5, "the queue trimmed")
     (w,) = writer_status(cfg)

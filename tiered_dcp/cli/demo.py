@@ -357,8 +357,9 @@ def _launch(
     world: int = WORLD,
     local: int = WORLD,
     scene: str = "kill",
+    start: Callable[..., subprocess.Popen] = subprocess.Popen,
 ) -> list[subprocess.Popen]:
-    """Start ``world`` ranks, ``local`` per simulated node."""
+    """Start ``world`` ranks, ``local`` per simulated node, each with ``start``."""
     procs = []
     for rank in range(world):
         env = dict(
@@ -387,7 +388,7 @@ def _launch(
             scene,
         ] + (["--resume"] if resume else [])
         with open(f"{workdir}/stderr.{phase}.rank{rank}", "wb") as err:  # a file: a pipe can fill up
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+            procs.append(start(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
     return procs
 
 
@@ -438,7 +439,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
-def _node_loss_scene(workdir: str, ram: str) -> bool:
+def _node_loss_scene(workdir: str, ram: str, start: Callable[..., subprocess.Popen]) -> bool:
     """Lose a node after the newest step left the shared tier behind; resume from peers."""
     from ..api import status
     from ..steps.status import StepStatus
@@ -447,7 +448,7 @@ def _node_loss_scene(workdir: str, ram: str) -> bool:
     names = ["RAM", "bucket"]
     _reset_node_loss(workdir, ram, cfg)
     _print_node_loss_setup(cfg, names)
-    reports = _run_node_loss(workdir, ram, cfg)
+    reports = _run_node_loss(workdir, ram, cfg, start)
     if reports is None:
         return False
     bucket = max(
@@ -502,13 +503,15 @@ def _print_node_loss_setup(cfg: Any, names: list[str]) -> None:
         print(f"  tier {i} {names[i]:<6} {t.path}  (every {t.every}, keep {t.keep or 'all'}, {where})")
 
 
-def _run_node_loss(workdir: str, ram: str, cfg: Any) -> list[dict] | None:
+def _run_node_loss(
+    workdir: str, ram: str, cfg: Any, start: Callable[..., subprocess.Popen]
+) -> list[dict] | None:
     """Run the scene's ranks; their reports, or None (said why) if it failed."""
     from ..api import writer_status
     from ..writer_process.run_dir import job_dir
 
     phase = "nodeloss"
-    procs = _launch(workdir, ram, NL_STEPS, phase, False, free_port(), NL_WORLD, NL_LOCAL, "node-loss")
+    procs = _launch(workdir, ram, NL_STEPS, phase, False, free_port(), NL_WORLD, NL_LOCAL, "node-loss", start)
     deadline = time.time() + 120
     try:
         while any(p.poll() is None for p in procs):
@@ -576,8 +579,16 @@ def _node_loss_problems(cfg: Any, reports: list[dict], bucket: int | None) -> li
     return problems
 
 
-def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> int:
-    """Run the demo; return 0 when the resumed state matched the saved one in both scenes."""
+def run_demo(
+    workdir: str | None = None,
+    steps: int = 30,
+    kill_at: int = 17,
+    start: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> int:
+    """Run the demo; return 0 when the resumed state matched the saved one in both scenes.
+    ``start``: how each rank's process is started from its ``python`` command line
+    (``subprocess.Popen``'s signature; a test passes one that forks an interpreter that has
+    imported torch already)."""
     if not 1 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 2 and {steps - 1}")
     own_dir = workdir is None
@@ -586,10 +597,10 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
     _reset_demo(workdir, cfg)
     _print_demo_setup(cfg, steps)
     try:
-        failed = _kill_phase(workdir, ram, steps, kill_at)
+        failed = _kill_phase(workdir, ram, steps, kill_at, start)
         if failed is not None:
             return failed
-        phase2 = _resume_phase(workdir, ram, cfg, steps, kill_at)
+        phase2 = _resume_phase(workdir, ram, cfg, steps, kill_at, start)
         if isinstance(phase2, int):
             return phase2
         reports, lines, ended = phase2
@@ -603,7 +614,7 @@ def run_demo(workdir: str | None = None, steps: int = 30, kill_at: int = 17) -> 
             f"\n  {'OK' if ok else 'FAILED'}: the job resumed from step {resumed} "
             f"with exactly the saved state"
         )
-        ok = _node_loss_scene(workdir, ram) and ok
+        ok = _node_loss_scene(workdir, ram, start) and ok
         _print_next(cfg, own_dir)
         return 0 if ok else 1
     finally:
@@ -659,10 +670,12 @@ def _print_demo_setup(cfg: Any, steps: int) -> None:
         print(f"  tier {i} {NAMES[i]:<6} {t.path}  (every {t.every}, keep {t.keep or 'all'}{extra})")
 
 
-def _kill_phase(workdir: str, ram: str, steps: int, kill_at: int) -> int | None:
+def _kill_phase(
+    workdir: str, ram: str, steps: int, kill_at: int, start: Callable[..., subprocess.Popen]
+) -> int | None:
     """Phase 1: train, and kill rank 1 while it saves step ``kill_at``; an exit code if it failed."""
     t_start = time.perf_counter()
-    procs = _launch(workdir, ram, steps, "1", False, free_port())
+    procs = _launch(workdir, ram, steps, "1", False, free_port(), start=start)
     while _read_progress(workdir, 1) < kill_at:
         if any(p.poll() not in (None, 0) for p in procs):
             return _fail(procs, workdir, "1", "a worker died before the planned kill")
@@ -688,12 +701,12 @@ def _last_steps(cfg: Any, steps: int) -> dict[int, int]:
 
 
 def _resume_phase(
-    workdir: str, ram: str, cfg: Any, steps: int, kill_at: int
+    workdir: str, ram: str, cfg: Any, steps: int, kill_at: int, start: Callable[..., subprocess.Popen]
 ) -> tuple[list[dict], list[str], float | None] | int:
     """Phase 2: restart, resume from the newest complete step, finish training, and note the
     slower tiers filling in behind the saves. (the ranks' reports, the notes, when the last
     save was committed on RAM), or an exit code if it failed."""
-    procs = _launch(workdir, ram, steps, "2", True, free_port())
+    procs = _launch(workdir, ram, steps, "2", True, free_port(), start=start)
     deadline = time.time() + 300
     slower = range(1, len(cfg.tiers))
     last = _last_steps(cfg, steps)
