@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,6 +57,18 @@ def _server() -> str:
                 raise RuntimeError(f"the preloaded server did not start: {line!r}")
             _SERVER = (proc, path)
         return _SERVER[1]
+
+
+def stop_server() -> None:
+    """End this process's server, if it runs (the next program starts another)."""
+    global _SERVER
+    with _LOCK:
+        if _SERVER is not None:
+            proc, path = _SERVER
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            _SERVER = None
 
 
 def _stream(spec: Any, std: int, mode: str, pipes: list, text: bool) -> tuple[int, IO | None]:
@@ -275,7 +288,8 @@ def _program(argv: list[str], env: dict[str, str], cwd: str, keep: list) -> int:
     except SystemExit as e:
         status = _exit_status(e)
     except BaseException as e:
-        sys.excepthook(type(e), e, e.__traceback__.tb_next)  # as python prints it: without this frame
+        e = e.with_traceback(e.__traceback__.tb_next)  # as python prints it: without this frame
+        sys.excepthook(type(e), e, e.__traceback__)
         status = 1
     try:
         threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter's exit does
@@ -324,12 +338,9 @@ def _fork(conn: socket.socket, keep: list[socket.socket | int], waiting: dict) -
 
 
 def serve(path: str) -> None:
-    import ctypes
     import importlib
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(
-        1, signal.SIGKILL
-    )  # PR_SET_PDEATHSIG: ends with its test process
+    parent = os.getppid()  # its test process: the server ends with it (checked every second)
     for name in PRELOAD:
         importlib.import_module(name)
     assert threading.active_count() == 1, threading.enumerate()  # a fork must not lose a thread
@@ -342,8 +353,8 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     print("ready", flush=True)
     waiting: dict[int, socket.socket] = {}
-    while True:
-        ready = select.select([listener, woken], [], [])[0]
+    while os.getppid() == parent:  # not PR_SET_PDEATHSIG: that fires when the starting thread ends
+        ready = select.select([listener, woken], [], [], 1.0)[0]
         if woken in ready:
             os.read(woken, 4096)
         if listener in ready:
@@ -358,6 +369,7 @@ def serve(path: str) -> None:
                 with contextlib.suppress(OSError):  # the test process stopped waiting
                     conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
                 conn.close()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 if __name__ == "__main__":
