@@ -54,7 +54,10 @@ def _server() -> str:
             )
             line = proc.stdout.readline()
             if line.strip() != b"ready":
-                raise RuntimeError(f"the preloaded server did not start: {line!r}")
+                raise RuntimeError(
+                    f"the preloaded server did not start (it said {line!r}); its error is above, on "
+                    f"stderr: one of {PRELOAD} failed to import in this environment"
+                )
             _SERVER = (proc, path)
         return _SERVER[1]
 
@@ -103,7 +106,9 @@ class Popen:
         universal_newlines: bool = False,
     ) -> None:
         if not args or args[0] != sys.executable:
-            raise ValueError(f"not a program of this interpreter: {args!r}")
+            raise ValueError(
+                f"preloaded runs Python programs only: start args with sys.executable, not {args[:1]!r}"
+            )
         text = text or universal_newlines
         self.args = args
         self.returncode: int | None = None

@@ -42,6 +42,8 @@ def test_it_ends_as_python_does_and_the_caller_gets_the_status(tmp_path):
     def status(code: str) -> subprocess.CompletedProcess:
         return preloaded.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
+    with pytest.raises(ValueError, match="start args with sys.executable"):
+        preloaded.Popen(["bash", "-c", "true"])  # only this interpreter's programs can be forked
     assert status("import sys; sys.exit(3)").returncode == 3
     raised = status("raise ValueError('boom')")
     assert raised.returncode == 1 and raised.stderr.endswith("ValueError: boom\n")
