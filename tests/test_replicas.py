@@ -208,6 +208,29 @@ def test_ddp_batchnorm_statistics_kept_per_rank_do_not_mark_every_step(tmp_path)
     ], out[0]["said"]
 
 
+def _stays_bad_job(rank, world, root):
+    cfg = ram_config(root, "stays")
+    for step in range(1, 5):
+        w = torch.arange(64.0) + step  # a replica on every rank
+        if rank == 2 and step >= 2:  # one bit of rank 2's copy goes bad and stays bad
+            flip_bit(w, byte=5, bit=6)
+        _save({"w": w}, cfg, step, "sync")
+    got = {"w": torch.zeros(64)}
+    resumed = load_latest(got, cfg)
+    dist.barrier()
+    shutdown()
+    return resumed
+
+
+def test_one_rank_s_copy_that_stays_bad_is_marked_at_every_save(tmp_path):
+    """Unlike a value kept per rank (no majority), a copy one rank keeps apart from two that
+    agree is a fault at every save that shows it: it is never taken for a per-rank value."""
+    assert run_ranks(_stays_bad_job, 3, str(tmp_path), env={"LOCAL_WORLD_SIZE": 1}) == [1, 1, 1]
+    for step in (2, 3, 4):
+        m = marker(str(tmp_path), "stays", step)
+        assert (m.replica_mismatch, m.replica_ranks) == (["w"], [2]), step
+
+
 def _coordinator_fails_job(rank, world, root):
     import time
 

@@ -250,14 +250,16 @@ _SAID_PER_RANK: set[tuple[str, str]] = set()
 
 
 def per_rank_values(op: Op, found: list[Disagreement]) -> list[Disagreement]:
-    """``found`` less the items whose copies differed at the save before too: values kept
-    per rank under one key by design (BatchNorm's running statistics under DDP, each rank
-    updating them from its own batch), which stock DCP saves one copy of, not a fault that
-    struck between two saves. Marking them would pass over every step of the job; each is
-    said once instead. The first save that shows one still treats it as a disagreement."""
+    """``found`` less the items whose copies differed at the save before too and agree in no
+    majority now: values kept per rank under one key by design (BatchNorm's running
+    statistics under DDP, each rank updating them from its own batch), which stock DCP saves
+    one copy of, not a fault that struck between two saves. Marking them would pass over
+    every step of the job; each is said once instead. The first save that shows one still
+    treats it as a disagreement, and a copy that a few ranks keep apart from a majority that
+    agrees (a bit flipped in one rank's DDP parameter stays flipped) is marked at every save."""
     job = op.name.rsplit("/", 1)[0]  # the namespace's saves, whatever their sequence number
     before, _DIFFERED[job] = _DIFFERED.get(job, set()), {d.item for d in found}
-    again = [d for d in found if d.item in before]
+    again = [d for d in found if d.item in before and d.majority is None]
     for d in again:
         if (job, d.item) not in _SAID_PER_RANK:
             _SAID_PER_RANK.add((job, d.item))
@@ -268,7 +270,8 @@ def per_rank_values(op: Op, found: list[Disagreement]) -> list[Disagreement]:
                 "or make it equal on every rank, to have it compared",
                 d.item,
             )
-    return [d for d in found if d.item not in before]
+    waived = {id(d) for d in again}
+    return [d for d in found if id(d) not in waived]
 
 
 def tell(found: list[Disagreement], check: ReplicaDigests) -> None:
