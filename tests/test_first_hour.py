@@ -228,14 +228,20 @@ def test_the_torch_free_reader_refuses_a_record_turned_into_another(tmp_path):
     memory format values into records (every later read in the process would change)."""
     import io
 
-    from tiered_dcp.steps.plain_metadata import DCP, MemoryFormat, PlainUnpickler
+    from tiered_dcp.steps.plain_metadata import DCP, STRIDED, Layout, MemoryFormat, PlainUnpickler
 
     record = f"c{DCP}\nChunkStorageMetadata\n".encode() + b")\x81"  # NEWOBJ: no constructor run
     shared = f"c{DCP}\n_MEM_FORMAT_ENCODING\n".encode() + b"K\x00\x85R"  # _MEM_FORMAT_ENCODING(0)
-    for blob in (_forged(record, "_MEM_FORMAT_ENCODING"), _forged(shared, "Metadata")):
+    layout = b"ctorch.serialization\n_get_layout\nX\r\x00\x00\x00torch.strided\x85R"  # STRIDED itself
+    forged = [
+        _forged(record, "_MEM_FORMAT_ENCODING"),
+        _forged(shared, "Metadata"),
+        _forged(layout, "_MEM_FORMAT_ENCODING"),  # the two shared values have the same empty layout
+    ]
+    for blob in forged:
         with pytest.raises(Exception):  # noqa: B017, PT011 - any refusal: torch's reader decides then
             PlainUnpickler(io.BytesIO(blob)).load()
-    assert type(MemoryFormat(0)) is MemoryFormat
+    assert type(MemoryFormat(0)) is MemoryFormat and type(STRIDED) is Layout
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")

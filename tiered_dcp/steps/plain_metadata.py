@@ -112,6 +112,9 @@ class MemoryFormat:
 
     __slots__ = ()
 
+    def __setattr__(self, name: str, value: Any) -> None:  # pickle's slot state sets __class__ so
+        raise NotPlain("a memory format is immutable")
+
     def __new__(cls, value: Any) -> MemoryFormat:
         if type(value) is not int or value not in MEMORY_FORMATS:
             raise NotPlain(f"memory format {value!r}")
@@ -155,6 +158,9 @@ class Layout:
     """``torch.strided``, the layout of every tensor DCP saves."""
 
     __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:  # the one shared value: no build into it
+        raise NotPlain("a layout is immutable")
 
 
 _DTYPES = {name: Dtype(name) for name in DTYPE_SIZES}
