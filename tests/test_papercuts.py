@@ -275,3 +275,12 @@ def test_a_tier_whose_directory_is_missing_is_said_once_naming_its_file_system(t
     said = [r.getMessage() for r in caplog.records if "does not exist" in r.getMessage()]
     assert len(said) == 1, said
     assert str(tmp_path / "nvme" / "tdcp" / "0") in said[0] and "the first save makes it on /" in said[0]
+
+
+def test_a_missing_root_per_rank_is_said_by_its_rank_a_node_s_by_its_first(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")  # not the node's first rank
+    tiers = [Tier(str(tmp_path / "node" / "{node}")), Tier(str(tmp_path / "own" / "{rank}"), every=2)]
+    with caplog.at_level(logging.WARNING, logger="tiered_dcp"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=TieredWriter(TieredConfig("per", tiers), step=1))
+    said = [r.getMessage() for r in caplog.records if "does not exist" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "own" / "0") in said[0], said

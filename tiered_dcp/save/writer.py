@@ -407,12 +407,12 @@ _ROOTS_SEEN: set[str] = set()  # node-local tier roots this process looked for (
 
 def _say_missing_roots(config: TieredConfig, node: int, rank: int) -> None:
     """Warn, once per root, that a node-local tier's directory is made by this save, naming
-    the file system it lands on: a mount missing on this host must not pass silently. Said
-    by a node's first local rank only (``LOCAL_RANK``): its ranks share the node's roots."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return
+    the file system it lands on: a mount missing on this host must not pass silently. A
+    node's root is said by its first local rank only (``LOCAL_RANK``): its ranks share it; a
+    root per rank (``{rank}`` in the path) by its own rank."""
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
     for tier in config.tiers:
-        if tier.is_shared or not tier.is_local_fs:
+        if tier.is_shared or not tier.is_local_fs or not (first or "{rank}" in tier.path):
             continue
         root = os.path.abspath(tier.root(node, rank).removeprefix("file://"))
         if root not in _ROOTS_SEEN:
