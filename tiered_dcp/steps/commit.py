@@ -364,8 +364,9 @@ class _Agreement:
                 "kind": (Failure.PEER_LOST if lost else Failure.OTHER).value,
                 "ranks": list(e.ranks) if isinstance(e, PeerLostError) else [],
             }
-            op.store.compare_set(op.key("commit"), b"", json.dumps(refusal))
-            replicas.Round(op, self.save.step).release()  # the group ranks wait for no question
+            with contextlib.suppress(Exception):  # a store gone too: the verdict's own error is raised
+                op.store.compare_set(op.key("commit"), b"", json.dumps(refusal))
+                replicas.Round(op, self.save.step).release()  # the group ranks wait for no question
             raise
 
     def _decide(self, op: Op) -> None:
