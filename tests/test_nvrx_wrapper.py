@@ -61,8 +61,11 @@ def _job(
                 for q in procs:
                     q.kill()
                 for i, q in enumerate(procs[r:], r):
-                    o, e = q.communicate()  # again, once killed, as subprocess's docs say
-                    report += [f"--- rank {i}: not done in 150 s (exit {q.returncode})", o[-3000:], e[-3000:]]
+                    try:  # again, once killed, as subprocess's docs say; a child may hold the pipes
+                        o, e = q.communicate(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        o, e = "", "(its pipes stayed open: a child of it still holds them)"
+                    report += [f"--- rank {i}: not done in 150 s (exit {q.poll()})", o[-3000:], e[-3000:]]
                 report += [m.read_text()[-3000:] for m in sorted(root.glob("nvrx_monitor_*.log"))]
                 pytest.fail("\n".join(report))
             out.append((p.returncode, _rows(stdout, "loaded"), _rows(stdout, "done")))
