@@ -47,11 +47,6 @@ from .step_reads import StepReads
 log = logging.getLogger(__name__)
 
 
-def _dist_rank() -> tuple[int, bool]:
-    up = worlds.dist_up()
-    return (dist.get_rank() if up else 0), up
-
-
 class TieredReader(StorageReader):
     """Loads ``step`` (default: the newest complete step anywhere) of ``config``.
 
@@ -115,9 +110,9 @@ class TieredReader(StorageReader):
         self._exclude = exclude
         self._started = time.perf_counter()  # a load's duration is recorded (``records``)
         self.load_id = new_id()  # DCP's StorageMeta.load_id of the metadata it reads
-        rank, up = _dist_rank()
-        self.rank, self.node = rank, node_of(rank)
-        self._dist = up and not no_dist
+        self.rank = worlds.rank()
+        self.node = node_of(self.rank)
+        self._dist = worlds.dist_up() and not no_dist
         self._opened: OpenStep | None = None  # ``open``'s
         self._step_reads: StepReads | None = None
         self._open_failed: BaseException | None = None  # ``read_metadata``'s, raised in set-up

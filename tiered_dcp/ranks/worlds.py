@@ -52,6 +52,11 @@ def rank() -> int:
     return dist.get_rank() if dist_up() else 0
 
 
+def size() -> int:
+    """The default group's size; 1 without one."""
+    return dist.get_world_size() if dist_up() else 1
+
+
 @dataclass(eq=False)
 class Wait:
     """A wait of this process on other ranks, in progress: for ``key`` (an ``Op``'s), from

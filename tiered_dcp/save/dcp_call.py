@@ -74,7 +74,7 @@ def calls_back(shipped: bool) -> bool:
 def prepare() -> None:
     """On the thread calling ``dcp.async_save``: this world's save group, made if the save
     runs DCP's collectives on the default group in its THREAD mode."""
-    if not worlds.dist_up() or dist.get_world_size() == 1:
+    if worlds.size() == 1:
         return
     args = async_save_args()
     if args is not None:

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -122,7 +121,7 @@ class TieredWriter(StorageWriter, TieredStager):
         # the jump rule's cliques now (local); a layout of failure domains, which every rank
         # gathers together (a collective), in the save's set-up, before any byte is written
         # (``set_up_storage_writer``; once per process group: ``domains.LAYOUTS``)
-        self.layout: Layout | None = domains.layout_unless_gathered(config, _world_size(), worlds.rank())
+        self.layout: Layout | None = domains.layout_unless_gathered(config, worlds.size(), worlds.rank())
         self.background_staging = background_staging
         self.handle_sigterm = handle_sigterm
         self.staging_slots = staging_slots
@@ -210,11 +209,11 @@ class TieredWriter(StorageWriter, TieredStager):
         self._op = None
         if worlds.dist_up():
             self._op = worlds.Op(self.config.namespace, "save", self.step, self.config.peer_timeout)
-            if _world_size() > 1:  # every rank here before DCP's first collective of the save
+            if worlds.size() > 1:  # every rank here before DCP's first collective of the save
                 self._op.arrive("the save's start")
         _say_missing_roots(self.config, self.node, self.rank)
         if self.layout is None:  # failure domains: every rank is here, in DCP's set-up
-            self.layout = domains.LAYOUTS.get(self.config, _world_size(), self.rank)
+            self.layout = domains.LAYOUTS.get(self.config, worlds.size(), self.rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """This rank's plan tagged with where it runs (and, for the replica check, its items'
@@ -420,7 +419,3 @@ def _say_missing_roots(config: TieredConfig, node: int, rank: int) -> None:
             where = missing_root(root)
             if where is not None:
                 log.warning("tier %s: %s; if that is not the disk you meant, fix the path", tier.path, where)
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
