@@ -97,11 +97,10 @@ def test_a_worker_killed_during_a_save_the_others_exit_at_once_and_resume_exact(
     report = "\n".join(o + e[-4000:] for o, e in outs)
     assert all(p.returncode == 0 for p in agents), report
     assert not any("forcefully exiting via 9" in e for _, e in outs), report  # nobody SIGKILLed
-    # rank 0 ends one of two ways, by which comes first: its agent's SIGTERM (the handler finds
-    # rank 1 gone and abandons the save), or its save's next collective on gloo, which finds
-    # rank 1's connection reset and fails by itself; neither waits for the stop timeout
-    abandoned = any("SIGTERM after a fault" in e and "abandoned" in e for _, e in outs)
-    assert abandoned or any("failed (exitcode: 1) local_rank: 0" in e for _, e in outs), report
+    # rank 0 ends by whichever comes first: its agent's SIGTERM while its save waits (the
+    # handler finds rank 1 gone and abandons the save), or its save's next gloo collective,
+    # which finds rank 1's connection reset (it fails by itself, the SIGTERM may still come as
+    # it exits); the check above is the one that fails when the handler waits for the save
     loaded = [e for o, _ in outs for e in _events(o) if e["event"] == "loaded"]
     assert sorted((e["rank"], e["step"], e["exact"]) for e in loaded if e["step"]) == [
         (0, 5, True),
