@@ -1,10 +1,10 @@
 """Run a function on several real processes joined by a gloo process group.
 
-Ranks are forked from a ``forkserver`` that imported torch, DCP and tiered_dcp once for the
-whole test session: a fresh interpreter (``spawn``) spends ~4 CPU-seconds importing them,
-per rank, on a 2-core machine, which was most of the suite's time. The server is a clean
-single-threaded process (no process group, no pool), so each rank still starts as a fresh
-one would; it gets the test's environment as it is at the call, as a spawned rank would.
+Ranks are forked from a ``forkserver`` that imported what ``preloaded.PRELOAD`` names once
+for the whole test session: a fresh interpreter (``spawn``) spends ~4 CPU-seconds importing
+them, per rank, on a 2-core machine, which was most of the suite's time. The server is a
+clean single-threaded process (no process group, no pool), so each rank still starts as a
+fresh one would; it gets the test's environment as it is at the call, as a spawned rank would.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ import torch.multiprocessing as mp
 
 from tiered_dcp.cli.local_servers import free_port
 
-PRELOAD = ["torch", "torch.distributed.checkpoint", "tiered_dcp"]
 _CONTEXT: Any = None
 
 
 def _context() -> Any:
-    """The session's forkserver context (started on first use, preloading ``PRELOAD``)."""
+    """The session's forkserver context (started on first use, preloading what ``preloaded`` does)."""
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(PRELOAD)
+        _CONTEXT.set_forkserver_preload(preloaded.PRELOAD)
     return _CONTEXT
 
 
