@@ -12,7 +12,8 @@ that save began (``kill-in-save``: every other rank's save then waits on it), or
 and 3 raise in turn after steps FAULT_AT, 2*FAULT_AT and 3*FAULT_AT, node 0's RAM tier
 wiped at the third, or (``node``) rank 2 takes its whole node down after step FAULT_AT's
 save: its launcher and every process under it SIGKILLed, its RAM tier deleted (under NvRx's
-ft_launcher a hot spare takes its place). Prints ``EVENT`` JSON lines with wall-clock times.
+ft_launcher a hot spare takes its place). Faults joined by ``+`` (``kill-in-save+node``) happen
+in turn, after steps FAULT_AT, 2*FAULT_AT, ... Prints ``EVENT`` JSON lines with wall-clock times.
 """
 
 import time
@@ -47,14 +48,24 @@ FIRST_RANK = int(os.environ.setdefault("BENCH_FIRST_RANK", os.environ["RANK"]))
 CFG = TieredConfig(
     "bench", [Tier(f"{ROOT}/ram/{{node}}", keep=2)], replication_factor=2, replication_jump=2, peer_timeout=10
 )
-# after which step which rank fails, how, and whether node 0's RAM tier is wiped with it
-FAULTS = (
-    {FAULT_AT: (1, "raise", False), 2 * FAULT_AT: (2, "raise", False), 3 * FAULT_AT: (3, "raise", True)}
-    if FAULT == "three"
-    else {FAULT_AT: (2, "node", False)}  # node 1: node 0 hosts the job's store and the rendezvous
-    if FAULT == "node"
-    else {FAULT_AT: (1, FAULT, False)}
-)
+
+
+def faults(spec: str) -> dict[int, tuple[int, str, bool]]:
+    """After which step which rank fails, how, and whether node 0's RAM tier is wiped with
+    it: ``three`` (the docstring), else faults joined by ``+``, the i-th after step
+    i*FAULT_AT (``node``: rank 2's, node 1, as node 0 hosts the job's store and the
+    rendezvous; any other: rank 1's)."""
+    if spec == "three":
+        return {
+            FAULT_AT: (1, "raise", False),
+            2 * FAULT_AT: (2, "raise", False),
+            3 * FAULT_AT: (3, "raise", True),
+        }
+    kinds = spec.split("+")
+    return {i * FAULT_AT: (2 if k == "node" else 1, k, False) for i, k in enumerate(kinds, start=1)}
+
+
+FAULTS = faults(FAULT)
 
 
 def event(name: str, **fields: object) -> None:
