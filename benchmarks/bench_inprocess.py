@@ -126,13 +126,14 @@ def run_torchrun(mode: str, fault: str, root: str, mib: int, extra: dict[str, st
 
 
 def start_ft_launchers(
-    root: str, args: list[str], extra: dict[str, str], restarts: int = 1
+    root: str, args: list[str], extra: dict[str, str], restarts: int = 1, outputs: list | None = None
 ) -> list[subprocess.Popen]:
     """Three ft_launchers as three nodes, each running ``args``, with the launch line
     docs/user-guide.md gives: two nodes needed, a hot spare, ``restarts`` restarts (the
     guide: one). Launcher 0 hosts
     the rendezvous and is always group rank 0 (``GROUP_RANK``: each one's place in NvRx's
     barrier order); the first round closes once two have joined, leaving 1 or 2 the spare.
+    Each one's stdout and stderr are pipes, or ``outputs[n]``'s pair of files.
     (``tests/test_ft_launcher.py`` starts its jobs with it too.)"""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
@@ -155,8 +156,8 @@ def start_ft_launchers(
                 *args,
             ],
             env={**env, "GROUP_RANK": str(n)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=outputs[n][0] if outputs else subprocess.PIPE,
+            stderr=outputs[n][1] if outputs else subprocess.PIPE,
             text=True,
             start_new_session=True,  # a node of its own
         )

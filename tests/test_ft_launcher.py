@@ -8,7 +8,9 @@ job takes both faults in turn: a worker killed in a save, then a node lost."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -43,27 +45,58 @@ def job() -> Iterator[list[tuple[int, str, str]]]:
         pytest.skip("no /dev/shm")
     root = Path(tempfile.mkdtemp(prefix="tdcp-test-", dir="/dev/shm"))  # a real tmpfs, as `shm`
     args = [TRAIN, "torchrun", "kill-in-save+node", str(root), "1", str(STEPS), str(FAULT_AT)]
+    # files, not pipes: a process a launcher leaves behind (NvRx's rank monitors outlive a
+    # killed one) would hold a pipe open, and reading it to its end would never end
+    paths = [(root / f"launcher{n}.out", root / f"launcher{n}.err") for n in range(3)]
+    files = [(open(out, "w"), open(err, "w")) for out, err in paths]  # noqa: SIM115 - closed below
     # a restart per fault and one more: on a loaded machine a rank's first start can fail in
     # init_process_group, before any fault ("Failed to recv", seen with its imports taking
     # 20 s), and that restart must not be one a fault needs
-    launchers = start_ft_launchers(str(root), args, {}, restarts=3)
+    launchers = start_ft_launchers(str(root), args, {}, restarts=3, outputs=files)
     deadline = time.monotonic() + 300
     try:
-        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1)) for p in launchers]
-        yield [(p.returncode, out, err) for p, (out, err) in zip(launchers, outs, strict=True)]
-    except subprocess.TimeoutExpired:  # what each launcher said, for the failure's report
         for p in launchers:
-            p.kill()
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+        yield [
+            (p.returncode, out.read_text(), err.read_text())
+            for p, (out, err) in zip(launchers, paths, strict=True)
+        ]
+    except subprocess.TimeoutExpired:  # what each launcher said, for the failure's report
+        _kill_job(launchers)
         said = [
-            f"--- launcher {i} (exit {p.wait()}):\n{p.communicate()[1][-3000:]}"
-            for i, p in enumerate(launchers)
+            f"--- launcher {n} (exit {p.wait()}):\n{paths[n][1].read_text()[-3000:]}"
+            for n, p in enumerate(launchers)
         ]
         pytest.fail("the launchers did not finish within 300 s\n" + "\n".join(said))
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                p.kill()
+        _kill_job(launchers)
+        for pair in files:
+            for f in pair:
+                f.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _kill_job(launchers: list[subprocess.Popen]) -> None:
+    """Every process of the job's running launchers SIGKILLed: each one's tree, and what its
+    session holds beyond it (a killed launcher's rank monitors live on), so that nothing
+    outlives a failed test. A launcher already reaped is passed over: its pid may be another
+    process's now."""
+    import psutil  # NvRx's own dependency
+
+    live = [p for p in launchers if p.poll() is None]
+    doomed: list[psutil.Process] = []
+    for p in live:
+        with contextlib.suppress(psutil.Error):
+            launcher = psutil.Process(p.pid)
+            doomed += [launcher, *launcher.children(recursive=True)]
+    sessions = {p.pid for p in live}
+    for proc in psutil.process_iter() if sessions else ():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(proc.pid) in sessions:
+                doomed.append(proc)
+    for proc in doomed:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 def _events(stdout: str, event: str) -> list[dict]:
