@@ -11,14 +11,18 @@ import contextlib
 import errno
 import importlib.util
 from collections.abc import Iterable, Iterator
-from typing import Any
-
-import fsspec
-from fsspec.registry import known_implementations, registry
+from typing import TYPE_CHECKING, Any
 
 from .base import Buffer, Storage
 from .errors import PermanentStorageError, classify
 from .registry import ANY_SCHEME, register_backend
+
+if TYPE_CHECKING:
+    import fsspec
+
+# fsspec (and asyncio with it) is imported where a URL is served, not with this module: the
+# writer process every rank starts imports the storage package, and for tiers that are all
+# local paths fsspec was 40% of its start.
 
 # Buckets have no directories to make: there makedirs asks whether the bucket exists (one
 # request more per write) and creates it when it does not (s3fs, gcsfs, adlfs): a mistyped
@@ -71,12 +75,16 @@ class FsspecStorage(Storage):
     def serves(cls, scheme: str) -> bool:
         """Every protocol of the (possibly chained) scheme is one fsspec knows, installed or not
         (a missing implementation raises fsspec's ImportError, which names the package)."""
+        import fsspec
+
         known = fsspec.available_protocols()
         return all(p in known for p in scheme.split("::"))
 
     @classmethod
     def missing(cls, scheme: str) -> str | None:
         """The package of an fsspec implementation the scheme needs that is not installed."""
+        from fsspec.registry import known_implementations, registry
+
         for protocol in scheme.split("::"):
             if protocol in registry:  # registered by an import already
                 continue
@@ -87,6 +95,8 @@ class FsspecStorage(Storage):
         return None
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        import fsspec.core
+
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root = self.root.rstrip("/")

@@ -20,6 +20,7 @@ def test_the_writer_and_the_torch_free_modules_import_no_torch():
     r = _fresh(
         "import sys, tiered_dcp.writer_process.process\n"
         "assert 'tiered_dcp.writer_process.client' not in sys.modules  # the trainer's side\n"
+        "assert 'fsspec' not in sys.modules  # imported once a tier is a URL: 40% of a start\n"
         "import tiered_dcp.api, tiered_dcp.cli.main, tiered_dcp.storage.format, tiered_dcp.storage.codec\n"
         "import tiered_dcp.writer_process.client, tiered_dcp.writer_process.run_dir\n"
         "import tiered_dcp.writer_process.timings, tiered_dcp.ranks.cliques\n"
