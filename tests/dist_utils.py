@@ -1,91 +1,118 @@
 """Run a function on several real processes joined by a gloo process group.
 
-Ranks are forked from a ``forkserver`` that imported what ``preloaded.PRELOAD`` names once
-for the whole test session: a fresh interpreter (``spawn``) spends ~4 CPU-seconds importing
-them, per rank, on a 2-core machine, which was most of the suite's time. The server is a
-clean single-threaded process (no process group, no pool), so each rank still starts as a
-fresh one would; it gets the test's environment as it is at the call, as a spawned rank would.
+Each rank is a Python program forked from the test process's preloaded server
+(``preloaded.py``), which imported torch, DCP and tiered_dcp once: a fresh interpreter spends
+~4 CPU-seconds importing them, per rank, on a 2-core machine, which was most of the suite's
+time. The server is a clean single-threaded process (no process group, no pool), so each rank
+still starts as a fresh one would; it gets the test's environment as it is at the call and
+the test process's ``sys.path``, as a ``multiprocessing`` child would, and the function and
+its arguments pickled, as one would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import pickle
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import preloaded
-import torch.multiprocessing as mp
 
 from tiered_dcp.cli.local_servers import free_port
 
-_CONTEXT: Any = None
+HERE = os.path.dirname(os.path.abspath(__file__))
+_RANK = f"import sys; sys.path.insert(0, {HERE!r}); import dist_utils; dist_utils.rank_main(sys.argv[1])"
 
 
-def _context() -> Any:
-    """The session's forkserver context (started on first use, preloading what ``preloaded`` does)."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(preloaded.PRELOAD)
-    return _CONTEXT
-
-
-def _child(fn: Callable, rank: int, world: int, port: int, env: dict, args: tuple, q: Any) -> None:
-    os.environ.clear()  # the caller's environment now, not the server's from when it started
-    os.environ.update({k: str(v) for k, v in env.items()})
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    import torch.distributed as dist
-
+def rank_main(call: str) -> None:
+    """One rank of ``run_ranks``: the call in the folder ``call`` (``path.json``: the test
+    process's ``sys.path``; ``call.pickle``: the function and its arguments), its outcome
+    pickled to ``call/<rank>``; an error exits 1 (its traceback is the outcome)."""
+    with open(os.path.join(call, "path.json")) as f:
+        sys.path[:] = json.load(f)  # before unpickling: the function is found by its module
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
+        with open(os.path.join(call, "call.pickle"), "rb") as f:
+            fn, args = pickle.load(f)
+        import torch.distributed as dist
+
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, world, *args)
+        outcome = ("ok", fn(rank, world, *args))
         dist.barrier()
         dist.destroy_process_group()
-        q.put((rank, "ok", result))
     except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
-        raise
+        outcome = ("error", traceback.format_exc())
+    with open(os.path.join(call, str(rank)), "wb") as f:
+        pickle.dump(outcome, f)
+    # the end of a multiprocessing child: its threads joined, no atexit function run (torch's
+    # finalizers of its operator registrations alone take ~40 ms a process)
+    threading._shutdown()  # type: ignore[attr-defined]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if outcome[0] == "error" else 0)
 
 
 def run_ranks(
     fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: float = 180
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's result."""
-    env = {**os.environ, "LOCAL_WORLD_SIZE": world, **(env or {})}
-    ctx = _context()
-    q = ctx.Queue()
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's result.
+    A rank that fails fails the test with its traceback, the others killed a second later;
+    ranks still running after ``timeout`` seconds fail it too."""
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, env, args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(world):
-            rank, status, value = q.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    base = {**os.environ, "LOCAL_WORLD_SIZE": str(world), **{k: str(v) for k, v in (env or {}).items()}}
+    with tempfile.TemporaryDirectory(prefix="tdcp-ranks-") as call:
+        with open(os.path.join(call, "path.json"), "w") as f:
+            json.dump(sys.path, f)
+        with open(os.path.join(call, "call.pickle"), "wb") as f:
+            pickle.dump((fn, args), f)
+        procs = []
+        for rank in range(world):
+            rank_env = dict(
+                base,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+            )
+            procs.append(preloaded.Popen([sys.executable, "-c", _RANK, call], env=rank_env))
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                codes = [p.poll() for p in procs]
+                if None not in codes or any(codes) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            grace = time.monotonic() + (1 if any(p.returncode for p in procs) else 5)
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(grace - time.monotonic(), 0.01))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        outcomes = []
+        for rank, p in enumerate(procs):
+            try:
+                with open(os.path.join(call, str(rank)), "rb") as f:
+                    outcomes.append(pickle.load(f))
+            except FileNotFoundError:  # killed: by us (another failed, or the timeout) or not
+                said = "was killed" if p.returncode == -9 else f"exited {p.returncode}"
+                outcomes.append(("lost", f"{said} before it had an outcome ({timeout} s allowed)"))
+    errors = [f"rank {r}:\n{v}" for r, (status, v) in enumerate(outcomes) if status == "error"]
+    errors = errors or [f"rank {r}: {v}" for r, (status, v) in enumerate(outcomes) if status == "lost"]
     if errors:
         raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return [v for _, v in outcomes]
 
 
 def launch(script: str, world: int, argv: list[str], local_world: int = 1, timeout: float = 90) -> list:
