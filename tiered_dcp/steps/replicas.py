@@ -259,8 +259,11 @@ def per_rank_values(op: Op, found: list[Disagreement]) -> list[Disagreement]:
     agrees (a bit flipped in one rank's DDP parameter stays flipped) is marked at every save."""
     job = op.name.rsplit("/", 1)[0]  # the namespace's saves, whatever their sequence number
     before, _DIFFERED[job] = _DIFFERED.get(job, set()), {d.item for d in found}
-    again = [d for d in found if d.item in before and d.majority is None]
-    for d in again:
+
+    def per_rank(d: Disagreement) -> bool:
+        return d.item in before and d.majority is None
+
+    for d in filter(per_rank, found):
         if (job, d.item) not in _SAID_PER_RANK:
             _SAID_PER_RANK.add((job, d.item))
             log.warning(
@@ -270,8 +273,7 @@ def per_rank_values(op: Op, found: list[Disagreement]) -> list[Disagreement]:
                 "or make it equal on every rank, to have it compared",
                 d.item,
             )
-    waived = {id(d) for d in again}
-    return [d for d in found if id(d) not in waived]
+    return [d for d in found if not per_rank(d)]
 
 
 def tell(found: list[Disagreement], check: ReplicaDigests) -> None:
