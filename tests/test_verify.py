@@ -59,7 +59,8 @@ def test_a_damaged_replica_is_named_as_such_and_a_wiped_root_is_no_damage(tmp_pa
     root = str(tmp_path)
     run_ranks(_save_two_steps, WORLD, root, env=NODES)
     cfg = replicated_config(root)
-    wait_for(cfg, 2, timeout=60)
+    wait_for(cfg, 2, timeout=60)  # on this process's node (0): node 1's SSD copy may come later
+    settle(cfg)  # every writer done: node 1's copy of rank 2 is the good one left below
     checks = verify_step(cfg, 2)
     assert [c.tier_index for c in checks] == [0, 1]
     assert all(c.ok for c in checks), [c.problems for c in checks]
