@@ -1,13 +1,16 @@
 """Which backend serves a URL: a table from URL scheme to Storage class.
 
 Each backend module registers itself with ``@register_backend("scheme", ...)`` when it is
-imported (``storage/__init__.py`` imports the built-in ones), so adding a backend is one
-new file and one import, with no dispatch code to edit. A plain path has the scheme "";
-``ANY_SCHEME`` names the backend for every scheme no other backend claims (fsspec).
+imported (``storage/__init__.py`` imports the built-in ones, or names them in
+``ON_DEMAND``), so adding a backend is one new file and one import, with no dispatch code
+to edit. A plain path has the scheme ""; ``ANY_SCHEME`` names the backend for every scheme
+no other backend claims (fsspec).
 """
 
 from __future__ import annotations
 
+import importlib
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,6 +18,11 @@ from .base import Storage
 
 ANY_SCHEME = "*"
 _BACKENDS: dict[str, type[Storage]] = {}
+# Backend modules imported when a URL's scheme is not registered yet, before ``ANY_SCHEME``
+# is asked: the GCS backend imports asyncio, a third of a writer process's or a CLI
+# command's start, which a job whose tiers are local paths never needs.
+ON_DEMAND: list[str] = []
+_IMPORTING = threading.Lock()  # a second thread asking meanwhile waits: no scheme falls to ANY early
 
 S = TypeVar("S", bound=type[Storage])
 
@@ -44,6 +52,9 @@ def backend_for(url: str) -> type[Storage]:
     that scheme; a ValueError naming the scheme otherwise (cheap: checks a URL up front)."""
     scheme = scheme_of(url)
     cls = _BACKENDS.get(scheme)
+    if cls is None and ON_DEMAND:
+        _import_on_demand()
+        cls = _BACKENDS.get(scheme)
     if cls is None:
         cls = _BACKENDS.get(ANY_SCHEME)
         if cls is None or not cls.serves(scheme):
@@ -54,10 +65,17 @@ def backend_for(url: str) -> type[Storage]:
     return cls
 
 
+def _import_on_demand() -> None:
+    with _IMPORTING:
+        while ON_DEMAND:
+            importlib.import_module(ON_DEMAND[0])  # it registers its schemes
+            del ON_DEMAND[0]
+
+
 def check_url(url: str) -> None:
     """A ValueError when no installed backend can open ``url``: its scheme has none (the
     message names the URL), or a package it needs is missing (the message names it and how
-    to install it). Cheap: imports nothing."""
+    to install it). Cheap: imports no package a backend needs."""
     cls = backend_for(url)
     missing = cls.missing(scheme_of(url))
     if missing:

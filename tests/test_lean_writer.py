@@ -21,6 +21,7 @@ def test_the_writer_and_the_torch_free_modules_import_no_torch():
         "import sys, tiered_dcp.writer_process.process\n"
         "assert 'tiered_dcp.writer_process.client' not in sys.modules  # the trainer's side\n"
         "assert 'fsspec' not in sys.modules  # imported once a tier is a URL: 40% of a start\n"
+        "assert 'asyncio' not in sys.modules  # with the GCS backend, once a tier is gs://\n"
         "import tiered_dcp.api, tiered_dcp.cli.main, tiered_dcp.storage.format, tiered_dcp.storage.codec\n"
         "import tiered_dcp.writer_process.client, tiered_dcp.writer_process.run_dir\n"
         "import tiered_dcp.writer_process.timings, tiered_dcp.ranks.cliques\n"
@@ -30,6 +31,9 @@ def test_the_writer_and_the_torch_free_modules_import_no_torch():
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m in\n"
         "               ('tiered_dcp.save.writer', 'tiered_dcp.load.reader', 'tiered_dcp.save.replicate'))\n"
         "assert not heavy, heavy\n"
+        "from tiered_dcp.storage import FsspecStorage, backend_for\n"
+        "assert backend_for('gs://b/x').__name__ == 'GCSStorage' == backend_for('gcs://b').__name__\n"
+        "assert backend_for('s3://b/x') is FsspecStorage and 'asyncio' in sys.modules\n"
     )
     assert r.returncode == 0, r.stderr
 
