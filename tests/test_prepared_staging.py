@@ -314,6 +314,26 @@ def test_part_key_of_a_prepared_file_is_its_step(shm):
     assert _exact(cfg, 3, 1)
 
 
+def test_shutdown_while_the_next_files_are_prepared_leaves_none_held(shm):
+    """``shutdown()`` right after a save, the next saves' files still being made in the
+    background (the preparing thread held, then let go): what it makes after the pool
+    closed is let go too, not held mapped until the process ends (a state's size each)."""
+    mib = 4
+    cfg = TieredConfig("late", [Tier(str(shm), keep=2)])
+    dcp.async_save(_state(1, mib), storage_writer=TieredWriter(cfg, step=1)).result()
+    _wait_prepared()
+    hold = threading.Event()
+    staging._preparer().submit(hold.wait, 30)  # the next preparation queues behind this
+    dcp.async_save(_state(2, mib), storage_writer=TieredWriter(cfg, step=2)).result()
+    _wait_released()
+    shutdown(wait=False)
+    hold.set()
+    _wait_prepared()
+    assert POOL.info()["slots"] == 0 and POOL.prepared_bytes() == 0, POOL.info()
+    assert _shm_held(shm) <= 2.1 * mib * MiB  # the two kept steps' files, nothing unnamed
+    assert _exact(cfg, 2, mib)
+
+
 def test_a_resumed_job_prepares_no_more_than_the_tier_lacks(shm):
     """Steps a former process left on the RAM tier count among its keep + 1 files: a job
     resumed beside them prepares only the rest, and host memory stays at keep + 1 steps."""

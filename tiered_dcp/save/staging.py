@@ -568,6 +568,7 @@ class StagingPool:
         self._slots: list[_Slot] = []
         self._cond = threading.Condition(threading.RLock())
         self._closing = False
+        self._closes = 0  # ``close`` calls: a preparation asked for before the last makes nothing more
         self._reserved = 0  # saves counted in flight whose background staging has no slot yet
         self._preparing = 0  # part files ``prepare`` is making now (counted as slots ahead)
         self.first_copies = FirstCopies(self._cond)
@@ -622,7 +623,7 @@ class StagingPool:
         weakref.finalize(staged, self._release, slot, slot.generation)
         return staged
 
-    def prepare(self, ex: Examined, where: TierFile | None, files: int) -> int:
+    def prepare(self, ex: Examined, where: TierFile | None, files: int, opened: int | None = None) -> int:
         """Make ready what the next saves of ``ex``'s layout stage into, so that none faults,
         allocates or registers a page: part files in ``where``'s tier (with no name yet,
         ``part_file.prepare``) until ``files`` of this layout are mapped (``MAPPED_FILES`` at
@@ -631,14 +632,23 @@ class StagingPool:
 
         Beside a first copy still in private memory (``_first_copy``, counted as the file it
         becomes) one file is made, the rest once it is in its file (``FirstCopies.move``): host memory
-        stays at ``files`` copies of the state."""
+        stays at ``files`` copies of the state.
+
+        ``opened``: the pool's ``close`` count when a save asked for these (``prepare_soon``);
+        once the pool is closed again (``shutdown()`` right after that save) nothing more
+        is made, and a file made meanwhile is let go: no process holds a state's size in
+        files after its pool closed. Without it, a first use of the pool, as a save's."""
         made = 0
+        with self._cond:
+            if opened is None:
+                self._closing = False
+                opened = self._closes
         while True:
             with self._cond:
-                need = self._missing(ex, where, files)
+                need = self._missing(ex, where, files) if self._closes == opened else 0
                 while need and made and where is not None and self.first_copies.for_namespace(where):
                     self._cond.wait(timeout=0.5)
-                    need = self._missing(ex, where, files)
+                    need = self._missing(ex, where, files) if self._closes == opened else 0
                 if not need:
                     return made
                 self._preparing += 1
@@ -651,6 +661,9 @@ class StagingPool:
                     self._preparing -= 1
                     self._cond.notify_all()
             with self._cond:
+                if self._closes != opened:  # closed while it was made: nothing will stage into it
+                    slot.free()
+                    return made
                 self._slots.append(slot)  # behind the mapped kept steps: their spares go first
                 self._cond.notify_all()
             made += slot.nbytes
@@ -670,10 +683,12 @@ class StagingPool:
     def prepare_soon(self, ex: Examined, where: TierFile | None, files: int) -> Future[int]:
         """``prepare`` on the pool's own thread, off the training thread; a failure (a full
         tier) is logged, and the save that finds nothing prepared claims its file itself."""
+        with self._cond:
+            opened = self._closes
 
         def run() -> int:
             try:
-                return self.prepare(ex, where, files)
+                return self.prepare(ex, where, files, opened)
             except Exception as e:  # noqa: BLE001 - the next save claims its file itself
                 log.warning("preparing the next saves' part files failed (they make their own): %s", e)
                 return 0
@@ -849,6 +864,8 @@ class StagingPool:
                     part_file.delete_unused(slot.fd, slot.file)
                 self._drop(slot)
             self._closing = True
+            self._closes += 1
+            self._cond.notify_all()  # a preparation waiting beside a first copy stops
 
 
 POOL = StagingPool()
