@@ -62,17 +62,20 @@ def test_rank_killed_mid_save_leaves_previous_step_loadable(tmp_path):
         assert procs[1].poll() is None, "rank 1 ended before it could be killed"
         time.sleep(0.001)
     assert killed_mid_write, "rank 1 never started writing step 2"
-    try:
-        procs[0].wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        procs[0].kill()
-        procs[0].wait()  # reaped: a zombie still counts as alive to the owner check
+    # rank 0 writes its own part, then waits in the commit agreement for rank 1 (up to the
+    # peer timeout, 2 minutes): killed there, as a launcher ends the survivors of a job
+    index = os.path.join(root, "ram/0/crash/step_000000000002/rank_00000.index")
+    while not os.path.exists(index) and time.time() < deadline and procs[0].poll() is None:
+        time.sleep(0.01)
+    assert os.path.exists(index), "rank 0 never finished writing its part of step 2"
+    procs[0].kill()
+    procs[0].wait()  # reaped: a zombie still counts as alive to the owner check
     procs[1].wait()
 
     cfg = config(root)
     assert latest_step(cfg) == 1  # keep=1: retention must not have run before a commit
     states = {(r.tier_index, r.step): r.state for r in status(cfg)}
-    # rank 1 SIGKILLed, rank 0 killed by this test: no process of the save is left
+    # rank 1 SIGKILLed, rank 0 killed in the agreement: no process of the save is left
     assert states[(0, 1)] == "committed" and states[(0, 2)] == "incomplete"
     r = cli("ls", "-n", "crash", f"{root}/ram/{{node}}", f"{root}/ssd")
     assert "step 2 on tier 0: incomplete: never committed" in r.stdout and "safe to remove" in r.stdout
