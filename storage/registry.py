@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .base import Storage
+from .forks import renew_in_child
 
 ANY_SCHEME = "*"
 _BACKENDS: dict[str, type[Storage]] = {}
@@ -63,6 +64,14 @@ def backend_for(url: str) -> type[Storage]:
                 + (f" and {cls.__qualname__} does not serve it" if cls is not None else "")
             )
     return cls
+
+
+@renew_in_child
+def _renew_lock() -> None:
+    """A child forked while a thread of its parent held the lock gets one of its own (the
+    import itself is safe: the interpreter renews its import lock at a fork)."""
+    global _IMPORTING
+    _IMPORTING = threading.Lock()
 
 
 def _import_on_demand() -> None:

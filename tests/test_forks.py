@@ -3,6 +3,7 @@ own: the parent's thread pools, locks and saves in flight are not the child's
 (``storage/forks.py``). Before, the child waited forever on its first save or load."""
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,3 +41,27 @@ def test_what_a_fork_must_not_inherit_is_renewed_in_one_place():
                 if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "ThreadPoolExecutor":
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} ThreadPoolExecutor")
     assert not found, found
+
+
+def test_a_child_forked_while_a_backend_is_imported_on_demand_opens_it_itself():
+    """The registry imports the GCS backend the first time a gs:// URL needs it, under a
+    lock; a child forked while another thread held it (a DataLoader worker) gets a lock of
+    its own: its first gs:// URL does not wait forever. In a fresh interpreter, where the
+    backend is still to be imported."""
+    code = (
+        "import os, time\n"
+        "from tiered_dcp.storage import registry\n"
+        "with registry._IMPORTING:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(0 if registry.backend_for('gs://b/x').__name__ == 'GCSStorage' else 1)\n"
+        "deadline = time.monotonic() + 20\n"
+        "while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "if done[0] == 0:\n"
+        "    os.kill(pid, 9)\n"
+        "    raise SystemExit('the child waited on the lock its parent held')\n"
+        "raise SystemExit(os.waitstatus_to_exitcode(done[1]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
