@@ -643,12 +643,16 @@ class StagingPool:
             if opened is None:
                 self._closing = False
                 opened = self._closes
+
+        def missing() -> int:  # under ``_cond``; none once the pool was closed since ``opened``
+            return self._missing(ex, where, files) if self._closes == opened else 0
+
         while True:
             with self._cond:
-                need = self._missing(ex, where, files) if self._closes == opened else 0
+                need = missing()
                 while need and made and where is not None and self.first_copies.for_namespace(where):
                     self._cond.wait(timeout=0.5)
-                    need = self._missing(ex, where, files) if self._closes == opened else 0
+                    need = missing()
                 if not need:
                     return made
                 self._preparing += 1
