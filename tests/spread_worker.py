@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown
 from tiered_dcp.load.device_reads import HostCopier, Ring
+from tiered_dcp.ranks import transport
 
 ROWS, COLS = 4096, 512  # 8 MiB of float32
 
@@ -43,6 +44,7 @@ def state(layout: str, rank: int, world: int, empty: bool) -> dict:
             "w": fill(whole()),
             f"r{rank}": fill(torch.full((1 << 14,), float(rank))),
             "lr": -1.0 if empty else 0.25,
+            "none": torch.empty(0),  # every rank's too: an empty item, spread with nothing to send
         }
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -115,6 +117,7 @@ def main() -> None:
         [] if reader is None else [f.kind.name for fs in reader._reads.failures.values() for f in fs]
     )
     out["read"] = {} if reader is None or out["error"] else reader._reads.read_from
+    out["groups"] = sorted(transport.OPENED)  # the pairs this rank opened a group with
     if a.get("ring") and reader is not None:
         tensors = sum(t.numel() * t.element_size() for t in target.values() if isinstance(t, torch.Tensor))
         out["ring"] = {"held": ring.held, "copied": ring.copier.copied, "tensor_bytes": tensors}

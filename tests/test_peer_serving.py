@@ -251,3 +251,28 @@ def test_an_item_asked_for_twice_by_one_rank_arrives_whole_twice():
         ("2", 21, 21, 21, 21, 22, 22, 22),
         ("2", 21, 21, 21, 21, 22, 22, 22),
     ]
+
+
+def _ask_for_an_empty_item(rank: int, world: int) -> tuple[list, list]:
+    """Ranks 1 and 2 ask rank 0 for an empty item; rank 1 for a 7-byte one too. What arrived
+    (name, bytes), and the groups this rank opened."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from tiered_dcp.ranks import transport, worlds
+
+    empty = peer_exchange.PeerRequest(0, 0, MetadataIndex("empty"), 0, ())
+    seven = peer_exchange.PeerRequest(0, 0, MetadataIndex("seven"), 7, (7,))
+    wanted = {1: {0: [empty, seven]}, 2: {0: [empty]}}.get(rank, {})
+    transport.OPENED.clear()
+    exchange = peer_exchange.PeerExchange(worlds.next_name("t", "load"), rank, world, 20.0)
+    arrived = exchange.round(wanted, lambda r: lambda j, out: out.fill_(7) is not None)
+    assert arrived is not None
+    return [[r.index.fqn, *buf.tolist()] for _, r, buf in arrived], list(transport.OPENED)
+
+
+def test_a_group_opens_only_where_bytes_cross():
+    """Rank 2 wants only an empty item of rank 0: it gets it without a group (a group nothing
+    crosses could be closed by one member while the other still connects: gloo fails that one)."""
+    (_, zero), (got1, one), (got2, two) = run_ranks(_ask_for_an_empty_item, 3)
+    assert got1 == [["empty"], ["seven", 7, 7, 7, 7, 7, 7, 7]] and got2 == [["empty"]]
+    assert (zero, one, two) == ([[0, 1]], [[0, 1]], [])

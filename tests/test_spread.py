@@ -19,7 +19,7 @@ from tiered_dcp.storage.format import step_dir
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from tiered_dcp.load.spread import RankFacts, plan_spread
+from tiered_dcp.load.spread import RankFacts, partners, plan_spread
 
 HERE = Path(__file__).parent
 
@@ -83,6 +83,10 @@ def test_a_restart_reads_each_stored_byte_once_and_every_rank_loads_exactly(ddp_
     assert all(r["read"] == {"shared": whole} for r in each), each
     assert sum(r["read"].get("shared", 0) for r in spread) == whole + 3 * (1 << 16), spread
     assert all(r["read"].get("shared", 0) + r["read"]["peer"] == whole for r in spread), spread
+    # groups only where bytes cross: readers 0 ("w") and 2 ("lr", node 1 before a second read
+    # on node 0) send to the others; ranks 1 and 3 only receive, and open nothing between them
+    # (a group nobody used could close on one side while the other still connected)
+    assert sorted({tuple(g) for r in spread for g in r["groups"]}) == [(0, 1), (0, 2), (0, 3), (1, 2), (2, 3)]
 
 
 def test_hsdp_shards_are_read_once_at_the_same_and_another_world_size_and_as_fsdp_shards(gcs_bucket):
@@ -154,11 +158,20 @@ def test_readers_go_one_per_node_before_two_on_a_node_and_balance_bytes():
     transfers = {t for s in many for t in s.transfers}  # 20 ranks ask: read 3 times, 8 + 8 + 4
     assert sorted(len(t.receivers) + 1 for t in transfers) == [4, 8, 8]
     assert sorted(r for t in transfers for r in (t.reader, *t.receivers)) == list(range(20))
+    for t in transfers:  # a receiver's one partner is its reader, not the 3 to 6 others receiving
+        assert [partners(r, many[r].transfers) for r in t.receivers] == [[t.reader]] * len(t.receivers)
+        assert partners(t.reader, many[t.reader].transfers) == sorted(t.receivers)
     alone = [_plan(("x", 10)), _plan(("y", 10))]
     assert [s.transfers for s in plan_spread(alone, lambda k: 10, [RankFacts(0, 0), RankFacts(1, 1)])] == [
         (),
         (),
     ]
+    # each rank's partners: the ranks it sends to or receives from, never a fellow receiver
+    everyone = [[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]]  # each rank reads an item for the others
+    assert [partners(r, spreads[r].transfers) for r in range(4)] == everyone
+    empty = plan_spread([_plan(("e", 0))] * 3, lambda k: 0, [RankFacts(r, r) for r in range(3)])
+    assert [len(s.transfers) for s in empty] == [1, 1, 1]  # spread, but nothing crosses:
+    assert [partners(r, s.transfers) for r, s in enumerate(empty)] == [[], [], []]
     # DCP's group a subgroup of global ranks 4 and 6: the transfers name the global ranks
     sub = plan_spread([_plan(("w", 10))] * 2, lambda k: 10, [RankFacts(2, 4), RankFacts(3, 6)])
     assert [(t.reader, t.receivers) for s in sub for t in s.transfers] == [(4, (6,))] * 2

@@ -264,8 +264,9 @@ class PeerExchange:
     O(1) store operations per rank plus one per holder asked, and nobody reads keys of
     ranks it has nothing to do with. When nobody wants anything (an intact load, or the
     last round) the exchange ends on every rank, no group opened. Otherwise each rank opens
-    a 2-member gloo group with every rank it asks or is asked by, in one global order of
-    pairs (so no two ranks wait on each other), and the bytes move over those.
+    a 2-member gloo group with every rank it asks or is asked by for at least one byte
+    (``_crosses``), in one global order of pairs (so no two ranks wait on each other), and
+    the bytes move over those.
 
     Every rank deletes the keys it wrote (the gloo groups' included) at its next load's
     exchange: the reader's constructor is a collective, so by then every rank has left this
@@ -343,9 +344,8 @@ class PeerExchange:
         then read and send each item asked of this rank chunk by chunk through a ``SendRing``
         (each chunk's transfer overlaps the next chunk's read); the arrivals follow
         (``_arrivals``)."""
-        partners = set(wanted) | {requester for requester, _ in asked}
-        if not partners:
-            return iter(())
+        partners = {h for h, reqs in wanted.items() if any(map(_crosses, reqs))}
+        partners |= {requester for requester, reqs in asked if any(map(_crosses, reqs))}
         groups: dict[int, Group] = {}
         try:
             for pair in sorted(tuple(sorted((self.rank, p))) for p in partners):
@@ -355,11 +355,12 @@ class PeerExchange:
                 groups[peer] = Group(group_name, pair, self.rank, self.timeout)
             receives = []
             for holder, reqs in wanted.items():
-                group = groups[holder]
+                group = groups.get(holder)  # None: nothing of it crosses (every item empty)
                 for req in sorted(reqs, key=lambda r: r.order):  # as the holder sends them
                     buf = landing(req)
                     pieces = [(holder, buf[a : a + n]) for a, n in _spans(req.chunks)]
-                    receives.append((group, group.post([], pieces), (holder, req, buf)))
+                    works = group.post([], pieces) if group else []
+                    receives.append((group, works, (holder, req, buf)))
             ring = SendRing()
             by_item: dict[tuple, list[tuple[int, PeerRequest]]] = {}  # each pair's items in order
             for requester, reqs in asked:
@@ -377,7 +378,7 @@ class PeerExchange:
     @staticmethod
     def _arrivals(
         groups: dict[int, Group],
-        receives: list[tuple[Group, list, tuple[int, PeerRequest, torch.Tensor]]],
+        receives: list[tuple[Group | None, list, tuple[int, PeerRequest, torch.Tensor]]],
         ring: SendRing,
     ) -> Iterator[tuple[int, PeerRequest, torch.Tensor]]:
         """Each received item as soon as it is in (the caller checks and places it while the
@@ -385,12 +386,20 @@ class PeerExchange:
         waited for; the groups are closed at the end, or when the caller stops early."""
         try:
             for group, works, arrived in receives:
-                group.wait(works)
+                if works:
+                    group.wait(works)
                 yield arrived
             ring.finish()
         finally:
             for group in groups.values():
                 group.close()
+
+
+def _crosses(req: PeerRequest) -> bool:
+    """Whether any byte of ``req`` moves between the ranks: a group opens only for those
+    (one that nothing crosses may be closed by its member done first while the other is
+    still connecting, which fails the other's setup)."""
+    return any(req.chunks)
 
 
 def _spans(chunks: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -421,6 +430,8 @@ def _send(
     read once into a ring buffer and posted to all as soon as it is read; from a chunk that
     could not be read on, zeros (the requesters' checks fail, and they ask the next holder)."""
     for j, (_, n) in enumerate(_spans(asks[0][1].chunks)):
+        if not n:
+            continue  # nothing crosses (of an empty item, its requesters may have no group with us)
         slot = ring.take(n)
         buf = slot[:n]
         if read is not None and not read(j, buf):

@@ -131,6 +131,22 @@ def windows(transfers: Iterable[Transfer]) -> list[list[Transfer]]:
     return [w for w in out if w]
 
 
+def partners(rank: int, transfers: Iterable[Transfer]) -> list[int]:
+    """The ranks ``rank`` sends bytes to or receives bytes from in ``transfers``, in order:
+    the only ones it opens a group with. Two receivers of one item exchange nothing, nor do
+    the ends of an empty item; were they to open a group, the one done first would close it
+    while the other might still be connecting (gloo then fails that one's setup: "Connection
+    closed by peer"), and with ``FANOUT`` receivers each would open ``FANOUT - 2`` groups for
+    nothing."""
+    out: set[int] = set()
+    for t in transfers:
+        if t.nbytes and t.reader == rank:
+            out.update(t.receivers)
+        elif t.nbytes and rank in t.receivers:
+            out.add(t.reader)
+    return sorted(out)
+
+
 def exchange(
     name: str,
     rank: int,
@@ -146,12 +162,9 @@ def exchange(
     takes what arrived (unchecked). Raises ``transport.PeerTimeout`` naming a rank that did
     not answer."""
     worlds.sweep("load")
-    peers = sorted({r for t in spread.transfers for r in (t.reader, *t.receivers) if r != rank})
-    if not peers:
-        return
     groups: dict[int, transport.Group] = {}
     try:
-        for peer in peers:  # in one global order of pairs: no two ranks wait on each other
+        for peer in partners(rank, spread.transfers):  # one global order of pairs: no two wait on each other
             pair = (min(rank, peer), max(rank, peer))
             group_name = f"{name}/spread/pair{pair[0]}-{pair[1]}"
             worlds.sweep_later("load", transport.group_keys(group_name, pair.index(rank)))
@@ -162,11 +175,12 @@ def exchange(
                 if t.reader == rank:
                     data = outgoing(t)
                     sending.append(data)  # held until its sends are waited for
-                    for r in t.receivers:
+                    for r in t.receivers if t.nbytes else ():
                         posted.append((groups[r], groups[r].post([(r, data)], [])))
                 else:
                     buf = landing(t)
-                    posted.append((groups[t.reader], groups[t.reader].post([], [(t.reader, buf)])))
+                    if t.nbytes:
+                        posted.append((groups[t.reader], groups[t.reader].post([], [(t.reader, buf)])))
                     arrived.append((t, buf))
             for group, works in posted:
                 group.wait(works)

@@ -154,7 +154,12 @@ def as_bytes_tensor(buf: memoryview | bytes | bytearray) -> torch.Tensor:
 
 
 class Group:
-    """A gloo group over ``members`` (global ranks) for one operation, with a deadline per call."""
+    """A gloo group over ``members`` (global ranks) for one operation, with a deadline per call.
+
+    Open one only where a byte will cross it: gloo's setup returns on a member as soon as
+    its own side is connected, so a member that closes a group it had no use for may do so
+    while another is still connecting, and that one's setup fails ("Connection closed by
+    peer") with every rank alive."""
 
     def __init__(self, name: str, members: Sequence[int], rank: int, timeout: float) -> None:
         self.members = list(members)
@@ -167,10 +172,11 @@ class Group:
             self.pg = dist.ProcessGroupGloo(
                 prefix, self.me, len(self.members), datetime.timedelta(seconds=timeout)
             )
-        except Exception as e:  # the store's wait timed out: a member never arrived
+        except Exception as e:  # a member never arrived (the store's wait timed out) or broke off
             others = tuple(m for m in self.members if m != rank)
+            said = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise PeerTimeout(
-                f"ranks {self.members} did not all join within {timeout:.0f} s: {e}",
+                f"ranks {self.members} could not form their group ({said}; each had {timeout:.0f} s to join)",
                 ranks=others if len(others) == 1 else (),  # of two, the other is the one missing
             ) from e
 
