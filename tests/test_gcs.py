@@ -107,8 +107,9 @@ def test_large_object_is_uploaded_in_parallel_pieces_and_composed(gcs_bucket, fa
     # 70 pieces: more than one compose request can name (32), so the compose is two levels
     data = os.urandom(70 * 64 * KiB + 123)
     store = store_on(gcs_bucket, fault_proxy.url, part_size=64 * KiB, max_concurrency=6)
+    fault_proxy.gather(2, "write")  # the first piece is held unanswered until a second comes
     assert store.write("step/rank_0.part", chunked(data, 100_000)) == len(data)
-    assert fault_proxy.peak >= 2, "pieces were not uploaded concurrently"
+    assert fault_proxy.gathered == 2, "pieces were not uploaded concurrently"
     assert store.list("step") == ["rank_0.part"]  # the pieces are gone: only the object is left
     assert store.size("step/rank_0.part") == len(data)
     assert store.read("step/rank_0.part") == data
@@ -116,9 +117,9 @@ def test_large_object_is_uploaded_in_parallel_pieces_and_composed(gcs_bucket, fa
     out = bytearray(8 * MiB)
     big = os.urandom(9 * MiB)
     store.write("big", [big])
-    fault_proxy.peak = 0
+    fault_proxy.gather(2, "read")
     store.read_into("big", 1000, memoryview(out))
-    assert out == big[1000 : 1000 + 8 * MiB] and fault_proxy.peak >= 2
+    assert out == big[1000 : 1000 + 8 * MiB] and fault_proxy.gathered == 2
 
 
 def test_failed_ranged_read_leaves_no_range_writing(gcs_bucket, fault_proxy, monkeypatch):
@@ -158,7 +159,7 @@ def test_failed_upload_leaves_no_object(gcs_bucket, fault_proxy):
     # a piece the server was still storing when the write gave up lands before its answer
     # passes the proxy: once every request the proxy took has ended, none lands later
     deadline = time.monotonic() + 60
-    while fault_proxy.active or fault_proxy._open:
+    while not fault_proxy.idle():
         assert time.monotonic() < deadline, "requests still in flight through the proxy"
         time.sleep(0.01)
     assert store.size("d/part") is None  # never a partial object under the key

@@ -173,11 +173,11 @@ class FaultProxy:
     connection without an answer. Faults: an HTTP status (``"503"``, ``"429"``, ``"403"``...),
     ``"drop"``, or ``"stall"`` (the request is read and never answered; the connection is
     held until the proxy stops): ``inject(("stall", 1))`` is a bucket that accepts
-    connections and never answers. ``counts`` says what was done and ``peak`` the most
-    requests in flight at once, so a test can check that the faults (or the parallelism)
-    really happened; ``served`` the bytes of the answers' bodies it passed back; ``kinds``
-    counts requests by kind (``request_kind`` for the GCS JSON API,
-    or the ``kind`` function given: S3's in tests/s3_server.py). The upstream's address in
+    connections and never answers. ``counts`` says what was done, so a test can check that
+    the faults really happened (``gather``: that a client's requests overlap); ``served`` the
+    bytes of the answers' bodies it passed back; ``kinds`` counts requests by kind
+    (``request_kind`` for the GCS JSON API, or the ``kind`` function given: S3's in
+    tests/s3_server.py). The upstream's address in
     ``Location`` headers (resumable uploads) is rewritten to the proxy's. The proxy stops by
     itself after ``lifetime`` seconds.
     """
@@ -197,7 +197,9 @@ class FaultProxy:
         self.counts: dict[str, int] = {}
         self.kinds: dict[str, int] = {}  # requests by kind (``request_kind``, or ``kind``)
         self._kind = kind or request_kind  # (method, target) -> kind: another API's (S3's)
-        self.active = self.peak = 0
+        self._held = threading.Condition(self._lock)
+        self._gathering: tuple[str, int, float] | None = None  # (kind, count, until): ``gather``
+        self.gathered = 0  # requests ``gather`` held at once
         self.served = 0  # bytes of the answers' bodies passed back (what a load costs the bucket)
         self._open: set[socket.socket] = set()
         self._stop = threading.Event()
@@ -214,12 +216,34 @@ class FaultProxy:
         with self._lock:
             self._rules, self._seen = list(rules), 0
 
-    def _record(self, head: bytes) -> None:
+    def gather(self, count: int, kind: str, within: float = 30.0) -> None:
+        """Hold each request of ``kind``, unanswered, until ``count`` of them are held at
+        once, then let them all go and hold none again; ``within`` seconds at most.
+        ``gathered`` then says how many were held at once: ``count`` only if the client had
+        that many requests out together, however fast the upstream answers (a client that
+        waits for each answer is held ``within`` seconds, and ``gathered`` stays 1)."""
+        with self._lock:
+            self._gathering, self.gathered = (kind, count, time.monotonic() + within), 0
+
+    def _gather(self, kind: str) -> None:
+        with self._held:
+            g = self._gathering
+            if g is None or g[0] != kind:
+                return
+            self.gathered += 1
+            self._held.notify_all()
+            self._held.wait_for(
+                lambda: self._gathering is None or self.gathered >= g[1], g[2] - time.monotonic()
+            )
+            self._gathering = None
+
+    def _record(self, head: bytes) -> str:
         """Count the request by kind (``kinds``): what a bucket is asked, for request budgets."""
         method, _, target = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
         kind = self._kind(method, target.rsplit(" ", 1)[0])
         with self._lock:
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        return kind
 
     def reset_kinds(self) -> dict[str, int]:
         """The requests counted by kind so far; counting starts again from zero."""
@@ -232,8 +256,6 @@ class FaultProxy:
             self._seen += 1
             fault = next((f for f, every in self._rules if self._seen % every == 0), PASS)
             self.counts[fault] = self.counts.get(fault, 0) + 1
-            self.active += 1
-            self.peak = max(self.peak, self.active)
             return fault
 
     def _serve(self) -> None:
@@ -251,14 +273,13 @@ class FaultProxy:
 
     def _handle(self, conn: socket.socket) -> None:
         up: socket.socket | None = None
-        counted = False
         try:
             conn.settimeout(60)
             head, rest = _read_head(conn)
             if head is None:
                 return
-            self._record(head)
-            fault, counted = self._next_fault(), True
+            self._gather(self._record(head))
+            fault = self._next_fault()
             if fault == STALL:
                 while not self._stop.wait(0.2) and time.monotonic() < self._deadline:
                     pass
@@ -295,13 +316,16 @@ class FaultProxy:
         except OSError:
             pass  # a client or upstream that went away: nothing to report
         finally:
-            with self._lock:
-                self.active -= counted
             for s in (conn, up):
                 if s is not None:
                     with self._lock:
                         self._open.discard(s)
                     s.close()
+
+    def idle(self) -> bool:
+        """Whether no request is open through the proxy (every one it took has ended)."""
+        with self._lock:
+            return not self._open
 
     def stop(self) -> None:
         """Close the listener and every connection (stalled ones included)."""
