@@ -29,16 +29,17 @@ import warnings
 
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # before gcsfs is imported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-os.environ.setdefault("TIERED_DCP_RUNTIME_DIR", tempfile.mkdtemp(prefix="tdcp-bench-rt-"))
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from common import own_runtime_dir  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 from gcs_emulator import Emulator, FaultProxy  # noqa: E402
 from s3_server import MotoServer, s3_request_kind  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, writer_status  # noqa: E402
 
+own_runtime_dir("tdcp-bench-rt-")  # every rank imports this module: only the first makes one
 warnings.filterwarnings("ignore")
 KINDS = ("list", "info", "read", "write", "compose", "delete", "bucket", "other")
 
@@ -118,4 +119,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import bench_requests  # the ranks unpickle _save and _load by this module's name, not __main__'s
+
+    bench_requests.main()

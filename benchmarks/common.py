@@ -1,8 +1,11 @@
 """What the benchmarks share: the state they save, and what a save wrote."""
 
+import atexit
 import glob
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +13,16 @@ import torch
 import torch.multiprocessing as mp
 
 MiB = 1 << 20
+
+
+def own_runtime_dir(prefix: str) -> None:
+    """Give the writer processes of this benchmark a runtime directory of their own, unless
+    one is set (a rank it started inherits its parent's); this process removes it at exit."""
+    if os.environ.get("TIERED_DCP_RUNTIME_DIR"):
+        return
+    path = tempfile.mkdtemp(prefix=prefix)
+    os.environ["TIERED_DCP_RUNTIME_DIR"] = path
+    atexit.register(shutil.rmtree, path, True)
 
 
 def make_state(mib: int, n: int = 32) -> dict:
