@@ -71,7 +71,7 @@ def outcome(launchers: list[subprocess.Popen]) -> list[dict]:
 
 
 def run_nvrx(fault: str, root: str, mib: int, extra: dict[str, str]) -> list[dict]:
-    port = free_port()
+    port = free_port(span=3)  # the job uses MASTER_PORT + 1 and + 2 too (inprocess_train.py)
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
     env.update(extra)
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

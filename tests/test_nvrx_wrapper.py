@@ -37,7 +37,7 @@ def _job(
     The loop waits for each save with a plain ``future.result()``, as DCP's examples do, and
     its group's collectives wait 10 min: a survivor whose save waits on the failed rank is
     freed by tiered-dcp's abort, or by nothing before NvRx's timeouts (60 s, then a kill)."""
-    port = free_port()
+    port = free_port(span=3)  # the job uses MASTER_PORT + 1 and + 2 too (inprocess_train.py)
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # CPU: no GPU health checks
     env.update(BENCH_WAIT="plain", BENCH_PG_TIMEOUT="600")
     env.update(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

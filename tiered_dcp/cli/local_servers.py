@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import subprocess
@@ -44,10 +45,38 @@ def emulator_binary() -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def free_port(span: int = 1) -> int:
+    """A loopback port that nothing is bound to now, nor the ``span - 1`` ports above it,
+    chosen at random below the kernel's ephemeral range: the ports the kernel hands out
+    itself (every gloo listener's, every outgoing connection's) then never take it between
+    this call and the server's bind, which a port from ``bind(0)`` risks on a busy machine.
+    Another process choosing the same way can still, once in about 20,000 picks."""
+    low, _ = _ephemeral_range()
+    pick = random.SystemRandom()
+    for _ in range(100) if low - span > 10000 else ():
+        port = pick.randrange(10000, low - span)
+        if all(_bindable(p) for p in range(port, port + span)):
+            return port
+    with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def _die_with_parent() -> None:
