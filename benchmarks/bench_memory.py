@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -139,12 +138,11 @@ def child(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown
+    from tiered_dcp.cli.local_servers import free_port
 
     warnings.filterwarnings("ignore")
     logging.getLogger("tiered_dcp").setLevel(logging.ERROR)
-    with socket.socket() as s:  # DCP's PROCESS mode needs a process group: one of one rank
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # DCP's PROCESS mode needs a process group: one of one rank
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     n = 16
     state = {f"w{i}": torch.randn(args.mib * MiB // n // 4) for i in range(n)}

@@ -4,13 +4,14 @@ import atexit
 import glob
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from tiered_dcp.cli.local_servers import free_port
 
 MiB = 1 << 20
 
@@ -113,9 +114,7 @@ def spawn_ranks(
     added to each one's environment; ``LOCAL_WORLD_SIZE`` there lays out the nodes, and
     ``LOCAL_RANK`` follows from it). Every rank's value; the first failing rank's
     traceback is raised."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
