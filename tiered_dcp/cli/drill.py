@@ -206,7 +206,10 @@ class _DrillRank:
                 self.doing = f"waiting for save {step}"
                 self.pending.result()
         except BaseException as e:
-            save = _outcome(self.pending, self.cfg.peer_timeout + 5)
+            # the save fails once a wait of it for the dead rank ends (peer_timeout after that
+            # wait began: when depends on the machine's pace); reported before the operator's
+            # deadline for the survivors, so a save that would never end is seen as such
+            save = _outcome(self.pending, SURVIVOR_TIMEOUT - 10)
             error = {"error": _first_line(e), "during": self.doing, "save": save}
             _write_json(self.d / f"error.{self.args.attempt}.rank{self.rank}.json", error)
             raise
