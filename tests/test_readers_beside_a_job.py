@@ -93,6 +93,34 @@ def test_a_leased_step_outlives_retention_until_the_read_is_done(tmp_path):
     assert steps_on_disk(tmp_path / "ram") == [4]
 
 
+def test_a_lease_written_as_retention_removes_its_step_is_no_lease(tmp_path, monkeypatch):
+    """The reader saw step 2's marker; retention then removed the step (no lease there yet)
+    just as the lease's file was being made in its directory: the write fails, and the
+    reader chooses again (step 1). Before, a failed lease write counted as a read-only tier
+    (no lease, read on), and the load failed on the step deleted under it ("removed from
+    every tier holding it while it was opened")."""
+    from tiered_dcp.storage.local import LocalStorage
+
+    from tiered_dcp.steps.catalog import TierView
+    from tiered_dcp.steps.retention import drop
+
+    cfg = TieredConfig("job", [Tier(str(tmp_path / "ram"), keep=2)])
+    save(cfg, 1)
+    save(cfg, 2)
+    make_dir, raced = LocalStorage.make_dir, []
+
+    def removed_meanwhile(self, key: str) -> int:
+        fd = make_dir(self, key)  # the lease's directory is open: retention takes the step now
+        if key.endswith("step_000000000002") and not raced:
+            raced.append(drop(TierView(cfg, 0, 0, 0), 2))
+        return fd
+
+    monkeypatch.setattr(LocalStorage, "make_dir", removed_meanwhile)
+    assert load_newest(cfg) == 1
+    assert raced == [True] and steps_on_disk(tmp_path / "ram") == [1]
+    assert not [n for n in os.listdir(tmp_path / "ram/job/step_000000000001") if n.startswith("lease.")]
+
+
 READER = """
 import os, signal, sys
 from tiered_dcp import Tier, TieredConfig, TieredReader

@@ -79,7 +79,8 @@ class Leases:
         The lease is written before the marker is looked at: retention that removes the
         marker after that sees the lease and puts the marker back (``retention.drop``), so a step
         whose marker is found here stays until the lease is released. A root without the
-        marker keeps no lease.
+        marker keeps no lease. A lease that cannot be written (a read-only tier; the step's
+        directory removed as it went in) holds nothing: True only while the marker is there.
         """
         if store.url in self.stores:
             return True
@@ -88,9 +89,10 @@ class Leases:
             return False  # not (or no longer) committed here: no lease, and no directory made for one
         try:
             store.write(self.key, [owner_record()])
-        except OSError as e:  # a read-only tier, say: read without a lease, as before
+        except OSError as e:  # a read-only tier, say: read without a lease, as before; or
+            # retention removed the step (its directory with it) as the lease went in
             log.debug("no lease on step %d in %s: %s", self.step, store.url, e)
-            return True
+            return store.exists(marker)
         if not store.exists(marker):
             with contextlib.suppress(OSError):
                 store.delete(self.key)
