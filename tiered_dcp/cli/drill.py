@@ -742,10 +742,14 @@ def _fault_kill_save(drill: Drill, event: Event) -> None:
         event.problems.append(
             f"rank(s) {hung} did not fail within {SURVIVOR_TIMEOUT:.0f} s of their peer's death"
         )
-    # nothing half-written may be reported committed: a root that committed it must hold it whole
+    # nothing half-written may be reported committed: a root that committed it must hold it
+    # whole. A copy loads pass over is not reported committed: an earlier save of this step
+    # number that the drill damaged (and the load quarantined), still there when the job,
+    # resumed from the step before, had not saved this one again yet
     checks = [c for node in range(WORLD) for c in verify_step(drill.cfg, step, node, node)]
-    bad = [f"tier {c.tier_index}: {'; '.join(c.problems)}" for c in checks if not c.ok]
-    committed = sorted({c.tier_index for c in checks})
+    loadable = [c for c in checks if c.passed_over is None]
+    bad = [f"tier {c.tier_index}: {'; '.join(c.problems)}" for c in loadable if not c.ok]
+    committed = sorted({c.tier_index for c in loadable})
     event.detail += (
         f"; save {step} committed on tier(s) {committed} (verified whole)"
         if committed
