@@ -8,12 +8,13 @@ layout key missing, a 10^6 x 10^6 tensor, a chunk outside its tensor, ``bytes(8 
 record files made sparse 6 GB, FIFOs, devices, directories, links to a FIFO outside the
 tiers; step directories named out of the format; pins, leases, failure notes, quarantine
 marks and blocks lists of garbage (``hostile_records.py`` builds and runs them, each case
-in a forked child with a 5 s timer per entry point and its address space limited).
+in a forked child with a 30 s timer per entry point, a hang's, and its address space limited).
 
 Every entry point (``latest_step``, ``TieredReader`` + ``dcp.load``, ``load_latest``,
 ``status``, ``verify_step``, ``export``, the CLI's ``ls``, ``verify`` and ``export``) must
 then load step 2 exact from the good copy, or at worst fail with a ``TieredCheckpointError``
-(the loads must succeed: a good copy is there); no other exception, none over 5 s, no more
+(the loads must succeed: a good copy is there); no other exception, none over 5 CPU-s (or
+20 s of wall time: a back-off or a lease waited for), no more
 than 64 MiB beyond what the intact case used, nothing changed outside the tiers; a damage
 ``verify`` reports names a file of the tiers. Two workers share the cases (the machine's
 two cores): ~425 cases, ~3300 entry-point runs, ~1 min; it earns that as the only test
@@ -38,7 +39,8 @@ import pytest
 HERE = Path(__file__).parent
 WORKERS = 2
 MEMORY_MIB = 64
-SECONDS = 5.0
+CPU_SECONDS = 5.0  # an entry point's CPU time on one case (its wall time depends on the machine's load)
+WALL_SECONDS = 20.0  # and its wall time: waiting (a retry's back-off, a lease) counts there only
 LOADS = {"load", "load_latest", "export", "cli_export"}  # must load step 2 exact
 
 
@@ -103,8 +105,8 @@ def judged(r: dict, baseline: float) -> list[str]:
         return [f"the case crashed: {r['crash'][-600:]}"]
     bad = []
     for entry, e in r["entries"].items():
-        if e["seconds"] > SECONDS:
-            bad.append(f"{entry} took {e['seconds']} s")
+        if e["cpu_seconds"] > CPU_SECONDS or e["seconds"] > WALL_SECONDS:
+            bad.append(f"{entry} took {e['cpu_seconds']} CPU-s, {e['seconds']} s")
         if not e["ok"]:
             if e["foreign"] or entry in LOADS or entry == "latest_step":
                 bad.append(f"{entry} raised {e['error'][:300]}\n{e.get('trace', '')[-800:]}")
