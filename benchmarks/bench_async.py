@@ -45,7 +45,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from bench_memory import anon, tree  # noqa: E402
-from common import MiB, make_state, report  # noqa: E402
+from common import MiB, exit_on_sigterm, make_state, report  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, wait_for, writer_status
@@ -325,6 +325,7 @@ def main() -> None:
     )
     ap.add_argument("--tensors", type=int, default=32, help="number of tensors (default 32)")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     if args.child:
         return series_child(args)
     if args.series:

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import MiB, files, new_bytes
+from common import MiB, exit_on_sigterm, files, new_bytes
 from tiered_dcp.storage.codec import Encoder
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, wait_for
@@ -180,6 +180,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--disk", default=None, help="a local disk directory for tier 0's second run")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     with (
         tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-dedup-") as base,
         tempfile.TemporaryDirectory(dir=args.disk, prefix="bench-dedup-") as disk,

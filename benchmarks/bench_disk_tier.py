@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import MiB
+from common import MiB, exit_on_sigterm
 from tiered_dcp.storage.direct_io import resident_pages
 from tiered_dcp.storage.format import is_part_name, step_dir
 
@@ -174,6 +174,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs per size; medians are reported")
     ap.add_argument("--disk", default=tempfile.gettempdir(), help="a directory on the disk (default: /tmp)")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     shm = tempfile.mkdtemp(prefix="tdcp-benchd-", dir="/dev/shm")
     disk = tempfile.mkdtemp(prefix="tdcp-benchd-", dir=args.disk)
     report = {}

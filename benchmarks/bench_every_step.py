@@ -48,7 +48,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import MiB, make_state, slowest, spawn_ranks
+from common import MiB, exit_on_sigterm, make_state, slowest, spawn_ranks
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown
@@ -181,6 +181,7 @@ def main() -> None:
         "--cases", default="single,replicated,stock", help="of single, replicated, stock (default all)"
     )
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     unknown = set(args.cases.split(",")) - {"single", "replicated", "stock"}
     if unknown:
         ap.error(f"--cases: {sorted(unknown)} unknown; give some of single,replicated,stock")

@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--disk", default=tempfile.gettempdir(), help="directory on the local disk")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from common import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run still removes its directories
     if args.child:
         kind, src, dest, shard = args.child
         child(kind, src, dest, int(shard))

@@ -21,7 +21,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import MiB, make_state, report  # noqa: E402
+from common import MiB, exit_on_sigterm, make_state, report  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
 from tiered_dcp.tensors import byte_view
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5, help="runs per figure; the median is reported")
     ap.add_argument("--disk", default=tempfile.gettempdir(), help="directory on the local disk")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     state = make_state(args.mib)
     nbytes = sum(t.nbytes for t in state.values())
     disk = tempfile.mkdtemp(prefix="tdcp-bench-", dir=args.disk)

@@ -26,7 +26,7 @@ import time
 import warnings
 
 import torch.distributed.checkpoint as dcp
-from common import MiB, make_state, report  # noqa: E402
+from common import MiB, exit_on_sigterm, make_state, report  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, import_dcp, shutdown
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--disk", default=tempfile.gettempdir(), help="directory on the local disk")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     work = tempfile.mkdtemp(prefix="tdcp-bench-import-", dir=args.disk)
     try:
         stock = f"{work}/stock"

@@ -238,6 +238,9 @@ def main() -> None:
     ap.add_argument("--cases", default="nvrx-raise,nvrx-kill,torchrun,stock", help=", ".join(CASES))
     ap.add_argument("--device", default="cpu", help="the state's device (cuda: every rank on the one card)")
     args = ap.parse_args()
+    from common import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run still removes its directories
     os.environ["BENCH_DEVICE"] = args.device  # the ranks' (inprocess_train.py)
     cases = args.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))

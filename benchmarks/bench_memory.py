@@ -215,6 +215,9 @@ def main() -> None:
     ap.add_argument("--mode", default="thread", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from common import exit_on_sigterm
+
+    exit_on_sigterm()  # a killed run still removes its directories
     if args.child:
         return child(args)
     out = {}

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import make_state, slowest, spawn_ranks
+from common import exit_on_sigterm, make_state, slowest, spawn_ranks
 
 WORLD, RANKS_PER_NODE = 4, 2
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--no-copy", action="store_true", help="NvRx: time no copy into the preallocated tensors")
     ap.add_argument("--one", choices=["nvrx", "tiered"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     if args.one:
         print(json.dumps(run_nvrx(args) if args.one == "nvrx" else run_ours(args)))
         return

@@ -47,7 +47,7 @@ import bench_tree  # first: TIERED_DCP_BENCH_TREE decides which tree's tiered_dc
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import make_state, slowest, spawn_ranks
+from common import exit_on_sigterm, make_state, slowest, spawn_ranks
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter
 
@@ -274,6 +274,7 @@ def main() -> None:
     ap.add_argument("--baseline-tree", help="another checkout of this repository to compare with")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline-tree: runs per tree (default 3)")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     if args.baseline_tree:
         compare(args)
         return

@@ -28,7 +28,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from common import make_state
+from common import exit_on_sigterm, make_state
 from tiered_dcp.storage.format import part_key
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, load_latest
@@ -91,6 +91,7 @@ def main() -> None:
         "--dir", default="/dev/shm", help="where the tier lives (/dev/shm: RAM; a disk path: SSD)"
     )
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     import logging
 
     logging.getLogger("tiered_dcp").setLevel(logging.ERROR)

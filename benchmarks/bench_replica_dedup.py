@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from bench_replication import on_rank0, timed  # noqa: E402
-from common import MiB, files, new_bytes, spawn_ranks  # noqa: E402
+from common import MiB, exit_on_sigterm, files, new_bytes, spawn_ranks  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter
 
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64, help="state size per rank in MiB (default 64)")
     ap.add_argument("--steps", type=int, default=4, help="saves per mode (default 4)")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="tdcp-bench-repl-dedup-", dir=base)
     started = time.monotonic()

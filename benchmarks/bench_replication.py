@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import MiB, make_state, report, spawn_ranks  # noqa: E402
+from common import MiB, exit_on_sigterm, make_state, report, spawn_ranks  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredReader, TieredWriter, shutdown, wait_for, writer_status
 
@@ -195,6 +195,7 @@ def main() -> None:
     )
     ap.add_argument("--timeout", type=float, default=600, help="give up on the ranks after this many seconds")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="tdcp-bench-repl-", dir=base)
     started = time.monotonic()

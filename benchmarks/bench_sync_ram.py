@@ -22,7 +22,7 @@ import warnings
 
 import torch.distributed.checkpoint as dcp
 from bench_foundation import raw_write
-from common import MiB, make_state, report  # noqa: E402
+from common import MiB, exit_on_sigterm, make_state, report  # noqa: E402
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown
 
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     state = make_state(args.mib)
     nbytes = sum(t.nbytes for t in state.values())
     shm = tempfile.mkdtemp(prefix="tdcp-bench-", dir="/dev/shm")

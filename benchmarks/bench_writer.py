@@ -29,7 +29,7 @@ import time
 import warnings
 
 import torch.distributed.checkpoint as dcp
-from common import MiB, make_state, own_runtime_dir
+from common import MiB, exit_on_sigterm, make_state, own_runtime_dir
 
 from tiered_dcp import Tier, TieredConfig, TieredWriter, shutdown, status, wait_for, writer_status
 from tiered_dcp.writer_process.run_dir import RunDir
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs (fresh writers); medians are reported")
     ap.add_argument("--disk", default=tempfile.gettempdir(), help="directory on the local disk")
     args = ap.parse_args()
+    exit_on_sigterm()  # a killed run still removes its directories
     own_runtime_dir("tdcp-benchw-rt-")
     state = make_state(args.mib)
     shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else args.disk

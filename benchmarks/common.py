@@ -4,6 +4,8 @@ import atexit
 import glob
 import os
 import shutil
+import signal
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,13 @@ import torch.multiprocessing as mp
 from tiered_dcp.cli.local_servers import free_port
 
 MiB = 1 << 20
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``pkill``, a CI job's stop) end this run as an exception would,
+    so its ``finally`` blocks remove what it made: a benchmark's RAM tier holds a GiB or more
+    of /dev/shm, which outlives a process killed outright."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def own_runtime_dir(prefix: str) -> None:
