@@ -60,7 +60,7 @@ def lost(
     who = f"rank(s) {sorted(ranks)}" if ranks else "a peer rank (which one could not be told)"
     what = "the newest step" if step is None else f"step {step}"
     if why is None:
-        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+        why = first_line(cause)
     return PeerLostError(
         f"{what}: {who} stopped answering during {phase} ({why}); the job cannot go on: restart "
         "it (its resume loads the newest committed step; a save this interrupted is never committed)",
@@ -68,6 +68,11 @@ def lost(
         phase,
         tuple(sorted(ranks or ())),
     )
+
+
+def first_line(e: BaseException) -> str:
+    """What ``e`` says in its first line (300 characters at most), or its type's name."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def silent_ranks(wait: float = CHECK_IN) -> tuple[int, ...]:
@@ -174,9 +179,9 @@ class Group:
             )
         except Exception as e:  # a member never arrived (the store's wait timed out) or broke off
             others = tuple(m for m in self.members if m != rank)
-            said = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise PeerTimeout(
-                f"ranks {self.members} could not form their group ({said}; each had {timeout:.0f} s to join)",
+                f"ranks {self.members} could not form their group ({first_line(e)}; each had "
+                f"{timeout:.0f} s to join)",
                 ranks=others if len(others) == 1 else (),  # of two, the other is the one missing
             ) from e
 

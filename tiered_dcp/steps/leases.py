@@ -92,7 +92,10 @@ class Leases:
         except OSError as e:  # a read-only tier, say: read without a lease, as before; or
             # retention removed the step (its directory with it) as the lease went in
             log.debug("no lease on step %d in %s: %s", self.step, store.url, e)
-            return store.exists(marker)
+            try:
+                return store.exists(marker)
+            except OSError:  # a failing bucket: read without a lease, as before
+                return True
         if not store.exists(marker):
             with contextlib.suppress(OSError):
                 store.delete(self.key)
