@@ -50,3 +50,23 @@ def test_ranks_past_the_timeout_fail_it_and_are_killed(tmp_path):
         pid = int((tmp_path / str(rank)).read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_free_ports_lie_below_the_kernels_range_and_are_free_with_their_span():
+    """A port the kernel never hands out by itself (a gloo listener's, an outgoing
+    connection's: those of ``bind(0)``), with each port of its span free to bind."""
+    import socket
+    from pathlib import Path
+
+    from tiered_dcp.cli.local_servers import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_port(span=3)
+        assert port >= 10000 and port + 3 <= low, (port, low)
+        for p in range(port, port + 3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] >= low  # where free_port's ports came from before
